@@ -1,0 +1,24 @@
+# The two commands: `make run` (main job on the bundled models) and `make test`.
+SHELL := /bin/bash
+ENV := source scripts/env.sh
+PARAMS ?= config/orin.yaml
+
+.PHONY: setup run test lint bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	@$(ENV) && python -m gemma_spec_ros demo --params-file $(PARAMS)
+
+test: setup
+	@$(ENV) && python -m pytest test -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: setup
+	@$(ENV) && ruff check gemma_spec_ros test launch
+
+bench: setup
+	@$(ENV) && python -m gemma_spec_ros bench $(BENCH_ARGS)
+
+clean:
+	rm -rf build .venv

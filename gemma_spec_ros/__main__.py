@@ -1,0 +1,63 @@
+"""Command line: ``python -m gemma_spec_ros <command> [--help]``."""
+
+import importlib
+import sys
+
+# command -> (module with main(argv) -> int, one-line summary)
+COMMANDS = {
+    'generate': ('gemma_spec_ros.engine.cli', 'generate text with the speculative engine (no ROS)'),
+    'node': ('gemma_spec_ros.node', 'run the ROS 2 node (action ~/generate, /diagnostics)'),
+    'client': ('gemma_spec_ros.client', 'send a Generate goal and stream the feedback'),
+    'diag': ('gemma_spec_ros.diag_monitor', "show the node's /diagnostics live"),
+    'record': ('gemma_spec_ros.bag', 'record planner requests and responses to a rosbag2 bag'),
+    'replay': ('gemma_spec_ros.bag', 'replay a recorded bag against the node and compare'),
+    'train': ('gemma_spec_ros.train.cli', 'train the tokenizer, target, draft model or MTP assistant'),
+    'bench': ('gemma_spec_ros.bench', 'benchmark against transformers generate / assisted generation'),
+    'demo': ('gemma_spec_ros.demo', 'start the node and stream a planner-style goal (make run)'),
+}
+
+
+def usage() -> str:
+    lines = ['usage: python -m gemma_spec_ros <command> [args...]', '', 'commands:']
+    lines += ['  {:<10} {}'.format(name, summary) for name, (_, summary) in COMMANDS.items()]
+    lines += ['', "run 'python -m gemma_spec_ros <command> --help' for a command's options"]
+    return '\n'.join(lines)
+
+
+def run_command(name: str, argv: list) -> int:
+    module_name, _ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    entry = getattr(module, name + '_main', None) or module.main
+    return entry(argv) or 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ('-h', '--help', 'help'):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print('unknown command {!r}\n\n{}'.format(name, usage()), file=sys.stderr)
+        return 2
+    return run_command(name, rest)
+
+
+def _console(name):
+    def entry():
+        sys.exit(run_command(name, sys.argv[1:]))
+    entry.__name__ = name + '_main'
+    return entry
+
+
+node_main = _console('node')
+generate_main = _console('generate')
+client_main = _console('client')
+diag_main = _console('diag')
+record_main = _console('record')
+replay_main = _console('replay')
+train_main = _console('train')
+bench_main = _console('bench')
+
+if __name__ == '__main__':
+    sys.exit(main())
