@@ -1,10 +1,23 @@
 """ament_python package gemma_spec_ros: speculative-decoding Gemma 4 for ROS 2 planners."""
 
+import os
 from glob import glob
 
 from setuptools import find_packages, setup
 
 package_name = 'gemma_spec_ros'
+share = os.path.join('share', package_name)
+
+
+def model_data_files():
+    """Install each bundled model directory under share/gemma_spec_ros/models/."""
+    entries = []
+    for directory, _, files in sorted(os.walk('models')):
+        if files:
+            entries.append((os.path.join(share, directory), [os.path.join(directory, f) for f in sorted(files)]))
+    return entries
+
+
 commands = ['generate', 'client', 'diag', 'record', 'replay', 'train', 'bench']
 
 setup(
@@ -13,10 +26,10 @@ setup(
     packages=find_packages(exclude=['test']),
     data_files=[
         ('share/ament_index/resource_index/packages', ['resource/' + package_name]),
-        ('share/' + package_name, ['package.xml']),
-        ('share/' + package_name + '/launch', glob('launch/*.launch.py')),
-        ('share/' + package_name + '/config', glob('config/*.yaml')),
-    ],
+        (share, ['package.xml']),
+        (os.path.join(share, 'launch'), glob('launch/*.launch.py')),
+        (os.path.join(share, 'config'), glob('config/*.yaml')),
+    ] + model_data_files(),
     install_requires=['setuptools'],
     zip_safe=True,
     maintainer='gemma_spec_ros maintainers',

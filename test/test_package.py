@@ -1,0 +1,130 @@
+"""Foundation checks: package metadata matches the code, setup.py installs what exists, linters pass."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+import setuptools
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Top-level Python import -> the rosdep key package.xml must list for it.
+ROSDEP_KEYS = {
+    'rclpy': 'rclpy',
+    'gemma_spec_msgs': 'gemma_spec_msgs',
+    'builtin_interfaces': 'builtin_interfaces',
+    'action_msgs': 'action_msgs',
+    'diagnostic_msgs': 'diagnostic_msgs',
+    'diagnostic_updater': 'diagnostic_updater',
+    'launch': 'launch',
+    'launch_ros': 'launch_ros',
+    'ament_index_python': 'ament_index_python',
+    'torch': 'python3-torch',
+    'transformers': 'python3-transformers-pip',
+    'safetensors': 'python3-safetensors-pip',
+    'tokenizers': 'python3-transformers-pip',
+    'numpy': 'python3-numpy',
+    'yaml': 'python3-yaml',
+    'tqdm': 'python3-tqdm',
+    'matplotlib': 'python3-matplotlib',
+    'rosbags': 'python3-rosbags-pip',
+}
+
+
+def package_xml_depends(path):
+    root = ElementTree.parse(path).getroot()
+    return {element.text for element in root if element.tag.endswith('depend')}
+
+
+def imported_top_level_modules(paths):
+    modules = set()
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules.update(alias.name.split('.')[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split('.')[0])
+    return modules - set(sys.stdlib_module_names) - {'gemma_spec_ros'}
+
+
+def captured_setup_kwargs():
+    captured = {}
+    original = setuptools.setup
+    setuptools.setup = lambda **kwargs: captured.update(kwargs)
+    cwd = os.getcwd()
+    try:
+        os.chdir(REPO)
+        source = (REPO / 'setup.py').read_text()
+        exec(compile(source, 'setup.py', 'exec'), {'__name__': '__main__'})
+    finally:
+        os.chdir(cwd)
+        setuptools.setup = original
+    return captured
+
+
+def test_package_xml_lists_every_third_party_import():
+    shipped = list((REPO / 'gemma_spec_ros').rglob('*.py')) + list((REPO / 'launch').glob('*.py'))
+    imported = imported_top_level_modules(shipped)
+    unknown = sorted(imported - set(ROSDEP_KEYS))
+    assert not unknown, 'imports with no rosdep key mapping; add them to package.xml and ROSDEP_KEYS: %s' % unknown
+    missing = sorted({ROSDEP_KEYS[m] for m in imported} - package_xml_depends(REPO / 'package.xml'))
+    assert not missing, 'package.xml lacks dependencies the code imports: %s' % missing
+
+
+def test_package_xml_names_and_format():
+    for path, name in ((REPO / 'package.xml', 'gemma_spec_ros'), (REPO / 'msg/package.xml', 'gemma_spec_msgs')):
+        root = ElementTree.parse(path).getroot()
+        assert root.get('format') == '3'
+        assert root.findtext('name') == name
+
+
+def test_setup_py_data_files_and_entry_points_exist():
+    kwargs = captured_setup_kwargs()
+    installed = {}
+    for destination, sources in kwargs['data_files']:
+        for source in sources:
+            assert (REPO / source).is_file(), source
+            installed.setdefault(destination, []).append(source)
+    assert installed.get('share/gemma_spec_ros/launch'), 'no launch files installed'
+    assert 'config/orin.yaml' in installed.get('share/gemma_spec_ros/config', [])
+    import importlib
+    for spec in kwargs['entry_points']['console_scripts']:
+        name, target = (part.strip() for part in spec.split('='))
+        module_name, function_name = target.split(':')
+        assert callable(getattr(importlib.import_module(module_name), function_name)), spec
+    names = {spec.split('=')[0].strip() for spec in kwargs['entry_points']['console_scripts']}
+    assert {'gemma_spec_node', 'client', 'diag'} <= names
+
+
+def test_every_command_has_help():
+    from gemma_spec_ros.__main__ import COMMANDS
+    for command in COMMANDS:
+        completed = subprocess.run([sys.executable, '-m', 'gemma_spec_ros', command, '--help'],
+                                   capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert completed.returncode == 0, (command, completed.stderr[-2000:])
+        assert 'usage' in completed.stdout.lower(), command
+
+
+def test_ruff_lint_and_docstrings():
+    ruff = shutil.which('ruff')
+    if ruff is None:
+        pytest.fail('ruff is not installed; run scripts/setup.sh')
+    completed = subprocess.run([ruff, 'check', 'gemma_spec_ros', 'launch', 'test', 'setup.py'],
+                               capture_output=True, text=True, cwd=REPO)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+
+
+def test_robot_build_command_finds_both_packages(tmp_path):
+    colcon = shutil.which('colcon')
+    assert colcon, 'colcon is not installed; run scripts/setup.sh'
+    (tmp_path / 'src').mkdir()
+    (tmp_path / 'src' / 'gemma_spec_ros').symlink_to(REPO)
+    listed = subprocess.run([colcon, 'list', '--names-only', '--base-paths', 'src', 'src/gemma_spec_ros/msg'],
+                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout.split()
+    assert sorted(listed) == ['gemma_spec_msgs', 'gemma_spec_ros']
