@@ -1,0 +1,136 @@
+"""
+Adaptive draft length and profit gate, from online measurements.
+
+Expected tokens per round with K drafts at acceptance alpha (Leviathan et al.): E(K) = (1 - alpha^(K+1)) / (1 - alpha).
+A round costs K drafter steps plus one target pass over K + 1 tokens, both measured; K is chosen to maximize
+E(K) / cost(K). When no K >= 1 beats plain decoding (1 token per 1-token target pass), speculation pauses and is
+probed again every probe_interval rounds.
+"""
+
+from dataclasses import dataclass
+
+DECAY = 0.97          # weight of older rounds in the running estimates
+PROBE_ROUNDS = 3      # speculative rounds per probe while paused
+PRIOR_ALPHA = 0.5     # acceptance assumed before anything is measured (weight of ~2 drafted tokens)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens emitted by a round with k drafts, bonus/recovered token included."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class TargetCost:
+    """Measured seconds of a target pass as a function of the number of tokens it verifies (1 = plain decoding)."""
+
+    def __init__(self, max_tokens: int):
+        self._seconds: list[float | None] = [None] * (max_tokens + 1)  # index = tokens per pass
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens >= len(self._seconds):
+            return
+        old = self._seconds[num_tokens]
+        self._seconds[num_tokens] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    def seconds(self, num_tokens: int) -> float | None:
+        """Measured cost, else linear interpolation / flat extrapolation from the nearest measurements."""
+        known = [(n, s) for n, s in enumerate(self._seconds) if s is not None]
+        if not known:
+            return None
+        below = [(n, s) for n, s in known if n <= num_tokens]
+        above = [(n, s) for n, s in known if n >= num_tokens]
+        if below and above:
+            (n0, s0), (n1, s1) = below[-1], above[0]
+            return s0 if n0 == n1 else s0 + (s1 - s0) * (num_tokens - n0) / (n1 - n0)
+        if len(known) >= 2 and below:
+            (n0, s0), (n1, s1) = known[-2], known[-1]
+            return s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (num_tokens - n1)
+        return (below[-1] if below else above[0])[1]
+
+    def measured(self, num_tokens: int) -> bool:
+        return num_tokens < len(self._seconds) and self._seconds[num_tokens] is not None
+
+
+@dataclass
+class Decision:
+    num_draft_tokens: int     # K for the next round; 0 = plain round
+    speculating: bool         # False while the profit gate pauses speculation
+
+
+class AdaptiveK:
+    """Per-drafter controller: running acceptance and drafter step cost, shared target cost curve."""
+
+    def __init__(self, max_k: int, target_cost: TargetCost, profit_gate: bool, probe_interval: int):
+        self.max_k = max_k
+        self.target_cost = target_cost
+        self.profit_gate = profit_gate
+        self.probe_interval = max(1, probe_interval)
+        self._accepted = PRIOR_ALPHA * 2   # decayed accepted drafts
+        self._evaluated = 2.0              # decayed drafts the target judged (accepted + first rejected)
+        self._draft_step: float | None = None  # seconds per drafted token
+        self.speculating = True
+        self._paused_rounds = 0
+        self._probe_left = 0
+
+    @property
+    def alpha(self) -> float:
+        return self._accepted / self._evaluated
+
+    @property
+    def draft_step_seconds(self) -> float | None:
+        return self._draft_step
+
+    def record(self, num_drafted: int, num_accepted: int, draft_seconds: float) -> None:
+        """One speculative round: num_accepted of num_drafted drafts kept; drafting took draft_seconds."""
+        if num_drafted == 0:
+            return
+        evaluated = num_accepted + (1 if num_accepted < num_drafted else 0)
+        self._accepted = DECAY * self._accepted + num_accepted
+        self._evaluated = DECAY * self._evaluated + evaluated
+        step = draft_seconds / num_drafted
+        self._draft_step = step if self._draft_step is None else DECAY * self._draft_step + (1 - DECAY) * step
+
+    def rate(self, k: int) -> float | None:
+        """Return expected tokens per second with k drafts (k = 0: plain decoding), or None before measurements."""
+        verify = self.target_cost.seconds(k + 1)
+        if verify is None or (k and self._draft_step is None):
+            return None
+        return expected_tokens(self.alpha, k) / (k * (self._draft_step or 0.0) + verify)
+
+    def best_k(self) -> int:
+        """Return the K >= 1 with the highest expected rate (max_k // 2 before measurements)."""
+        rates = [(self.rate(k), k) for k in range(1, self.max_k + 1)]
+        if any(rate is None for rate, _ in rates):
+            return max(1, self.max_k // 2)
+        return max(rates)[1]
+
+    def break_even_tau(self, k: int) -> float:
+        """Tokens per round a round with k drafts needs to match plain decoding: cost(k) / cost(plain)."""
+        plain = self.target_cost.seconds(1)
+        verify = self.target_cost.seconds(k + 1)
+        if plain is None or verify is None:
+            return 1.0
+        return (k * (self._draft_step or 0.0) + verify) / plain
+
+    def decide(self) -> Decision:
+        """K for the next round, applying the profit gate and periodic probes."""
+        if not self.target_cost.measured(1):
+            return Decision(0, self.speculating)  # measure plain decoding once first
+        k = self.best_k()
+        if not self.profit_gate:
+            return Decision(k, True)
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            return Decision(k, self.speculating)
+        best, plain = self.rate(k), self.rate(0)
+        profitable = best is None or plain is None or best > plain
+        if profitable:
+            self.speculating = True
+            return Decision(k, True)
+        self.speculating = False
+        self._paused_rounds += 1
+        if self._paused_rounds % self.probe_interval == 0:
+            self._probe_left = PROBE_ROUNDS - 1
+            return Decision(k, False)
+        return Decision(0, False)

@@ -1,0 +1,75 @@
+"""EngineConfig from the node's ROS 2 params file (``/**: ros__parameters: engine: {...}``)."""
+
+import dataclasses
+import os
+from pathlib import Path
+
+import yaml
+
+from .types import EngineConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_PATH_FIELDS = ('target_path', 'assistant_path', 'draft_model_path')
+
+
+def resolve_model_path(path: str) -> str:
+    """
+    Absolute path for a model directory.
+
+    Absolute paths stay; a relative path is tried against the working directory, then the repository root (dev
+    checkout), then ``share/gemma_spec_ros/`` under each ``$AMENT_PREFIX_PATH`` entry. Unresolved paths are returned
+    relative to the working directory so that loading reports them.
+    """
+    if not path or os.path.isabs(path):
+        return path
+    candidates = [Path.cwd() / path, REPO_ROOT / path]
+    for prefix in filter(None, os.environ.get('AMENT_PREFIX_PATH', '').split(os.pathsep)):
+        candidates.append(Path(prefix) / 'share' / 'gemma_spec_ros' / path)
+    for candidate in candidates:
+        if candidate.exists():
+            return str(candidate.resolve())
+    return str(Path.cwd() / path)
+
+
+def _engine_params(document: dict, yaml_path: str) -> dict:
+    """Return the ``engine`` group of the first node section that has ros__parameters."""
+    for section in document.values():
+        if isinstance(section, dict) and isinstance(section.get('ros__parameters'), dict):
+            params = section['ros__parameters']
+            engine = params.get('engine', {})
+            # also accept flattened keys such as 'engine.target_path'
+            engine = dict(engine) if isinstance(engine, dict) else {}
+            engine.update({key[len('engine.'):]: value for key, value in params.items()
+                           if key.startswith('engine.')})
+            return engine
+    raise ValueError('{} has no "<node>: ros__parameters:" section'.format(yaml_path))
+
+
+def load_engine_config(yaml_path: str | None, overrides: dict | None = None) -> EngineConfig:
+    """Read the engine group of a params file, apply overrides (None values ignored), resolve model paths."""
+    values: dict = {}
+    if yaml_path:
+        try:
+            with open(yaml_path, encoding='utf-8') as stream:
+                document = yaml.safe_load(stream) or {}
+        except OSError as exc:
+            raise ValueError('cannot read config file {}: {}'.format(yaml_path, exc)) from exc
+        values = _engine_params(document, yaml_path)
+    values.update({key: value for key, value in (overrides or {}).items() if value is not None})
+    known = {field.name: field for field in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError('unknown engine parameter(s) {}; known: {}'.format(', '.join(unknown), ', '.join(known)))
+    if not values.get('target_path'):
+        raise ValueError('engine.target_path is not set (no --target and none in the config file)')
+    for name in MODEL_PATH_FIELDS:
+        if values.get(name):
+            values[name] = resolve_model_path(str(values[name]))
+    for name, value in values.items():
+        expected = type(getattr(EngineConfig(target_path=''), name))
+        if expected in (int, float) and isinstance(value, bool) or not isinstance(value, expected):
+            if expected is float and isinstance(value, int):
+                values[name] = float(value)
+                continue
+            raise ValueError('engine.{} must be a {}, got {!r}'.format(name, expected.__name__, value))
+    return EngineConfig(**values)

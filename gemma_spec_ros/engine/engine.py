@@ -1,0 +1,477 @@
+"""The engine: prefill -> draft -> verify -> accept / roll back -> stream, one verify round at a time."""
+
+import math
+import os
+import queue
+import resource
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from . import models
+from .adaptive import AdaptiveK, TargetCost
+from .drafters import DraftContext, Drafter, DraftModelDrafter, MtpDrafter, NgramDrafter, NoneDrafter
+from .sampling import SamplingParams, logits_to_probs
+from .stream import IncrementalDetokenizer, StopStrings
+from .types import (
+    DRAFTERS,
+    CancelToken,
+    DeltaCallback,
+    EngineConfig,
+    EngineStatus,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    StreamDelta,
+)
+from .verify import verify
+
+MAX_TEMPERATURE = 2.0
+
+
+@dataclass
+class _Plan:
+    """A validated request, ready to run."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stops: list[str]
+    seed: int
+    drafter: str
+    pinned_k: int        # > 0: fixed K, no adaptation or gating
+
+
+@dataclass
+class _Tally:
+    """Counters of one generation, turned into GenerationStats at the end."""
+
+    target_passes: int = 0
+    rounds: int = 0                 # decode rounds (after prefill)
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)    # [K] rounds that drafted position i
+    accepted_at: list[int] = field(default_factory=list)   # [K] rounds that accepted position i
+    token_gaps: list[float] = field(default_factory=list)  # per-token inter-token latency samples (s)
+
+    def add_round(self, num_drafted: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.target_passes += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        while len(self.drafted_at) < num_drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for position in range(num_drafted):
+            self.drafted_at[position] += 1
+            self.accepted_at[position] += position < num_accepted
+
+
+def peak_rss_bytes() -> int:
+    """Process resident-set high-water mark (VmHWM), falling back to getrusage."""
+    try:
+        with open('/proc/self/status') as status:
+            for line in status:
+                if line.startswith('VmHWM:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
+
+
+class Engine:
+    """A loaded target plus drafters serving many generate calls, one at a time (thread-safe)."""
+
+    def __init__(self, config: EngineConfig, target, tokenizer, drafters: dict[str, Drafter], device, dtype):
+        self.config = config
+        self._target = target
+        self._tokenizer = tokenizer
+        self._drafters = drafters
+        self._device = device
+        self._dtype = dtype
+        self._lock = threading.Lock()
+        self._default_drafter = config.drafter
+        self._default_k = config.num_draft_tokens
+        self._context_limit = models.text_config(target).max_position_embeddings
+        self._eos_ids = self._collect_eos_ids()
+        self._target_cost = TargetCost(config.max_draft_tokens + 1)
+        self._controllers = {name: AdaptiveK(config.max_draft_tokens, self._target_cost, config.profit_gate,
+                                             config.probe_interval) for name in drafters if name != 'none'}
+        self._lifetime_tokens = 0
+        self._lifetime_passes = 0
+        self._lifetime_drafted = 0
+        self._lifetime_accepted = 0
+
+    # ----------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress=None) -> 'Engine':
+        """Load the target and the configured drafters; raises ValueError when something does not fit."""
+        say = progress or (lambda message: None)
+        _check_config(config)
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        device = models.resolve_device(config.device)
+        dtype = models.resolve_dtype(config.dtype, device)
+        say('loading target {} on {} ({})'.format(config.target_path, device, str(dtype).replace('torch.', '')))
+        target = models.load_causal_lm(config.target_path, 'target', device, dtype)
+        tokenizer = models.load_tokenizer(config.target_path)
+        drafters: dict[str, Drafter] = {'none': NoneDrafter(),
+                                        'ngram': NgramDrafter(config.ngram_min, config.ngram_max, device)}
+        if config.assistant_path:
+            say('loading MTP assistant {}'.format(config.assistant_path))
+            assistant = models.load_assistant(config.assistant_path, device, dtype)
+            models.check_same_vocab(target, tokenizer, assistant, config.assistant_path, 'MTP assistant')
+            models.check_assistant_fits(target, assistant, config.assistant_path)
+            drafters['mtp'] = MtpDrafter(assistant, target.get_input_embeddings())
+        if config.draft_model_path:
+            say('loading draft model {}'.format(config.draft_model_path))
+            draft = models.load_causal_lm(config.draft_model_path, 'draft model', device, dtype)
+            models.check_same_vocab(target, tokenizer, draft, config.draft_model_path, 'draft model')
+            drafters['draft'] = DraftModelDrafter(draft)
+        engine = cls(config, target, tokenizer, drafters, device, dtype)
+        engine.set_default_drafter(config.drafter)
+        say('engine ready: drafters {}'.format(', '.join(sorted(drafters))))
+        return engine
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return sorted(self._eos_ids)
+
+    def _collect_eos_ids(self) -> set[int]:
+        eos = self._target.generation_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self._tokenizer.eos_token_id is not None:
+            ids.add(self._tokenizer.eos_token_id)
+        return ids
+
+    # ----------------------------------------------------------------------------------------------- settings
+    def set_default_drafter(self, name: str) -> None:
+        """Drafter used by requests that leave drafter empty."""
+        self._check_drafter(name)
+        self._default_drafter = name
+
+    def set_default_num_draft_tokens(self, k: int) -> None:
+        """K used by requests that leave num_draft_tokens 0; 0 = adaptive."""
+        if not 0 <= k <= self.config.max_draft_tokens:
+            raise ValueError('num_draft_tokens must be between 0 (adaptive) and max_draft_tokens={}, got {}'.format(
+                self.config.max_draft_tokens, k))
+        self._default_k = k
+
+    def _check_drafter(self, name: str) -> None:
+        if name not in DRAFTERS:
+            raise ValueError('unknown drafter {!r}; choose one of {}'.format(name, ', '.join(DRAFTERS)))
+        if name not in self._drafters:
+            option = 'assistant_path' if name == 'mtp' else 'draft_model_path'
+            raise ValueError('drafter {!r} is not loaded: set engine.{} to its model directory'.format(name, option))
+
+    def status(self) -> EngineStatus:
+        """Return a snapshot for diagnostics (safe from any thread)."""
+        controller = self._controllers.get(self._default_drafter)
+        status = EngineStatus(
+            target_id=Path(self.config.target_path).name, drafter=self._default_drafter,
+            drafter_id=Path(self._drafter_path(self._default_drafter)).name if self._drafter_path(
+                self._default_drafter) else '',
+            device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
+            tau_lifetime=self._lifetime_tokens / self._lifetime_passes if self._lifetime_passes else 0.0,
+            acceptance_rate_lifetime=(self._lifetime_accepted / self._lifetime_drafted
+                                      if self._lifetime_drafted else 0.0))
+        if controller is not None:
+            k = self._default_k or controller.best_k()
+            status.num_draft_tokens = k
+            status.draft_cost_ratio = self._cost_ratio(controller)
+            status.break_even_tau = controller.break_even_tau(k)
+            status.speculating = self._default_k > 0 or controller.speculating
+        return status
+
+    def _drafter_path(self, name: str) -> str:
+        return {'mtp': self.config.assistant_path, 'draft': self.config.draft_model_path}.get(name, '')
+
+    def _cost_ratio(self, controller: AdaptiveK) -> float:
+        plain = self._target_cost.seconds(1)
+        step = controller.draft_step_seconds
+        return step / plain if step is not None and plain else 0.0
+
+    # ----------------------------------------------------------------------------------------------- requests
+    def _plan(self, request: GenerationRequest) -> _Plan:
+        """Validate a request and tokenize its prompt; ValueError with a planner-readable message on bad input."""
+        if request.prompt_ids:
+            prompt_ids = [int(token) for token in request.prompt_ids]
+            vocab = models.text_config(self._target).vocab_size
+            if any(not 0 <= token < vocab for token in prompt_ids):
+                raise ValueError('prompt_ids must be token ids in [0, {})'.format(vocab))
+        elif request.messages:
+            prompt_ids = self._encode_messages(request.messages)
+        elif request.prompt:
+            prompt_ids = self._tokenizer(request.prompt).input_ids
+        else:
+            raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
+        max_new = request.max_new_tokens or self.config.max_new_tokens
+        if not 1 <= max_new <= self.config.max_new_tokens_limit:
+            raise ValueError('max_new_tokens must be between 1 and {} (engine.max_new_tokens_limit), got {}'.format(
+                self.config.max_new_tokens_limit, request.max_new_tokens))
+        if len(prompt_ids) + max_new > self._context_limit:
+            raise ValueError('prompt ({} tokens) + max_new_tokens ({}) exceeds the model context of {} tokens; '
+                             'shorten the prompt or lower max_new_tokens'.format(
+                                 len(prompt_ids), max_new, self._context_limit))
+        temperature = float(request.temperature)
+        if not math.isfinite(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError('temperature must be a finite number in [0, {}] (0 = greedy), got {}'.format(
+                MAX_TEMPERATURE, request.temperature))
+        top_p = float(request.top_p)
+        if top_p != 0.0 and not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+            raise ValueError('top_p must be in (0, 1] when set (0 = off), got {}'.format(request.top_p))
+        if request.top_k < 0:
+            raise ValueError('top_k must be >= 0 (0 = off), got {}'.format(request.top_k))
+        if any(not stop for stop in request.stop):
+            raise ValueError('stop strings must not be empty')
+        drafter = request.drafter or self._default_drafter
+        self._check_drafter(drafter)
+        pinned = request.num_draft_tokens or self._default_k
+        if not 0 <= pinned <= self.config.max_draft_tokens:
+            raise ValueError('num_draft_tokens must be between 0 (adaptive) and max_draft_tokens={}, got {}'.format(
+                self.config.max_draft_tokens, request.num_draft_tokens))
+        seed = request.seed if request.seed >= 0 else int.from_bytes(os.urandom(4), 'little')
+        return _Plan(prompt_ids, max_new, SamplingParams(temperature, request.top_k, top_p), list(request.stop),
+                     seed, drafter, pinned)
+
+    def _encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        for message in messages:
+            if not isinstance(message, dict) or 'role' not in message or 'content' not in message:
+                raise ValueError('each chat message needs "role" and "content", got {!r}'.format(message))
+        if not getattr(self._tokenizer, 'chat_template', None):
+            raise ValueError('the target tokenizer has no chat template; send a prompt instead of messages')
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._tokenizer(text, add_special_tokens=False).input_ids
+
+    def generate(self, request: GenerationRequest, on_delta: DeltaCallback | None = None,
+                 cancel: CancelToken | None = None) -> GenerationResult:
+        """Run one request; on_delta gets one StreamDelta per verify round. Blocks while another request runs."""
+        plan = self._plan(request)
+        with self._lock, torch.inference_mode():
+            return self._run(plan, on_delta, cancel)
+
+    def stream(self, request: GenerationRequest, cancel: CancelToken | None = None) -> Iterator[StreamDelta]:
+        """Iterate over the deltas of one request; the GenerationResult is the generator's return value."""
+        plan = self._plan(request)
+        deltas: queue.Queue = queue.Queue()
+        outcome: dict = {}
+
+        def work():
+            try:
+                with self._lock, torch.inference_mode():
+                    outcome['result'] = self._run(plan, deltas.put, cancel)
+            except BaseException as exc:  # re-raised in the consumer's thread
+                outcome['error'] = exc
+            deltas.put(None)
+
+        threading.Thread(target=work, daemon=True).start()
+        while (delta := deltas.get()) is not None:
+            yield delta
+        if 'error' in outcome:
+            raise outcome['error']
+        return outcome['result']
+
+    # ----------------------------------------------------------------------------------------------- the loop
+    def _forward(self, cache, token_ids: torch.Tensor, start: int, keep_last: int, want_states: bool):
+        """One target pass over token_ids [1, q] at positions start..start+q-1."""
+        positions = torch.arange(start, start + token_ids.shape[1], device=self._device).unsqueeze(0)
+        extra = {'output_hidden_states': -1, 'return_shared_kv_states': True} if want_states else {}
+        return self._target(input_ids=token_ids, position_ids=positions, cache=cache, use_cache=True,
+                            logits_to_keep=keep_last, **extra)
+
+    def _sync(self) -> None:
+        if self._device.type == 'cuda':
+            torch.cuda.synchronize(self._device)
+
+    def _run(self, plan: _Plan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> GenerationResult:
+        started = time.perf_counter()
+        if self._device.type == 'cuda':
+            torch.cuda.reset_peak_memory_stats(self._device)
+        generator = torch.Generator(device=self._device).manual_seed(plan.seed)
+        drafter = self._drafters[plan.drafter]
+        controller = self._controllers.get(plan.drafter)
+        warnings: list[str] = []
+        tally = _Tally()
+        detokenizer = IncrementalDetokenizer(self._tokenizer)
+        stops = StopStrings(plan.stops)
+        tokens = list(plan.prompt_ids)
+        generated: list[int] = []
+        pieces: list[str] = []
+        finish = ''
+        cache = DynamicCache(config=self._target.config)
+        cache.activate_past_recording()
+        drafter.start()
+
+        # prefill: the prompt in one pass, then the first token
+        out = self._forward(cache, torch.tensor([tokens], device=self._device), 0, 1, drafter.needs_target_states)
+        cache.crop(0)
+        first = self._pick(out.logits[0, -1:], plan.sampling, generator)
+        new_tokens = [first.item()]
+        drafter.observe(out, len(tokens), len(tokens))
+        tally.target_passes += 1
+        last_emit = time.perf_counter()
+        first_token_at = last_emit
+
+        while True:
+            # ---- emit what the round produced, check EOS / length / stop strings
+            new_tokens, finish = self._cut(new_tokens, len(generated), plan.max_new_tokens)
+            tokens += new_tokens
+            generated += new_tokens
+            text = stops.feed(detokenizer.add([t for t in new_tokens if t not in self._eos_ids]))
+            if stops.stopped:
+                finish = 'stop'
+            elif finish:
+                text += stops.feed(detokenizer.flush())
+                text += '' if stops.stopped else stops.flush()
+                finish = 'stop' if stops.stopped else finish
+            pieces.append(text)
+            if on_delta is not None:
+                on_delta(StreamDelta(text, new_tokens, len(generated), len(generated) / tally.target_passes))
+            if finish:
+                break
+            if cancel is not None and cancel.cancelled:
+                tail = stops.feed(detokenizer.flush()) + stops.flush()
+                if tail:
+                    pieces.append(tail)
+                    if on_delta is not None:
+                        on_delta(StreamDelta(tail, [], len(generated), len(generated) / tally.target_passes))
+                finish = 'cancelled'
+                break
+
+            # ---- draft
+            round_start = time.perf_counter()
+            budget = min(plan.max_new_tokens - len(generated), self._context_limit - len(tokens)) - 1
+            k = min(self._choose_k(plan, controller), budget)
+            proposal = None
+            if k > 0:
+                context = DraftContext(tokens, plan.sampling, generator)
+                try:
+                    proposal = drafter.propose(context, k)
+                except Exception as exc:  # a broken drafter must not fail the request
+                    warnings.append(_fallback_warning(drafter, exc))
+                    drafter, controller, proposal = self._drafters['none'], None, None
+            num_drafted = 0 if proposal is None else proposal.tokens.shape[0]
+            self._sync()
+            drafted_at = time.perf_counter()
+
+            # ---- verify: one target pass over [last token, drafts]
+            last = torch.tensor([tokens[-1]], device=self._device)
+            draft_tokens = last[:0] if proposal is None else proposal.tokens
+            out = self._forward(cache, torch.cat([last, draft_tokens]).unsqueeze(0), len(tokens) - 1, 0,
+                                drafter.needs_target_states)
+            logits = out.logits[0]  # [k + 1, vocab]
+            target_probs = logits if plan.sampling.greedy else logits_to_probs(logits, plan.sampling)
+            draft_probs = None if proposal is None or proposal.draft_probs is None else proposal.draft_probs[None]
+            num_accepted, next_token = verify(draft_tokens[None], target_probs[None], draft_probs,
+                                              plan.sampling.greedy, generator)
+            row = torch.cat([num_accepted, draft_tokens, next_token]).tolist()  # the round's one host sync
+            accepted = row[0]
+            new_tokens = row[1:1 + accepted] + row[-1:]
+            cache.crop(-(num_drafted - accepted))
+            try:
+                drafter.observe(out, num_drafted + 1, accepted + 1)
+            except Exception as exc:
+                warnings.append(_fallback_warning(drafter, exc))
+                drafter, controller = self._drafters['none'], None
+            verified_at = time.perf_counter()
+
+            # ---- measure
+            self._target_cost.record(num_drafted + 1, verified_at - drafted_at)
+            if controller is not None:
+                controller.record(num_drafted, accepted, drafted_at - round_start)
+            tally.add_round(num_drafted, accepted)
+            gap = (verified_at - last_emit) / len(new_tokens)
+            tally.token_gaps.extend([gap] * len(new_tokens))
+            last_emit = verified_at
+
+        finished = time.perf_counter()
+        stats = self._stats(plan, tally, generated, started, first_token_at, last_emit, finished,
+                            'none' if controller is None else plan.drafter, controller)
+        self._lifetime_tokens += len(generated)
+        self._lifetime_passes += tally.target_passes
+        self._lifetime_drafted += tally.drafted
+        self._lifetime_accepted += tally.accepted
+        return GenerationResult(''.join(pieces), generated, finish, stats, warnings)
+
+    def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+        """Pick the first token from prefill logits [1, vocab] -> [1]."""
+        if sampling.greedy:
+            return logits.argmax(dim=-1)
+        return torch.multinomial(logits_to_probs(logits, sampling), 1, generator=generator).squeeze(-1)
+
+    def _choose_k(self, plan: _Plan, controller: AdaptiveK | None) -> int:
+        if controller is None:
+            return 0
+        if plan.pinned_k:
+            return plan.pinned_k
+        return controller.decide().num_draft_tokens
+
+    def _cut(self, new_tokens: list[int], num_generated: int, max_new: int) -> tuple[list[int], str]:
+        """Truncate a round's tokens at EOS (kept) or at max_new_tokens; returns (tokens, finish reason or '')."""
+        for index, token in enumerate(new_tokens):
+            if token in self._eos_ids and num_generated + index < max_new:
+                return new_tokens[:index + 1], 'stop'
+        room = max_new - num_generated
+        if len(new_tokens) >= room:
+            return new_tokens[:room], 'length'
+        return new_tokens, ''
+
+    def _stats(self, plan, tally: _Tally, generated, started, first_token_at, last_emit, finished, drafter_used,
+               controller) -> GenerationStats:
+        decode_time = last_emit - first_token_at
+        stats = GenerationStats(
+            prompt_tokens=len(plan.prompt_ids), new_tokens=len(generated), target_passes=tally.target_passes,
+            drafted_tokens=tally.drafted, accepted_tokens=tally.accepted,
+            tau=len(generated) / tally.target_passes,
+            acceptance_rate=tally.accepted / tally.drafted if tally.drafted else 0.0,
+            per_position_acceptance=[a / d for a, d in zip(tally.accepted_at, tally.drafted_at, strict=True)],
+            mean_num_draft_tokens=tally.drafted / tally.rounds if tally.rounds else 0.0,
+            draft_cost_ratio=self._cost_ratio(controller) if controller is not None else 0.0,
+            drafter=drafter_used, time_to_first_token=first_token_at - started,
+            inter_token_latency_p50=_percentile(tally.token_gaps, 0.5),
+            inter_token_latency_p95=_percentile(tally.token_gaps, 0.95),
+            tokens_per_second=(len(generated) - 1) / decode_time if decode_time > 0 else 0.0,
+            wall_time=finished - started, peak_memory_bytes=peak_rss_bytes())
+        if self._device.type == 'cuda':
+            stats.cuda_allocated_bytes = torch.cuda.max_memory_allocated(self._device)
+            stats.cuda_reserved_bytes = torch.cuda.max_memory_reserved(self._device)
+        return stats
+
+
+def _fallback_warning(drafter: Drafter, exc: Exception) -> str:
+    return 'drafter {!r} failed ({}: {}); fell back to plain decoding'.format(drafter.name, type(exc).__name__, exc)
+
+
+def _check_config(config: EngineConfig) -> None:
+    if config.drafter not in DRAFTERS:
+        raise ValueError('unknown drafter {!r}; choose one of {}'.format(config.drafter, ', '.join(DRAFTERS)))
+    if config.drafter == 'mtp' and not config.assistant_path:
+        raise ValueError("drafter 'mtp' needs engine.assistant_path (a Gemma4AssistantForCausalLM directory)")
+    if config.drafter == 'draft' and not config.draft_model_path:
+        raise ValueError("drafter 'draft' needs engine.draft_model_path (a smaller Gemma4ForCausalLM directory)")
+    if config.max_draft_tokens < 1:
+        raise ValueError('max_draft_tokens must be >= 1, got {}'.format(config.max_draft_tokens))
+    if not 0 <= config.num_draft_tokens <= config.max_draft_tokens:
+        raise ValueError('num_draft_tokens must be between 0 (adaptive) and max_draft_tokens={}, got {}'.format(
+            config.max_draft_tokens, config.num_draft_tokens))
+    if not 1 <= config.max_new_tokens <= config.max_new_tokens_limit:
+        raise ValueError('max_new_tokens must be between 1 and max_new_tokens_limit={}, got {}'.format(
+            config.max_new_tokens_limit, config.max_new_tokens))
+    if config.probe_interval < 1:
+        raise ValueError('probe_interval must be >= 1, got {}'.format(config.probe_interval))

@@ -1,0 +1,172 @@
+"""Loading the target and drafter models from local directories, and checking that they fit together."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TARGET_TYPES = ('gemma4_text', 'gemma4')  # text-only Gemma4ForCausalLM, multimodal Gemma4ForConditionalGeneration
+ASSISTANT_TYPE = 'gemma4_assistant'
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a KV consumer must agree on with the producer, per attention type."""
+
+    head_dim: int
+    num_kv_heads: int
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto|cpu|cuda -> torch.device (auto picks cuda when available)."""
+    if name == 'auto':
+        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    if name not in ('cpu', 'cuda') and not name.startswith('cuda:'):
+        raise ValueError('engine.device must be auto, cpu or cuda, got {!r}'.format(name))
+    if name.startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError('engine.device is {!r} but CUDA is not available on this machine'.format(name))
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto|float32|bfloat16|float16 -> torch.dtype (auto: float32 on CPU, bfloat16 on CUDA)."""
+    if name == 'auto':
+        return torch.bfloat16 if device.type == 'cuda' else torch.float32
+    if name not in DTYPES:
+        raise ValueError('engine.dtype must be auto, float32, bfloat16 or float16, got {!r}'.format(name))
+    return DTYPES[name]
+
+
+def check_model_dir(path: str, role: str) -> Path:
+    """Make sure path holds a config and safetensors weights; pickle .bin checkpoints are refused."""
+    if not path:
+        raise ValueError('no directory given for the {}'.format(role))
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError('{} directory {} does not exist'.format(role, directory))
+    if not (directory / 'config.json').is_file():
+        raise ValueError('{} directory {} has no config.json'.format(role, directory))
+    if not any(directory.glob('*.safetensors')):
+        if any(directory.glob('*.bin')) or any(directory.glob('*.pt')) or any(directory.glob('*.pth')):
+            raise ValueError(
+                '{} directory {} holds pickle weights (.bin/.pt), which are refused because loading them can run '
+                'arbitrary code; convert the checkpoint to safetensors (save_pretrained(..., '
+                'safe_serialization=True))'.format(role, directory))
+        raise ValueError('{} directory {} has no .safetensors weights'.format(role, directory))
+    return directory
+
+
+def _read_config(directory: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True)
+
+
+def _from_pretrained(model_class, directory: Path, device: torch.device, dtype: torch.dtype):
+    model = model_class.from_pretrained(str(directory), dtype=dtype, use_safetensors=True, trust_remote_code=False,
+                                        local_files_only=True)
+    return model.to(device).eval()
+
+
+def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtype):
+    """Load a Gemma 4 language model: Gemma4ForCausalLM, or Gemma4ForConditionalGeneration used for text only."""
+    from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+
+    directory = check_model_dir(path, role)
+    config = _read_config(directory)
+    if config.model_type == 'gemma4_text':
+        return _from_pretrained(Gemma4ForCausalLM, directory, device, dtype)
+    if config.model_type == 'gemma4':
+        return _from_pretrained(Gemma4ForConditionalGeneration, directory, device, dtype)
+    raise ValueError('{} at {} is a {!r} model ({}); expected a Gemma 4 language model ({})'.format(
+        role, directory, config.model_type, ', '.join(config.architectures or []), ' or '.join(TARGET_TYPES)))
+
+
+def load_assistant(path: str, device: torch.device, dtype: torch.dtype):
+    """Load a Gemma4AssistantForCausalLM (the MTP drafter)."""
+    from transformers import Gemma4AssistantForCausalLM
+
+    directory = check_model_dir(path, 'MTP assistant')
+    config = _read_config(directory)
+    if config.model_type != ASSISTANT_TYPE:
+        raise ValueError('MTP assistant at {} is a {!r} model; expected {!r} (Gemma4AssistantForCausalLM)'.format(
+            directory, config.model_type, ASSISTANT_TYPE))
+    return _from_pretrained(Gemma4AssistantForCausalLM, directory, device, dtype)
+
+
+def load_tokenizer(path: str):
+    """Load the tokenizer stored next to the model."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError('cannot load a tokenizer from {}: {}'.format(path, exc)) from exc
+
+
+def text_config(model):
+    """Return the decoder (text) config of a Gemma 4 model of either class."""
+    return model.config.get_text_config(decoder=True)
+
+
+def decoder_layers(model):
+    """Return the text decoder layers of Gemma4ForCausalLM, Gemma4ForConditionalGeneration or the assistant."""
+    inner = model.model
+    return inner.language_model.layers if hasattr(inner, 'language_model') else inner.layers
+
+
+def _producer_shapes(target) -> dict[str, AttentionShape]:
+    """Shape of the K/V the target hands out per attention type (from its last KV-producing layer of that type)."""
+    shapes = {}
+    for layer in decoder_layers(target):
+        attention = layer.self_attn
+        if attention.is_kv_shared_layer:
+            continue
+        kv_heads = attention.k_proj.out_features // attention.head_dim
+        shapes[attention.layer_type] = AttentionShape(attention.head_dim, kv_heads)
+    return shapes
+
+
+def check_same_vocab(target, target_tokenizer, drafter, drafter_path: str, role: str) -> None:
+    """Check that the drafter uses the target's tokenizer and vocabulary size."""
+    target_vocab, drafter_vocab = text_config(target).vocab_size, text_config(drafter).vocab_size
+    if target_vocab != drafter_vocab:
+        raise ValueError('{} at {} has vocab_size {} but the target has {}; target and drafter must share the '
+                         'tokenizer and vocabulary'.format(role, drafter_path, drafter_vocab, target_vocab))
+    directory = Path(drafter_path)
+    if not any((directory / name).is_file() for name in ('tokenizer.json', 'tokenizer.model')):
+        return
+    drafter_tokenizer = load_tokenizer(drafter_path)
+    if drafter_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError('{} at {} ships a tokenizer that differs from the target tokenizer; target and drafter '
+                         'must share the tokenizer'.format(role, drafter_path))
+
+
+def check_assistant_fits(target, assistant, assistant_path: str) -> None:
+    """Check that the assistant can read the target's hidden state and K/V (widths, head dims, KV heads)."""
+    target_hidden = text_config(target).hidden_size
+    if assistant.config.backbone_hidden_size != target_hidden:
+        raise ValueError('MTP assistant at {} has backbone_hidden_size {} but the target hidden_size is {}; this '
+                         'assistant was trained for another target'.format(
+                             assistant_path, assistant.config.backbone_hidden_size, target_hidden))
+    produced = _producer_shapes(target)
+    for index, layer in enumerate(decoder_layers(assistant)):
+        attention = layer.self_attn
+        kv_heads = attention.config.num_attention_heads // attention.num_key_value_groups
+        wanted = AttentionShape(attention.head_dim, kv_heads)
+        have = produced.get(attention.layer_type)
+        if have is None:
+            raise ValueError('MTP assistant at {} layer {} reads {} K/V, which the target does not produce'.format(
+                assistant_path, index, attention.layer_type))
+        if have != wanted:
+            raise ValueError('MTP assistant at {} layer {} ({}) expects head_dim {} and {} KV heads but the target '
+                             'provides head_dim {} and {} KV heads'.format(
+                                 assistant_path, index, attention.layer_type, wanted.head_dim, wanted.num_kv_heads,
+                                 have.head_dim, have.num_kv_heads))
+    if assistant.config.use_ordered_embeddings:
+        ordering = assistant.masked_embedding.token_ordering
+        expected = torch.arange(ordering.numel(), device=ordering.device)
+        if not torch.equal(ordering.long().sort().values, expected):
+            raise ValueError('MTP assistant at {} uses ordered embeddings but its token_ordering buffer is not a '
+                             'permutation of the vocabulary (unset?)'.format(assistant_path))

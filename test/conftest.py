@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny random-weight Gemma 4 models saved like real checkpoints (safetensors + tokenizer)."""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO_ROOT / 'models' / 'tokenizer'
+SLIDING_WINDOW = 16
+
+
+@dataclass
+class TinyModels:
+    target: str              # Gemma4ForCausalLM, layers S,F,S,F, sliding_window 16
+    assistant: str           # Gemma4AssistantForCausalLM matching target (backbone 64, same head dims / KV heads)
+    assistant_ordered: str   # same, with the ordered-embedding (centroid) head and a permuted token_ordering
+    draft: str               # smaller Gemma4ForCausalLM
+    sliding_window: int = SLIDING_WINDOW
+
+
+def _load_tokenizer():
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (TOKENIZER_DIR / 'tokenizer.json').exists():
+        return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    # Fallback when the bundled tokenizer is missing: a small byte-level BPE trained on this repository's sources.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ['<pad>', '<eos>', '<bos>', '<unk>', '<start_of_turn>', '<end_of_turn>']
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    files = [str(p) for p in REPO_ROOT.rglob('*.py') if '.venv' not in p.parts and 'build' not in p.parts]
+    tok.train(files, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token='<bos>', eos_token='<eos>',
+                                   pad_token='<pad>', unk_token='<unk>')
+
+
+def _text_config(vocab_size, hidden_size, layer_types, **extra):
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        sliding_window=SLIDING_WINDOW, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        max_position_embeddings=1024, initializer_range=0.1, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        **extra)
+
+
+def _save(model, tokenizer, path):
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def build_tiny_models(root: Path) -> TinyModels:
+    """Build and save the tiny random models under root (deterministic: fixed seeds)."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM
+
+    tokenizer = _load_tokenizer()
+    vocab = len(tokenizer)
+    sliding, full = 'sliding_attention', 'full_attention'
+
+    torch.manual_seed(1234)
+    target = Gemma4ForCausalLM(_text_config(vocab, 64, [sliding, full, sliding, full])).eval()
+    paths = {'target': _save(target, tokenizer, root / 'target')}
+
+    for name, ordered in (('assistant', False), ('assistant_ordered', True)):
+        torch.manual_seed(99)
+        config = Gemma4AssistantConfig(
+            text_config=_text_config(vocab, 32, [sliding, full]), backbone_hidden_size=64,
+            use_ordered_embeddings=ordered, num_centroids=16, centroid_intermediate_top_k=4)
+        assistant = Gemma4AssistantForCausalLM(config).eval()
+        if ordered:
+            assistant.masked_embedding.token_ordering.copy_(torch.randperm(vocab))
+        assistant.generation_config.num_assistant_tokens = 4
+        paths[name] = _save(assistant, tokenizer, root / name)
+
+    torch.manual_seed(7)
+    draft = Gemma4ForCausalLM(_text_config(vocab, 32, [sliding, full])).eval()
+    paths['draft'] = _save(draft, tokenizer, root / 'draft')
+    return TinyModels(**paths)
+
+
+@pytest.fixture(scope='session')
+def tiny_models(tmp_path_factory) -> TinyModels:
+    os.environ.setdefault('HF_HUB_OFFLINE', '1')
+    return build_tiny_models(tmp_path_factory.mktemp('tiny_gemma4'))
+
+
+@pytest.fixture(scope='session')
+def tiny_engine_config(tiny_models):
+    from gemma_spec_ros.engine.types import EngineConfig
+
+    return EngineConfig(target_path=tiny_models.target, drafter='ngram', assistant_path=tiny_models.assistant,
+                        draft_model_path=tiny_models.draft, device='cpu', dtype='float32')
+
+
+@pytest.fixture(scope='session')
+def tiny_engine(tiny_engine_config):
+    """One loaded engine for the whole session (tests pass per-request drafter / K)."""
+    from gemma_spec_ros.engine import Engine
+
+    return Engine.from_config(tiny_engine_config)
