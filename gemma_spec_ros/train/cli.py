@@ -1,27 +1,105 @@
-"""``python -m gemma_spec_ros train <tokenizer|target|draft|assistant|eval-drafter>``."""
+"""
+``python -m gemma_spec_ros train <tokenizer|target|draft|assistant|eval-drafter>``.
+
+Training commands share: --seed, a tqdm bar with loss and tokens/s, safetensors checkpoints in --run-dir
+every --checkpoint-every steps, --resume, --max-minutes, and a from_pretrained-loadable --out directory
+with the tokenizer and a training.json report.
+"""
 
 import argparse
+import contextlib
 import random
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 from gemma_spec_ros.train import corpus
+from gemma_spec_ros.train.data import TokenStream
+from gemma_spec_ros.train.export import save_model, storage_dtype
+from gemma_spec_ros.train.lm import BatchSettings, distill_step, lm_step, perplexity
+from gemma_spec_ros.train.loop import LoopResult, LoopSettings, train_loop
+from gemma_spec_ros.train.shapes import ModelShape, assistant_config, parameter_count, text_config
 
 
-def add_corpus_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('--input', nargs='+', metavar='PATH',
-                        help='text files, directories or .jsonl ({"text": ...} per line); '
-                             'default: Python stdlib sources + English docs on this machine')
-    parser.add_argument('--seed', type=int, default=0, help='random seed')
+# ------------------------------------------------------------------------------------------------ shared setup
+def common_setup(args: argparse.Namespace) -> torch.device:
+    """Seed, threads and device from the shared options."""
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device not in ('auto', 'cpu', 'cuda'):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        raise ValueError('--device cuda requested but CUDA is not available')
+    return torch.device('cuda' if args.device == 'cuda' or (args.device == 'auto' and torch.cuda.is_available())
+                        else 'cpu')
 
 
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not (Path(path) / 'tokenizer.json').exists() and not (Path(path) / 'tokenizer_config.json').exists():
+        raise ValueError(f'no tokenizer found in {path}')
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_frozen(path: str, device: torch.device, what: str):
+    """Load a frozen causal LM (Gemma4ForCausalLM or Gemma4ForConditionalGeneration): bf16 on CUDA, else fp32."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path) / 'config.json').exists():
+        raise ValueError(f'{what} directory {path} has no config.json')
+    dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def streams(args: argparse.Namespace, tokenizer) -> tuple[TokenStream, dict[str, TokenStream]]:
+    """Training stream and held-out streams by kind: --input / --eval-input, else the default corpus split."""
+    if args.input:
+        train_docs = corpus.load_documents(args.input, 'all')
+        held_docs = corpus.load_documents(args.eval_input, 'all') if args.eval_input else []
+    else:
+        train_docs = corpus.load_documents(None, 'train')
+        held_docs = corpus.load_documents(args.eval_input, 'all') if args.eval_input else \
+            corpus.load_documents(None, 'heldout')
+    train = TokenStream.from_documents(tokenizer, train_docs)
+    held = {kind: TokenStream.from_documents(tokenizer, [d for d in held_docs if d.kind == kind])
+            for kind in sorted({d.kind for d in held_docs})}
+    print(f'corpus: {len(train_docs)} training documents ({len(train) / 1e6:.2f} M tokens); held out: ' +
+          (', '.join(f'{kind} {len(s) / 1e3:.0f} k tokens' for kind, s in held.items()) or 'none'))
+    return train, held
+
+
+def loop_settings(args: argparse.Namespace) -> LoopSettings:
+    return LoopSettings(steps=args.steps, learning_rate=args.lr, run_dir=Path(args.run_dir),
+                        warmup_steps=min(args.warmup, args.steps), checkpoint_every=args.checkpoint_every,
+                        max_minutes=args.max_minutes, resume=args.resume)
+
+
+def held_out_perplexity(model, held: dict[str, TokenStream], args, device) -> dict[str, float]:
+    return {kind: round(perplexity(model, stream, args.seq_len + 1, args.eval_windows, device), 3)
+            for kind, stream in held.items() if len(stream) > args.seq_len + 1}
+
+
+def training_report(args: argparse.Namespace, result: LoopResult, **extra) -> dict:
+    argv = sys.argv[2:] if args.argv is None else args.argv
+    return {'command': 'python -m gemma_spec_ros train ' + ' '.join(argv), 'steps': result.steps_done,
+            'tokens': result.tokens_seen, 'wall_minutes': round(result.wall_seconds / 60, 1),
+            'final_loss': round(result.last_loss, 4), **extra}
+
+
+# ---------------------------------------------------------------------------------------------------- commands
 def tokenizer_command(args: argparse.Namespace) -> int:
     from gemma_spec_ros.train.tokenizer import bytes_per_token, save_tokenizer, train_tokenizer
 
     random.seed(args.seed)
     start = time.time()
-    train_docs = corpus.load_documents(args.input, 'train' if not args.input else 'all')
+    train_docs = corpus.load_documents(args.input, 'all' if args.input else 'train')
     print(f'training on {len(train_docs)} documents, {sum(len(d.text) for d in train_docs) / 1e6:.1f} M chars')
     tokenizer = train_tokenizer((d.text for d in train_docs), args.vocab_size)
     save_tokenizer(tokenizer, Path(args.out))
@@ -33,8 +111,147 @@ def tokenizer_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def target_command(args: argparse.Namespace) -> int:
+    from transformers import Gemma4ForCausalLM
+
+    device = common_setup(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    shape = ModelShape.parse(args.shape, sliding_window=args.sliding_window)
+    train, held = streams(args, tokenizer)
+    model = Gemma4ForCausalLM(text_config(shape, len(tokenizer))).to(device)
+    print(f'target {args.shape}: {parameter_count(model) / 1e6:.2f} M parameters')
+    batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
+    result = train_loop(model, lm_step(model, train, batch, device), loop_settings(args), 'target')
+    ppl = held_out_perplexity(model, held, args, device)
+    print(f'held-out perplexity: {ppl}')
+    report = training_report(args, result, shape=args.shape, parameters=parameter_count(model),
+                             held_out_perplexity=ppl)
+    save_model(model, Path(args.out), Path(args.tokenizer), storage_dtype(args.storage_dtype), report)
+    print(f'saved {args.out}')
+    return 0
+
+
+def draft_command(args: argparse.Namespace) -> int:
+    from transformers import Gemma4ForCausalLM
+
+    device = common_setup(args)
+    tokenizer = load_tokenizer(args.target)
+    teacher = load_frozen(args.target, device, 'target')
+    teacher_config = teacher.config.get_text_config()
+    shape = ModelShape.parse(args.shape, sliding_window=teacher_config.sliding_window)
+    train, held = streams(args, tokenizer)
+    model = Gemma4ForCausalLM(text_config(shape, teacher_config.vocab_size)).to(device)
+    print(f'draft {args.shape}: {parameter_count(model) / 1e6:.2f} M parameters')
+    batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
+    result = train_loop(model, distill_step(model, teacher, train, batch, device), loop_settings(args), 'draft')
+    ppl = held_out_perplexity(model, held, args, device)
+    print(f'held-out perplexity: {ppl}')
+    report = training_report(args, result, shape=args.shape, parameters=parameter_count(model),
+                             held_out_perplexity=ppl, target=args.target)
+    save_model(model, Path(args.out), Path(args.target), storage_dtype(args.storage_dtype), report)
+    print(f'saved {args.out}')
+    return 0
+
+
+def assistant_command(args: argparse.Namespace) -> int:
+    from transformers import Gemma4AssistantForCausalLM
+
+    from gemma_spec_ros.train.assistant import DraftSteps, assistant_step, draft_accuracy
+
+    device = common_setup(args)
+    tokenizer = load_tokenizer(args.target)
+    target = load_frozen(args.target, device, 'target')
+    if args.init:
+        assistant = Gemma4AssistantForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+    else:
+        assistant = Gemma4AssistantForCausalLM(assistant_config(target.config.get_text_config(),
+                                                                ModelShape.parse(args.shape)))
+    if assistant.config.backbone_hidden_size != target.config.get_text_config().hidden_size:
+        raise ValueError('the assistant backbone_hidden_size does not match the target hidden size')
+    assistant.to(device)
+    steps = DraftSteps(args.draft_steps, args.step_decay)
+    train, held = streams(args, tokenizer)
+    print(f'assistant: {parameter_count(assistant) / 1e6:.2f} M parameters, {steps.num_steps} draft steps')
+    batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
+    autocast = torch.autocast('cuda', dtype=torch.bfloat16) if device.type == 'cuda' else contextlib.nullcontext()
+    step_fn = assistant_step(assistant, target, train, batch, steps, device)
+
+    def autocast_step(index: int):
+        with autocast:
+            return step_fn(index)
+    result = train_loop(assistant, autocast_step, loop_settings(args), 'assistant')
+    accuracy = {}
+    for kind, stream in held.items():
+        if len(stream) > args.seq_len:
+            ids = stream.ids[:len(stream) // args.seq_len * args.seq_len].view(-1, args.seq_len)
+            with autocast:
+                accuracy[kind] = [round(a, 3) for a in draft_accuracy(
+                    assistant, target, ids[:args.eval_windows // 4 or 1].long().to(device), steps)]
+    print(f'held-out teacher-forced draft accuracy per step: {accuracy}')
+    assistant.generation_config.num_assistant_tokens = args.draft_steps   # transformers' assisted generate needs it
+    report = training_report(args, result, shape=args.shape if not args.init else f'init from {args.init}',
+                             parameters=parameter_count(assistant), target=args.target,
+                             held_out_draft_accuracy=accuracy)
+    save_model(assistant, Path(args.out), Path(args.target), storage_dtype(args.storage_dtype), report)
+    print(f'saved {args.out}')
+    return 0
+
+
+def eval_drafter_command(args: argparse.Namespace) -> int:
+    from gemma_spec_ros.engine import Engine, EngineConfig
+    from gemma_spec_ros.train.evaluate import evaluate_drafters, held_out_prompts, markdown_table, write_report
+
+    torch.manual_seed(args.seed)
+    ks = list(range(1, args.max_k + 1))
+    if not 1 <= args.max_k <= 8:
+        raise ValueError(f'--max-k must be in 1..8, got {args.max_k}')
+    drafters = args.drafters
+    config = EngineConfig(target_path=args.target, assistant_path=args.assistant if 'mtp' in drafters else '',
+                          draft_model_path=args.draft if 'draft' in drafters else '', drafter='none',
+                          device=args.device, profit_gate=False, max_draft_tokens=max(ks),
+                          num_threads=args.threads)
+    engine = Engine.from_config(config, progress=print)
+    prompts = held_out_prompts(args.prompts_per_category, args.prompt_chars, args.seed)
+    start = time.time()
+    table = evaluate_drafters(engine, prompts, drafters, ks, args.max_new_tokens)
+    print(markdown_table(table, drafters, ks))
+    print('cells: tau (tokens per target pass, incl. the bonus token) / acceptance / wall-clock speedup vs plain')
+    settings = {key: value for key, value in vars(args).items() if key not in ('run', 'argv')}
+    settings['wall_minutes'] = round((time.time() - start) / 60, 1)
+    write_report(args.out, table, prompts, settings)
+    print(f'wrote {args.out}')
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ parser
+def add_corpus_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--input', nargs='+', metavar='PATH',
+                        help='training text: files, directories or .jsonl ({"text": ...} per line); '
+                             'default: Python stdlib sources + English docs on this machine (held-out files excluded)')
+    parser.add_argument('--seed', type=int, default=0, help='random seed')
+
+
+def add_training_args(parser: argparse.ArgumentParser, out: str, run_dir: str, steps: int, lr: float) -> None:
+    parser.add_argument('--eval-input', nargs='+', metavar='PATH', help='held-out text for evaluation')
+    parser.add_argument('--out', default=out, help='output model directory (from_pretrained-loadable)')
+    parser.add_argument('--run-dir', default=run_dir, help='checkpoints and optimizer state (not for git)')
+    parser.add_argument('--resume', action='store_true', help='continue from the checkpoint in --run-dir')
+    parser.add_argument('--steps', type=int, default=steps, help='optimizer steps (sets the schedule)')
+    parser.add_argument('--max-minutes', type=float, default=0.0, help='stop early after this wall time; 0 = off')
+    parser.add_argument('--batch-size', type=int, default=8)
+    parser.add_argument('--seq-len', type=int, default=256)
+    parser.add_argument('--lr', type=float, default=lr, help='peak learning rate (AdamW, warmup + cosine)')
+    parser.add_argument('--warmup', type=int, default=60, help='warmup steps')
+    parser.add_argument('--checkpoint-every', type=int, default=100, help='steps between checkpoints')
+    parser.add_argument('--eval-windows', type=int, default=64, help='held-out windows for evaluation')
+    parser.add_argument('--storage-dtype', default='float16', help='dtype of the saved weights')
+    parser.add_argument('--device', default='auto', help='auto|cpu|cuda')
+    parser.add_argument('--threads', type=int, default=0, help='torch CPU threads; 0 = default')
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros train', description=__doc__)
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros train', description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest='command', required=True)
 
     tok = commands.add_parser('tokenizer', help='train the byte-level BPE tokenizer')
@@ -42,11 +259,54 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument('--vocab-size', type=int, default=4096, help='vocabulary size incl. special tokens')
     tok.add_argument('--out', default='models/tokenizer', help='output directory')
     tok.set_defaults(run=tokenizer_command)
+
+    target = commands.add_parser('target', help='train the target Gemma4ForCausalLM from scratch')
+    add_corpus_args(target)
+    add_training_args(target, out='models/gemma4-spec-target', run_dir='runs/target', steps=1200, lr=2e-3)
+    target.add_argument('--tokenizer', default='models/tokenizer', help='tokenizer directory')
+    target.add_argument('--shape', default='12x192x768', help='LAYERSxHIDDENxINTERMEDIATE')
+    target.add_argument('--sliding-window', type=int, default=128, help='sliding attention window')
+    target.set_defaults(run=target_command)
+
+    draft = commands.add_parser('draft', help='distill a smaller Gemma4ForCausalLM draft model from a target')
+    add_corpus_args(draft)
+    add_training_args(draft, out='models/gemma4-spec-draft', run_dir='runs/draft', steps=600, lr=2e-3)
+    draft.add_argument('--target', default='models/gemma4-spec-target', help='teacher (target) model directory')
+    draft.add_argument('--shape', default='2x192x512', help='LAYERSxHIDDENxINTERMEDIATE')
+    draft.set_defaults(run=draft_command)
+
+    assistant = commands.add_parser('assistant', help='train a Gemma4AssistantForCausalLM (MTP) for a target')
+    add_corpus_args(assistant)
+    add_training_args(assistant, out='models/gemma4-spec-assistant', run_dir='runs/assistant', steps=600, lr=2e-3)
+    assistant.add_argument('--target', default='models/gemma4-spec-target',
+                           help='any Gemma 4 target directory (Gemma4ForCausalLM or Gemma4ForConditionalGeneration)')
+    assistant.add_argument('--shape', default='1x256x1024', help='assistant LAYERSxHIDDENxINTERMEDIATE')
+    assistant.add_argument('--init', help='start from an existing assistant directory instead of --shape')
+    assistant.add_argument('--draft-steps', type=int, default=4, help='draft steps unrolled in training')
+    assistant.add_argument('--step-decay', type=float, default=0.8, help='loss weight decay per draft step')
+    assistant.set_defaults(run=assistant_command)
+
+    evaluate = commands.add_parser('eval-drafter', help='held-out tau, acceptance and speedup at K=1..8 (greedy)')
+    evaluate.add_argument('--target', default='models/gemma4-spec-target')
+    evaluate.add_argument('--assistant', default='models/gemma4-spec-assistant')
+    evaluate.add_argument('--draft', default='models/gemma4-spec-draft')
+    evaluate.add_argument('--drafters', nargs='+', default=['mtp', 'draft', 'ngram'],
+                          choices=['mtp', 'draft', 'ngram'])
+    evaluate.add_argument('--max-k', type=int, default=8, help='evaluate K = 1..max-k')
+    evaluate.add_argument('--prompts-per-category', type=int, default=3)
+    evaluate.add_argument('--prompt-chars', type=int, default=600, help='prompt length in characters')
+    evaluate.add_argument('--max-new-tokens', type=int, default=96)
+    evaluate.add_argument('--out', default='runs/eval-drafter.json', help='JSON report')
+    evaluate.add_argument('--device', default='auto', help='auto|cpu|cuda')
+    evaluate.add_argument('--threads', type=int, default=0, help='torch CPU threads; 0 = default')
+    evaluate.add_argument('--seed', type=int, default=0, help='prompt sampling seed')
+    evaluate.set_defaults(run=eval_drafter_command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args.argv = argv
     try:
         return args.run(args)
     except ValueError as error:

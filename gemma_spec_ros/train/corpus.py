@@ -1,4 +1,5 @@
-"""Text corpora for training: the default (Python stdlib + English docs on this machine) or user files.
+"""
+Text corpora for training: the default (Python stdlib + English docs on this machine) or user files.
 
 A file is held out for evaluation when a hash of its path says so, so the split is stable across runs
 and machines without a stored manifest.
@@ -26,7 +27,7 @@ class Document:
 
 
 def is_held_out(path: str) -> bool:
-    """True for the stable ~HELD_OUT_PERCENT% of paths reserved for evaluation."""
+    """Say True for the stable ~HELD_OUT_PERCENT% of paths reserved for evaluation."""
     digest = hashlib.sha1(Path(path).as_posix().encode()).digest()
     return int.from_bytes(digest[:4], 'big') % 100 < HELD_OUT_PERCENT
 
@@ -66,7 +67,7 @@ def read_text(path: Path) -> str | None:
 
 
 def default_documents(split: str) -> Iterator[Document]:
-    """The default corpus: stdlib code and machine docs; split is 'train' or 'heldout'."""
+    """Yield the default corpus: stdlib code and machine docs; split is 'train' or 'heldout'."""
     check_split(split)
     for kind, paths in (('code', stdlib_files(stdlib_root())), ('prose', prose_files())):
         for path in paths:
@@ -77,7 +78,8 @@ def default_documents(split: str) -> Iterator[Document]:
 
 
 def file_documents(paths: list[str], split: str = 'all') -> Iterator[Document]:
-    """Documents from user files or directories: .jsonl lines with a "text" field, anything else as plain text.
+    """
+    Documents from user files or directories: .jsonl lines with a "text" field, anything else as plain text.
 
     With split 'train' or 'heldout' the same path-hash split as the default corpus applies to each file.
     """
