@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from gemma_spec_ros.train.data import TokenStream, random_windows
 from gemma_spec_ros.train.lm import BatchSettings
@@ -110,9 +111,39 @@ def distillation_loss(all_logits: list[torch.Tensor], view: TargetView, steps: D
     return total / weights
 
 
-def assistant_step(assistant, target, stream: TokenStream, batch: BatchSettings, steps: DraftSteps, device):
+@torch.no_grad()
+def greedy_windows(target, stream: TokenStream, num_windows: int, prompt_len: int, seq_len: int, seed: int,
+                   device, batch_size: int = 16) -> torch.Tensor:
+    """
+    [num_windows, seq_len] windows of corpus prompts continued by the target's own greedy decoding.
+
+    On these windows every teacher-forced token after the prompt is the target's greedy choice, so
+    multi-step training sees exactly the accepted path of speculative greedy decoding.
+    """
+    if not 0 < prompt_len < seq_len:
+        raise ValueError(f'prompt length must be in (0, {seq_len}), got {prompt_len}')
+    prompts = random_windows(stream, num_windows, prompt_len, torch.Generator().manual_seed(seed))
+    new_tokens = seq_len - prompt_len
+    windows = []
+    for chunk in tqdm(prompts.split(batch_size), desc='greedy target continuations', dynamic_ncols=True):
+        out = target.generate(chunk.to(device), attention_mask=torch.ones_like(chunk, device=device),
+                              do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=0)
+        windows.append(out[:, :seq_len].cpu())
+    return torch.cat(windows)
+
+
+def assistant_step(assistant, target, stream: TokenStream, greedy: torch.Tensor | None, batch: BatchSettings,
+                   steps: DraftSteps, device):
+    """Half of each batch from corpus windows, half from the target's greedy windows (when given)."""
     def step(index: int) -> tuple[torch.Tensor, int]:
-        ids = random_windows(stream, batch.batch_size, batch.seq_len, batch.generator(index)).to(device)
+        generator = batch.generator(index)
+        num_greedy = batch.batch_size // 2 if greedy is not None and len(greedy) else 0
+        ids = random_windows(stream, batch.batch_size - num_greedy, batch.seq_len, generator)
+        if num_greedy:
+            rows = torch.randint(0, len(greedy), (num_greedy,), generator=generator)
+            ids = torch.cat([ids, greedy[rows, :batch.seq_len]])
+        ids = ids.to(device)
         view = target_view(target, ids)
         return distillation_loss(assistant_steps(assistant, view, ids, steps), view, steps), ids.numel()
     return step

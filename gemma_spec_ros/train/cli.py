@@ -156,7 +156,7 @@ def draft_command(args: argparse.Namespace) -> int:
 def assistant_command(args: argparse.Namespace) -> int:
     from transformers import Gemma4AssistantForCausalLM
 
-    from gemma_spec_ros.train.assistant import DraftSteps, assistant_step, draft_accuracy
+    from gemma_spec_ros.train.assistant import DraftSteps, assistant_step, draft_accuracy, greedy_windows
 
     device = common_setup(args)
     tokenizer = load_tokenizer(args.target)
@@ -174,7 +174,17 @@ def assistant_command(args: argparse.Namespace) -> int:
     print(f'assistant: {parameter_count(assistant) / 1e6:.2f} M parameters, {steps.num_steps} draft steps')
     batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
     autocast = torch.autocast('cuda', dtype=torch.bfloat16) if device.type == 'cuda' else contextlib.nullcontext()
-    step_fn = assistant_step(assistant, target, train, batch, steps, device)
+    greedy = None
+    if args.greedy_windows:
+        cache = Path(args.run_dir) / 'greedy_windows.pt'
+        if args.resume and cache.exists():
+            greedy = torch.load(cache)
+        else:
+            greedy = greedy_windows(target, train, args.greedy_windows, args.greedy_prompt_len, args.seq_len,
+                                    args.seed, device)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(greedy, cache)
+    step_fn = assistant_step(assistant, target, train, greedy, batch, steps, device)
 
     def autocast_step(index: int):
         with autocast:
@@ -191,7 +201,7 @@ def assistant_command(args: argparse.Namespace) -> int:
     assistant.generation_config.num_assistant_tokens = args.draft_steps   # transformers' assisted generate needs it
     report = training_report(args, result, shape=args.shape if not args.init else f'init from {args.init}',
                              parameters=parameter_count(assistant), target=args.target,
-                             held_out_draft_accuracy=accuracy)
+                             held_out_draft_accuracy=accuracy, greedy_windows=args.greedy_windows)
     save_model(assistant, Path(args.out), Path(args.target), storage_dtype(args.storage_dtype), report)
     print(f'saved {args.out}')
     return 0
@@ -284,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     assistant.add_argument('--init', help='start from an existing assistant directory instead of --shape')
     assistant.add_argument('--draft-steps', type=int, default=4, help='draft steps unrolled in training')
     assistant.add_argument('--step-decay', type=float, default=0.8, help='loss weight decay per draft step')
+    assistant.add_argument('--greedy-windows', type=int, default=256,
+                           help='windows of target greedy continuations mixed into training (half of each batch)')
+    assistant.add_argument('--greedy-prompt-len', type=int, default=32, help='corpus prompt tokens per greedy window')
     assistant.set_defaults(run=assistant_command)
 
     evaluate = commands.add_parser('eval-drafter', help='held-out tau, acceptance and speedup at K=1..8 (greedy)')
