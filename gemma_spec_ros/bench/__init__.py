@@ -1,0 +1,9 @@
+"""
+Benchmark of the engine against transformers generate and assisted generation.
+
+Run with ``python -m gemma_spec_ros bench [--quick]``; docs/bench.md describes the outputs.
+"""
+
+from gemma_spec_ros.bench.cli import main
+
+__all__ = ['main']

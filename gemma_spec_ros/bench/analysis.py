@@ -1,0 +1,211 @@
+"""
+From measurements to per-system, per-category figures, the Leviathan prediction and the goals.
+
+tau counts the bonus token and covers decode passes only: (new_tokens - 1) / (target_passes - 1), because the
+prefill pass yields the first token and decode tok/s starts after it.
+"""
+
+import statistics
+from dataclasses import dataclass, field
+
+from gemma_spec_ros.bench.harness import Measurement
+from gemma_spec_ros.bench.probe import CostProbe
+from gemma_spec_ros.bench.systems import System
+
+ALL = 'all'
+MB = 1024 * 1024
+GOAL_PLAIN = 1.2        # our plain decoding vs transformers' plain generate
+GOAL_ASSISTED = 1.5     # our best system per drafter vs transformers' best with the same drafter
+GOAL_EFFICIENCY = 0.9   # measured / predicted speedup
+
+
+@dataclass
+class Cell:
+    """One system on one category (or ALL prompts)."""
+
+    system: str
+    family: str
+    drafter: str
+    k: int | None
+    category: str
+    samples: int
+    tokens_per_s: float              # median over repeats of sum(decode tokens) / sum(decode seconds)
+    tokens_per_s_min: float
+    tokens_per_s_max: float
+    speedup_vs_ours_plain: float
+    speedup_vs_hf_plain: float
+    tau: float
+    acceptance_rate: float           # accepted / drafted
+    mean_k: float                    # drafted tokens per decode round
+    ttft_ms: float                   # median
+    peak_rss_mb: float               # max over samples
+    rss_growth_mb: float             # max over samples
+    parity: bool
+    mismatches: list[str]            # 'prompt_id#repeat@position'
+    warnings: list[str]
+    alpha: float | None = None       # i.i.d. acceptance fitted to per-position acceptance (our engine only)
+    draft_cost_ratio: float | None = None
+    predicted_tau: float | None = None
+    predicted_speedup: float | None = None
+    efficiency: float | None = None  # speedup_vs_ours_plain / predicted_speedup
+
+
+@dataclass
+class Goal:
+    name: str
+    threshold: float
+    value: float | None
+    met: bool
+    detail: str
+
+
+@dataclass
+class Summary:
+    cells: list[Cell]
+    goals: list[Goal]
+    parity_failures: list[str] = field(default_factory=list)
+
+    def cell(self, system: str, category: str = ALL) -> Cell | None:
+        return next((c for c in self.cells if c.system == system and c.category == category), None)
+
+
+def expected_tokens(alpha: float, k: float) -> float:
+    """Leviathan's tokens per round with k drafts at i.i.d. acceptance alpha, bonus included."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def fit_alpha(samples: list[Measurement]) -> float | None:
+    """
+    Pooled per-position estimate: accepted at position i over rounds that reached position i.
+
+    The engine reports p_i = P(position i accepted | position i drafted); under the i.i.d. model p_i = alpha^i,
+    so alpha = sum_i p_i / sum_i p_(i-1) with p_0 = 1, each sample weighted by its decode rounds.
+    """
+    accepted = reached = 0.0
+    for sample in samples:
+        p = sample.per_position_acceptance
+        rounds = max(0, sample.target_passes - 1)
+        if p and rounds:
+            accepted += rounds * sum(p)
+            reached += rounds * (1.0 + sum(p[:-1]))
+    return accepted / reached if reached else None
+
+
+def predict_speedup(alpha: float, k: float, drafting_share: float, cost_ratio: float,
+                    probe: CostProbe) -> tuple[float, float]:
+    """
+    Predict (tau, speedup) per decode round; a share of rounds may find nothing to draft (plain rounds).
+
+    A drafting round yields E(alpha, k) tokens for k * c + v(k + 1) target-step units; a plain round 1 for 1.
+    """
+    tokens = drafting_share * expected_tokens(alpha, k) + (1.0 - drafting_share)
+    cost = drafting_share * (k * cost_ratio + probe.verify_cost_at(k + 1)) + (1.0 - drafting_share)
+    return tokens, tokens / cost
+
+
+def _rate(samples: list[Measurement]) -> float:
+    seconds = sum(s.decode_s for s in samples)
+    return sum(max(0, s.new_tokens - 1) for s in samples) / seconds if seconds > 0 else 0.0
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else 0.0
+
+
+def _cell(system: System, category: str, samples: list[Measurement], probe: CostProbe) -> Cell:
+    by_repeat: dict[int, list[Measurement]] = {}
+    for sample in samples:
+        by_repeat.setdefault(sample.repeat, []).append(sample)
+    rates = [_rate(group) for group in by_repeat.values()]
+    decode_passes = sum(max(0, s.target_passes - 1) for s in samples)
+    drafted = sum(s.drafted_tokens for s in samples)
+    warnings = sorted({w for s in samples for w in s.warnings})
+    cell = Cell(
+        system=system.name, family=system.family, drafter=system.drafter, k=system.k, category=category,
+        samples=len(samples), tokens_per_s=statistics.median(rates), tokens_per_s_min=min(rates),
+        tokens_per_s_max=max(rates), speedup_vs_ours_plain=0.0, speedup_vs_hf_plain=0.0,
+        tau=_ratio(sum(max(0, s.new_tokens - 1) for s in samples), decode_passes),
+        acceptance_rate=_ratio(sum(s.accepted_tokens for s in samples), drafted),
+        mean_k=_ratio(drafted, decode_passes), ttft_ms=statistics.median(s.ttft_s for s in samples) * 1000.0,
+        peak_rss_mb=max(s.peak_rss_bytes for s in samples) / MB,
+        rss_growth_mb=max(s.rss_growth_bytes for s in samples) / MB,
+        parity=all(s.parity for s in samples),
+        mismatches=['{}#{}@{}'.format(s.prompt_id, s.repeat, s.first_mismatch) for s in samples if not s.parity],
+        warnings=warnings)
+    if system.drafter == 'none':
+        return cell
+    if system.family == 'hf':
+        cell.draft_cost_ratio = probe.draft_cost_ratio[system.drafter]
+        return cell
+    engine_costs = [s.draft_cost_ratio for s in samples if s.draft_cost_ratio > 0]
+    cell.draft_cost_ratio = statistics.median(engine_costs) if engine_costs else probe.draft_cost_ratio[
+        system.drafter]
+    cell.alpha = fit_alpha(samples)
+    if cell.alpha is not None:
+        # Fixed K: rounds that drafted anything drafted K (ngram may find no match). Adaptive: K varies per
+        # round, approximated by its mean over all rounds.
+        k = float(system.k) if system.k else cell.mean_k
+        share = min(1.0, cell.mean_k / k) if system.k else 1.0
+        cell.predicted_tau, cell.predicted_speedup = predict_speedup(cell.alpha, k, share, cell.draft_cost_ratio,
+                                                                     probe)
+    return cell
+
+
+def summarize(systems: list[System], measurements: list[Measurement], categories: list[str],
+              probe: CostProbe) -> Summary:
+    cells = []
+    for category in [ALL] + categories:
+        for system in systems:
+            samples = [m for m in measurements if m.system == system.name and category in (ALL, m.category)]
+            if samples:
+                cells.append(_cell(system, category, samples, probe))
+    for cell in cells:
+        ours = next(c for c in cells if c.system == 'ours/none' and c.category == cell.category)
+        hf = next(c for c in cells if c.system == 'hf/none' and c.category == cell.category)
+        cell.speedup_vs_ours_plain = _ratio(cell.tokens_per_s, ours.tokens_per_s)
+        cell.speedup_vs_hf_plain = _ratio(cell.tokens_per_s, hf.tokens_per_s)
+        if cell.predicted_speedup:
+            cell.efficiency = cell.speedup_vs_ours_plain / cell.predicted_speedup
+    failures = sorted({'{}: {}'.format(c.system, ', '.join(c.mismatches)) for c in cells
+                       if c.category == ALL and not c.parity})
+    summary = Summary(cells, [], failures)
+    summary.goals = _goals(summary, systems)
+    return summary
+
+
+def _best(summary: Summary, systems: list[System], family: str, drafter: str) -> Cell | None:
+    cells = [summary.cell(s.name) for s in systems if s.family == family and s.drafter == drafter]
+    cells = [c for c in cells if c is not None]
+    return max(cells, key=lambda c: c.tokens_per_s) if cells else None
+
+
+def _goals(summary: Summary, systems: list[System]) -> list[Goal]:
+    goals = []
+    ours_plain, hf_plain = summary.cell('ours/none'), summary.cell('hf/none')
+    if ours_plain and hf_plain:
+        value = _ratio(ours_plain.tokens_per_s, hf_plain.tokens_per_s)
+        goals.append(Goal('our plain decoding vs transformers plain generate', GOAL_PLAIN, value,
+                          value >= GOAL_PLAIN, '{:.1f} vs {:.1f} tok/s'.format(ours_plain.tokens_per_s,
+                                                                               hf_plain.tokens_per_s)))
+    drafters = list(dict.fromkeys(s.drafter for s in systems if s.drafter != 'none'))
+    for drafter in drafters:
+        ours, hf = _best(summary, systems, 'ours', drafter), _best(summary, systems, 'hf', drafter)
+        if ours is None or hf is None:
+            continue
+        adaptive = summary.cell('ours/{}/adaptive'.format(drafter))
+        value = _ratio(ours.tokens_per_s, hf.tokens_per_s)
+        detail = '{} {:.1f} vs {} {:.1f} tok/s'.format(ours.system, ours.tokens_per_s, hf.system, hf.tokens_per_s)
+        if adaptive is not None:
+            detail += '; adaptive {:.2f}x'.format(_ratio(adaptive.tokens_per_s, hf.tokens_per_s))
+        goals.append(Goal('our best {} vs transformers best {}'.format(drafter, drafter), GOAL_ASSISTED, value,
+                          value >= GOAL_ASSISTED, detail))
+    speculative = [c for c in summary.cells if c.category == ALL and c.family == 'ours' and c.efficiency]
+    if speculative:
+        fastest = max(speculative, key=lambda c: c.tokens_per_s)
+        goals.append(Goal('efficiency of our fastest speculative system (measured / predicted speedup)',
+                          GOAL_EFFICIENCY, fastest.efficiency, fastest.efficiency >= GOAL_EFFICIENCY,
+                          '{}: measured {:.2f}x, predicted {:.2f}x'.format(
+                              fastest.system, fastest.speedup_vs_ours_plain, fastest.predicted_speedup)))
+    return goals

@@ -1,0 +1,153 @@
+"""``python -m gemma_spec_ros bench``: options, the run, and its outputs."""
+
+import argparse
+import dataclasses
+import shlex
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from gemma_spec_ros.bench import plots
+from gemma_spec_ros.bench.analysis import summarize
+from gemma_spec_ros.bench.harness import Bench, Calibration, Settings, run_interleaved
+from gemma_spec_ros.bench.prompts import categories_of, default_prompts_path, load_prompts, take_per_category
+from gemma_spec_ros.bench.report import SCHEMA, machine_description, markdown, write_json
+from gemma_spec_ros.bench.systems import System
+
+BUNDLED = {'target': 'models/gemma4-spec-target', 'draft': 'models/gemma4-spec-draft',
+           'assistant': 'models/gemma4-spec-assistant'}
+# (full run, --quick) defaults; an explicit option wins.
+DEFAULTS = {'max_new_tokens': (96, 16), 'repeats': (2, 1), 'per_category': (0, 1), 'ks': ('1,2,4,8', '2'),
+            'probe_repeats': (15, 3), 'threads': (0, 1)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog='python -m gemma_spec_ros bench',
+        description='Benchmark our engine (none, ngram, draft, mtp at fixed K and adaptive) against transformers '
+                    'generate and assisted generation, interleaved, greedy, on the same prompts.')
+    parser.add_argument('--target', help='target model directory (default: bundled {})'.format(BUNDLED['target']))
+    parser.add_argument('--draft', help='draft model directory (default: bundled)')
+    parser.add_argument('--assistant', help='Gemma 4 assistant (MTP) directory (default: bundled)')
+    parser.add_argument('--prompts', help='JSONL with "prompt" and "category" per line (default: bench/prompts.jsonl)')
+    parser.add_argument('--per-category', type=int, help='prompts per category, 0 = all (default 0; quick 1)')
+    parser.add_argument('--max-new-tokens', type=int, help='new tokens per generation (default 96; quick 16)')
+    parser.add_argument('--repeats', type=int, help='measured repeats of every system and prompt (default 2; quick 1)')
+    parser.add_argument('--ks', help='comma-separated fixed K values (default 1,2,4,8; quick 2)')
+    parser.add_argument('--drafters', default='ngram,draft,mtp', help='speculative drafters (default ngram,draft,mtp)')
+    parser.add_argument('--threads', type=int,
+                        help='torch CPU threads for every system (default: torch default; quick 1, since two '
+                             'threads on shared cores can be several times slower)')
+    parser.add_argument('--probe-repeats', type=int, help='rounds of the forward-cost probe (default 15; quick 3)')
+    parser.add_argument('--seed', type=int, default=0, help='seed of the interleaving order')
+    parser.add_argument('--out', help='output directory (default bench/results; quick bench/results/quick)')
+    parser.add_argument('--quick', action='store_true', help='short smoke run: 1 prompt per category, K=2, 16 tokens')
+    return parser
+
+
+def _option(args, name: str):
+    value = getattr(args, name)
+    return value if value is not None else DEFAULTS[name][1 if args.quick else 0]
+
+
+def _model_path(given: str | None, role: str) -> str:
+    if given:
+        return given
+    from gemma_spec_ros.engine.config_file import resolve_model_path
+
+    return resolve_model_path(BUNDLED[role])
+
+
+def _parse_list(text: str, kind, what: str) -> list:
+    try:
+        return [kind(item) for item in text.split(',') if item.strip()]
+    except ValueError:
+        raise ValueError('{} must be a comma-separated list, got {!r}'.format(what, text)) from None
+
+
+def run(args, argv: list[str]) -> Path:
+    """Run the whole benchmark; return the output directory."""
+    import torch
+    from tqdm import tqdm
+
+    started = time.time()
+    settings = Settings(
+        target=_model_path(args.target, 'target'), draft=_model_path(args.draft, 'draft'),
+        assistant=_model_path(args.assistant, 'assistant'), max_new_tokens=_option(args, 'max_new_tokens'),
+        repeats=_option(args, 'repeats'), ks=sorted(set(_parse_list(_option(args, 'ks'), int, '--ks'))),
+        drafters=_parse_list(args.drafters, str.strip, '--drafters'),
+        threads=_option(args, 'threads') or torch.get_num_threads(),
+        probe_repeats=_option(args, 'probe_repeats'), seed=args.seed)
+    prompts_path = args.prompts or default_prompts_path()
+    prompts = take_per_category(load_prompts(prompts_path), _option(args, 'per_category'))
+    categories = categories_of(prompts)
+    out = Path(args.out or ('bench/results/quick' if args.quick else 'bench/results'))
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_description(settings.threads)
+
+    bench = Bench(settings, say=lambda message: print(message, file=sys.stderr))
+    lengths = {prompt.id: len(bench.encode(prompt)) for prompt in prompts}
+    probe_prompt = sorted(prompts, key=lambda p: lengths[p.id])[len(prompts) // 2]
+    print('probing forward costs on {} ({} tokens)'.format(probe_prompt.id, lengths[probe_prompt.id]),
+          file=sys.stderr)
+    probe = bench.probe(probe_prompt)
+
+    calibration_prompts = take_per_category(prompts, 1)
+    sweep = len(settings.ks) > 1
+    num_systems = len(bench.our_systems()) + 1 + 2 * len(settings.drafters)
+    total = (len(settings.drafters) * len(settings.ks) * len(calibration_prompts) if sweep else 0) + \
+        num_systems * (1 + settings.repeats * len(prompts))
+    with tqdm(total=total, desc='bench', unit='gen', file=sys.stderr) as bar:
+        def step(name: str) -> None:
+            bar.set_postfix_str(name)
+            bar.update()
+
+        calibration = (bench.calibrate(calibration_prompts, step) if sweep else
+                       Calibration({}, {drafter: settings.ks[0] for drafter in settings.drafters}))
+        systems = bench.our_systems() + [System('hf', 'none')]
+        for drafter in settings.drafters:
+            systems += [System('hf', drafter), System('hf', drafter, calibration.chosen_k[drafter])]
+        measurements = run_interleaved(bench, systems, prompts, step)
+
+    summary = summarize(systems, measurements, categories, probe)
+    document = {
+        'schema': SCHEMA,
+        'created_utc': datetime.fromtimestamp(started, UTC).strftime('%Y-%m-%dT%H:%M:%SZ'),
+        'duration_s': time.time() - started,
+        'command': 'python -m gemma_spec_ros bench ' + shlex.join(argv),
+        'machine': machine,
+        'load_average_end': list(machine_description(settings.threads)['load_average']),
+        'settings': dataclasses.asdict(settings) | {'prompts_file': prompts_path, 'quick': args.quick},
+        'prompts': [{'id': p.id, 'category': p.category, 'prompt_tokens': lengths[p.id]} for p in prompts],
+        'prompt_tokens_median': statistics.median(lengths.values()),
+        'systems': [{'name': s.name, 'family': s.family, 'drafter': s.drafter, 'k': s.k,
+                     'hf_settings': getattr(bench.runner(s), 'settings', {})} for s in systems],
+        'hf_calibration': dataclasses.asdict(calibration) | {
+            'prompts': [p.id for p in calibration_prompts] if sweep else []},
+        'cost_probe': dataclasses.asdict(probe) | {'prompt_id': probe_prompt.id},
+        'summary': summary.cells,
+        'goals': summary.goals,
+        'parity_failures': summary.parity_failures,
+        'measurements': measurements,
+    }
+    write_json(out / 'results.json', document)
+    (out / 'results.md').write_text(markdown(document, summary, categories))
+    plots.speedup_by_category(summary, categories, settings.drafters, out / 'speedup_by_category.png')
+    plots.k_sweep(summary, settings.drafters, out / 'k_sweep.png')
+    plots.predicted_vs_measured(summary, out / 'predicted_vs_measured.png')
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        out = run(args, argv)
+    except ValueError as error:
+        print('bench: {}'.format(error), file=sys.stderr)
+        return 2
+    print((out / 'results.md').read_text())
+    print('wrote {}/results.json, results.md and plots'.format(out))
+    return 0

@@ -1,0 +1,237 @@
+"""
+Load the systems and measure them interleaved.
+
+Per repeat and prompt, every system runs once, in a shuffled order, so machine drift (shared cores,
+thermal) spreads over all systems instead of biasing one.
+"""
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gemma_spec_ros.bench.probe import CostProbe, measure_costs
+from gemma_spec_ros.bench.prompts import Prompt
+from gemma_spec_ros.bench.systems import (
+    DRAFTERS,
+    EngineRunner,
+    ForwardCounter,
+    Outcome,
+    Runner,
+    System,
+    TransformersRunner,
+)
+
+WARM_UP_TOKENS = 8
+
+
+@dataclass
+class Settings:
+    target: str
+    draft: str
+    assistant: str
+    max_new_tokens: int
+    repeats: int
+    ks: list[int]                  # fixed K values for our engine and the transformers K sweep
+    drafters: list[str]            # speculative drafters to measure (subset of ngram, draft, mtp)
+    threads: int
+    probe_repeats: int
+    seed: int
+
+    def check(self) -> None:
+        if self.max_new_tokens < 2:
+            raise ValueError('max_new_tokens must be >= 2 (decode speed needs two tokens), got {}'.format(
+                self.max_new_tokens))
+        if self.repeats < 1:
+            raise ValueError('repeats must be >= 1, got {}'.format(self.repeats))
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError('K values must be >= 1, got {}'.format(self.ks))
+        unknown = [d for d in self.drafters if d not in DRAFTERS or d == 'none']
+        if unknown:
+            raise ValueError('unknown drafters {}; choose from ngram, draft, mtp'.format(unknown))
+        if self.threads < 1:
+            raise ValueError('threads must be >= 1, got {}'.format(self.threads))
+
+
+@dataclass
+class Measurement:
+    """One timed generation (warm-up and calibration runs are not recorded)."""
+
+    system: str
+    prompt_id: str
+    category: str
+    repeat: int
+    new_tokens: int
+    ttft_s: float
+    decode_s: float
+    wall_s: float
+    target_passes: int
+    drafted_tokens: int
+    accepted_tokens: int
+    per_position_acceptance: list[float]
+    mean_num_draft_tokens: float
+    draft_cost_ratio: float
+    drafter_used: str
+    warnings: list[str]
+    peak_rss_bytes: int            # process high-water mark during this generation
+    rss_growth_bytes: int          # peak minus RSS before the call
+    parity: bool                   # token-identical to transformers' plain greedy generate
+    first_mismatch: int            # first differing position, -1 when identical
+    token_ids: list[int] = field(repr=False, default_factory=list)
+
+
+@dataclass
+class Calibration:
+    """transformers' tok/s per K on the calibration prompts, and the K picked for each drafter."""
+
+    tokens_per_s: dict[str, dict[int, float]]
+    chosen_k: dict[str, int]
+
+
+def _read_status_kb(key: str) -> int:
+    try:
+        with open('/proc/self/status') as status:
+            for line in status:
+                if line.startswith(key + ':'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); without it, peaks are process-lifetime peaks."""
+    try:
+        with open('/proc/self/clear_refs', 'w') as clear_refs:
+            clear_refs.write('5')
+    except OSError:
+        pass
+
+
+def first_mismatch(tokens: list[int], reference: list[int]) -> int:
+    """First position where the sequences differ (a length difference counts), -1 when identical."""
+    for index, (a, b) in enumerate(zip(tokens, reference, strict=False)):
+        if a != b:
+            return index
+    return -1 if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+class Bench:
+    """Loaded models, our engine and the runners of every system."""
+
+    def __init__(self, settings: Settings, say: Callable[[str], None]):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        from gemma_spec_ros.engine import Engine
+        from gemma_spec_ros.engine.types import EngineConfig
+
+        settings.check()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(settings.threads)
+        self.settings = settings
+        say('loading our engine')
+        self.engine = Engine.from_config(EngineConfig(
+            target_path=settings.target, drafter='none', assistant_path=settings.assistant,
+            draft_model_path=settings.draft, device='cpu', dtype='float32', max_draft_tokens=max(settings.ks),
+            max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads))
+        say('loading transformers models')
+
+        def load(path):
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.target, local_files_only=True)
+        self.target = load(settings.target)
+        self.draft_model = load(settings.draft) if 'draft' in settings.drafters else None
+        self.assistant = load(settings.assistant) if 'mtp' in settings.drafters else None
+        self.counter = ForwardCounter(self.target)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer(prompt.text).input_ids
+
+    def our_systems(self) -> list[System]:
+        systems = [System('ours', 'none')]
+        for drafter in self.settings.drafters:
+            systems += [System('ours', drafter, k) for k in self.settings.ks] + [System('ours', drafter, 0)]
+        return systems
+
+    def runner(self, system: System) -> Runner:
+        if system.family == 'ours':
+            return EngineRunner(self.engine, system.drafter, system.k or 0)
+        return TransformersRunner(self.target, self.counter, system.drafter, system.k, self.draft_model,
+                                  self.assistant)
+
+    def calibrate(self, prompts: list[Prompt], on_step: Callable[[str], None]) -> Calibration:
+        """Pick transformers' best K per drafter by decode tok/s on the calibration prompts (also a warm-up)."""
+        rates: dict[str, dict[int, float]] = {}
+        for drafter in self.settings.drafters:
+            rates[drafter] = {}
+            for k in self.settings.ks:
+                runner = self.runner(System('hf', drafter, k))
+                tokens = seconds = 0.0
+                for prompt in prompts:
+                    outcome = runner(self.encode(prompt), self.settings.max_new_tokens)
+                    tokens += len(outcome.token_ids) - 1
+                    seconds += outcome.decode_s
+                    on_step('hf/{}/K{}'.format(drafter, k))
+                rates[drafter][k] = tokens / seconds if seconds > 0 else 0.0
+        chosen = {drafter: max(by_k, key=by_k.get) for drafter, by_k in rates.items()}
+        return Calibration(rates, chosen)
+
+    def probe(self, prompt: Prompt) -> CostProbe:
+        sizes = [1] + [k + 1 for k in self.settings.ks]
+        return measure_costs(self.target, self.encode(prompt), sizes, self.settings.probe_repeats,
+                             self.draft_model, self.assistant)
+
+
+def measure_once(runner: Runner, prompt_ids: list[int], max_new_tokens: int) -> tuple[Outcome, int, int]:
+    """One generation with its peak RSS and RSS growth."""
+    _reset_peak_rss()
+    before = _read_status_kb('VmRSS')
+    outcome = runner(prompt_ids, max_new_tokens)
+    peak = _read_status_kb('VmHWM')
+    return outcome, peak, max(0, peak - before)
+
+
+def run_interleaved(bench: Bench, systems: list[System], prompts: list[Prompt],
+                    on_step: Callable[[str], None]) -> list[Measurement]:
+    """
+    Measure every system on every prompt ``repeats`` times after one warm-up run per system.
+
+    The order is shuffled per (repeat, prompt) with a fixed seed.
+    """
+    settings = bench.settings
+    runners = {system.name: bench.runner(system) for system in systems}
+    if 'hf/none' not in runners:
+        raise ValueError('the interleaved run needs hf/none as the parity reference')
+    order = random.Random(settings.seed)
+    encoded = {prompt.id: bench.encode(prompt) for prompt in prompts}
+    for name, runner in runners.items():  # warm-up (one-time initialization), not recorded
+        runner(encoded[prompts[0].id], min(WARM_UP_TOKENS, settings.max_new_tokens))
+        on_step(name)
+    references: dict[str, list[int]] = {}
+    measurements = []
+    for repeat in range(settings.repeats):
+        for prompt in prompts:
+            names = list(runners)
+            order.shuffle(names)
+            outcomes = {}
+            for name in names:
+                outcomes[name] = measure_once(runners[name], encoded[prompt.id], settings.max_new_tokens)
+                on_step(name)
+            reference = references.setdefault(prompt.id, outcomes['hf/none'][0].token_ids)
+            for name in runners:
+                outcome, peak, growth = outcomes[name]
+                mismatch = first_mismatch(outcome.token_ids, reference)
+                measurements.append(Measurement(
+                    system=name, prompt_id=prompt.id, category=prompt.category, repeat=repeat,
+                    new_tokens=len(outcome.token_ids), ttft_s=outcome.ttft_s, decode_s=outcome.decode_s,
+                    wall_s=outcome.wall_s, target_passes=outcome.target_passes,
+                    drafted_tokens=outcome.drafted_tokens, accepted_tokens=outcome.accepted_tokens,
+                    per_position_acceptance=outcome.per_position_acceptance,
+                    mean_num_draft_tokens=outcome.mean_num_draft_tokens, draft_cost_ratio=outcome.draft_cost_ratio,
+                    drafter_used=outcome.drafter_used, warnings=outcome.warnings, peak_rss_bytes=peak,
+                    rss_growth_bytes=growth, parity=mismatch < 0, first_mismatch=mismatch,
+                    token_ids=outcome.token_ids))
+    return measurements

@@ -1,0 +1,143 @@
+"""Writing a run: results.json (schema in docs/bench.md), results.md (tables) and the plots."""
+
+import dataclasses
+import json
+import os
+import platform
+from pathlib import Path
+
+from gemma_spec_ros.bench.analysis import ALL, Cell, Summary
+
+SCHEMA = 'gemma_spec_ros.bench/1'
+# CPU flags that decide CPU matmul speed; the full list is long and mostly irrelevant here.
+RELEVANT_FLAGS = ('sse4_2', 'avx', 'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512_vnni', 'avx512_bf16',
+                  'avx_vnni', 'amx_tile', 'amx_bf16', 'amx_int8')
+
+
+def machine_description(threads: int) -> dict:
+    """CPU model, cores, relevant flags, load and library versions."""
+    import torch
+    import transformers
+
+    model, flags = platform.processor() or 'unknown', set()
+    try:
+        with open('/proc/cpuinfo') as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(':')
+                if key.strip() == 'model name' and model == (platform.processor() or 'unknown'):
+                    model = value.strip()
+                elif key.strip() == 'flags' and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        'cpu_model': model, 'cores': os.cpu_count(), 'torch_threads': threads,
+        'cpu_flags': [flag for flag in RELEVANT_FLAGS if flag in flags],
+        'load_average': list(os.getloadavg()) if hasattr(os, 'getloadavg') else [],
+        'python': platform.python_version(), 'torch': torch.__version__, 'transformers': transformers.__version__,
+        'platform': platform.platform(),
+    }
+
+
+def write_json(path: Path, document: dict) -> None:
+    path.write_text(json.dumps(document, indent=1, default=_jsonable) + '\n')
+
+
+def _jsonable(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.repr}
+    raise TypeError('not JSON serializable: {!r}'.format(type(value)))
+
+
+def _num(value: float | None, pattern: str = '{:.2f}') -> str:
+    return '–' if value is None else pattern.format(value)
+
+
+def _k(cell: Cell) -> str:
+    if cell.drafter == 'none':
+        return '–'
+    if cell.k is None:
+        return 'default'
+    return 'adaptive' if cell.k == 0 else str(cell.k)
+
+
+def _main_row(cell: Cell) -> str:
+    pattern = '| {} | {} | {:.1f} ({:.1f}–{:.1f}) | {:.2f}x | {:.2f}x |' + ' {} |' * 7 + ' {:.0f} | {:.0f} | {} |'
+    return pattern.format(
+        cell.system, _k(cell), cell.tokens_per_s, cell.tokens_per_s_min, cell.tokens_per_s_max,
+        cell.speedup_vs_ours_plain, cell.speedup_vs_hf_plain, _num(cell.tau), _num(cell.acceptance_rate if
+                                                                                   cell.drafter != 'none' else None),
+        _num(cell.alpha), _num(cell.draft_cost_ratio, '{:.3f}'), _num(cell.predicted_tau),
+        _num(cell.predicted_speedup, '{:.2f}x'), _num(cell.efficiency and cell.efficiency * 100, '{:.0f}%'),
+        cell.ttft_ms, cell.peak_rss_mb, 'yes' if cell.parity else '**NO**')
+
+
+def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
+    """Render the result tables as Markdown (what RESULTS.md embeds)."""
+    settings, machine = document['settings'], document['machine']
+    lines = ['# Benchmark run', '',
+             'Command: `{}`'.format(document['command']), '',
+             'Machine: {} ({} cores, torch threads {}), flags {}; Python {}, torch {}, transformers {}; '
+             'load average at start {}, at end {}.'.format(
+                 machine['cpu_model'], machine['cores'], machine['torch_threads'],
+                 ' '.join(machine['cpu_flags']) or 'none', machine['python'], machine['torch'],
+                 machine['transformers'], _load(machine['load_average']), _load(document['load_average_end'])),
+             '',
+             'Settings: {} prompts ({}), max_new_tokens {}, repeats {}, greedy, systems interleaved in a shuffled '
+             'order per prompt and repeat; warm-up and calibration runs excluded. Started {}, took {:.0f} s.'.format(
+                 len(document['prompts']), ', '.join(categories), settings['max_new_tokens'], settings['repeats'],
+                 document['created_utc'], document['duration_s']), '']
+    lines += ['## Parity with plain greedy decoding', '']
+    if summary.parity_failures:
+        lines += ['**PARITY FAILURES** (output differs from transformers plain greedy generate; '
+                  'prompt#repeat@first differing position):', '']
+        lines += ['- **{}**'.format(failure) for failure in summary.parity_failures]
+    else:
+        lines.append("Every system produced exactly the tokens of transformers' plain greedy generate on every "
+                     'prompt and repeat.')
+    lines += ['', '## Goals', '', '| Goal | Threshold | Measured | Met | Detail |', '|---|---|---|---|---|']
+    for goal in summary.goals:
+        lines.append('| {} | {:.2f} | {} | {} | {} |'.format(goal.name, goal.threshold, _num(goal.value),
+                                                             'yes' if goal.met else '**no**', goal.detail))
+    lines += ['', '## All prompts', '',
+              'tok/s: decode tokens per second after the first token, median (min–max) over repeats. '
+              'tau: tokens per decode target pass, bonus token included. alpha: i.i.d. acceptance fitted to the '
+              "engine's per-position acceptance. c: drafter step / target step (engine-measured for ours, probe "
+              'for transformers). Predicted: Leviathan speedup from alpha, c and the measured verify-cost curve; '
+              'efficiency = measured speedup vs our plain / predicted.', '',
+              '| System | K | tok/s | vs ours plain | vs HF plain | tau | accept | alpha | c | pred. tau | '
+              'pred. speedup | efficiency | TTFT ms | peak RSS MB | parity |',
+              '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+    lines += [_main_row(c) for c in summary.cells if c.category == ALL]
+    lines += ['', '## Speedup vs our plain decoding by category (tau in brackets)', '',
+              '| System | ' + ' | '.join(categories) + ' |', '|---|' + '---|' * len(categories)]
+    for cell in (c for c in summary.cells if c.category == ALL):
+        row = []
+        for category in categories:
+            other = summary.cell(cell.system, category)
+            row.append('–' if other is None else '{:.2f}x ({:.2f}){}'.format(
+                other.speedup_vs_ours_plain, other.tau, '' if other.parity else ' **MISMATCH**'))
+        lines.append('| {} | {} |'.format(cell.system, ' | '.join(row)))
+    probe = document['cost_probe']
+    lines += ['', '## Cost probe', '',
+              'Target forward at a {}-token context: {}. Drafter step: draft model {:.2f} ms (c = {:.3f}), '
+              'assistant {:.2f} ms (c = {:.3f}).'.format(
+                  probe['context_tokens'], ', '.join('{} tok {:.2f} ms (v = {:.2f})'.format(
+                      n, ms, probe['verify_cost'][n]) for n, ms in probe['target_forward_ms'].items()),
+                  probe['draft_step_ms'], probe['draft_cost_ratio']['draft'], probe['assistant_step_ms'],
+                  probe['draft_cost_ratio']['mtp'])]
+    calibration = document['hf_calibration']
+    if calibration['tokens_per_s']:
+        lines += ['', "transformers' K chosen on the calibration prompts (decode tok/s per K): " + '; '.join(
+            '{} K={} ({})'.format(drafter, calibration['chosen_k'][drafter], ', '.join(
+                'K{} {:.1f}'.format(k, rate) for k, rate in by_k.items()))
+            for drafter, by_k in calibration['tokens_per_s'].items()) + '.']
+    defaults = [s for s in document['systems'] if s['hf_settings']]
+    if defaults:
+        lines += ['', 'transformers settings: ' + '; '.join('{} {}'.format(s['name'], json.dumps(
+            s['hf_settings'])) for s in defaults) + '.']
+    return '\n'.join(lines) + '\n'
+
+
+def _load(values: list[float]) -> str:
+    return '/'.join('{:.2f}'.format(v) for v in values) if values else 'unknown'

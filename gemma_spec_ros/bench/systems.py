@@ -1,0 +1,195 @@
+"""
+The systems under test, and one timed greedy generation of each.
+
+Our engine runs through its public API; transformers runs through ``generate`` with the same prompt ids.
+Both report the same fields, so the harness can interleave them and the analysis can compare them.
+"""
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DRAFTERS = ('none', 'ngram', 'draft', 'mtp')
+# What each drafter is called in transformers' generate.
+HF_DRAFTER_NAMES = {
+    'none': 'plain generate',
+    'ngram': 'prompt_lookup_num_tokens',
+    'draft': 'assistant_model=draft',
+    'mtp': 'assistant_model=assistant',
+}
+# transformers' documented defaults where the model directory sets nothing.
+HF_DEFAULT_PROMPT_LOOKUP_TOKENS = 10
+HF_DEFAULT_ASSISTANT_TOKENS = 20
+
+
+@dataclass(frozen=True)
+class System:
+    """One configuration under test."""
+
+    family: str           # 'ours' | 'hf'
+    drafter: str          # none|ngram|draft|mtp (hf: plain, prompt lookup, draft model, Gemma 4 assistant)
+    k: int | None = None  # fixed K; 0 = our adaptive K; None = transformers' defaults
+
+    @property
+    def name(self) -> str:
+        if self.drafter == 'none':
+            return '{}/none'.format(self.family)
+        if self.k is None:
+            return '{}/{}/default'.format(self.family, self.drafter)
+        return '{}/{}/{}'.format(self.family, self.drafter, 'adaptive' if self.k == 0 else 'K{}'.format(self.k))
+
+
+@dataclass
+class Outcome:
+    """What one generation produced and how long it took."""
+
+    token_ids: list[int]
+    ttft_s: float                  # call -> first new token
+    decode_s: float                # first new token -> last new token
+    wall_s: float
+    target_passes: int             # target forwards, prefill included
+    drafted_tokens: int
+    accepted_tokens: int
+    per_position_acceptance: list[float] = field(default_factory=list)
+    mean_num_draft_tokens: float = 0.0
+    draft_cost_ratio: float = 0.0
+    drafter_used: str = 'none'
+    warnings: list[str] = field(default_factory=list)
+
+
+Runner = Callable[[list[int], int], Outcome]
+
+
+class EngineRunner:
+    """Greedy generation with our engine, one drafter and K per request."""
+
+    def __init__(self, engine, drafter: str, k: int):
+        self._engine = engine
+        self._drafter = drafter
+        self._k = k
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
+        from gemma_spec_ros.engine.types import GenerationRequest
+
+        request = GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=0.0,
+                                    drafter=self._drafter, num_draft_tokens=self._k)
+        first_token_at: list[float] = []
+
+        def on_delta(delta) -> None:
+            if not first_token_at and delta.token_ids:
+                first_token_at.append(time.perf_counter())
+
+        start = time.perf_counter()
+        result = self._engine.generate(request, on_delta=on_delta)
+        end = time.perf_counter()
+        stats = result.stats
+        first = first_token_at[0] if first_token_at else end
+        return Outcome(
+            token_ids=list(result.token_ids), ttft_s=first - start, decode_s=end - first, wall_s=end - start,
+            target_passes=stats.target_passes, drafted_tokens=stats.drafted_tokens,
+            accepted_tokens=stats.accepted_tokens, per_position_acceptance=list(stats.per_position_acceptance),
+            mean_num_draft_tokens=stats.mean_num_draft_tokens, draft_cost_ratio=stats.draft_cost_ratio,
+            drafter_used=stats.drafter, warnings=list(result.warnings))
+
+
+class ForwardCounter:
+    """Counts a model's forward calls and their input lengths (transformers exposes no acceptance stats)."""
+
+    def __init__(self, model):
+        self.input_lengths: list[int] = []
+        model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs) -> None:
+        input_ids = kwargs.get('input_ids', args[0] if args else None)
+        embeds = kwargs.get('inputs_embeds')
+        length = input_ids.shape[1] if input_ids is not None else (embeds.shape[1] if embeds is not None else 0)
+        self.input_lengths.append(int(length))
+
+    def reset(self) -> None:
+        self.input_lengths.clear()
+
+
+class _FirstTokenClock:
+    """A generate streamer that notes when the first new token arrives (the first put is the prompt)."""
+
+    def __init__(self):
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersRunner:
+    """Greedy ``target.generate`` with one transformers drafter configuration."""
+
+    def __init__(self, target, counter: ForwardCounter, drafter: str, k: int | None, draft_model=None,
+                 assistant=None):
+        self._target = target
+        self._counter = counter
+        self._drafter = drafter
+        self._kwargs: dict = {}
+        self._assistant = None
+        self._assistant_config = None
+        self.settings: dict = {}
+        if drafter == 'ngram':
+            tokens = HF_DEFAULT_PROMPT_LOOKUP_TOKENS if k is None else k
+            self._kwargs = {'prompt_lookup_num_tokens': tokens}
+            self.settings = {'prompt_lookup_num_tokens': tokens, 'max_matching_ngram_size': 2}
+        elif drafter in ('draft', 'mtp'):
+            self._assistant = draft_model if drafter == 'draft' else assistant
+            if self._assistant is None:
+                raise ValueError('drafter {!r} needs its model loaded'.format(drafter))
+            self._assistant_config = self._configure_assistant(drafter, k)
+            self._kwargs = {'assistant_model': self._assistant}
+        elif drafter != 'none':
+            raise ValueError('unknown drafter {!r}'.format(drafter))
+
+    def _configure_assistant(self, drafter: str, k: int | None):
+        """Return the assistant's generation config for this runner (transformers reads K from the assistant)."""
+        config = copy.deepcopy(self._assistant.generation_config)
+        if k is not None:
+            # Fixed K: exactly K drafts per round, no schedule, no confidence cut-off.
+            config.num_assistant_tokens = k
+            config.num_assistant_tokens_schedule = 'constant'
+            config.assistant_confidence_threshold = 0.0
+        elif drafter == 'mtp' and config.num_assistant_tokens is None:
+            config.num_assistant_tokens = HF_DEFAULT_ASSISTANT_TOKENS  # generate raises without it
+        if drafter == 'mtp':
+            self.settings = {'num_assistant_tokens': config.num_assistant_tokens}
+        else:
+            self.settings = {
+                'num_assistant_tokens': config.num_assistant_tokens or HF_DEFAULT_ASSISTANT_TOKENS,
+                'num_assistant_tokens_schedule': config.num_assistant_tokens_schedule or 'constant',
+                'assistant_confidence_threshold': (0.4 if config.assistant_confidence_threshold is None
+                                                   else config.assistant_confidence_threshold)}
+        return config
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
+        import torch
+
+        if self._assistant is not None:
+            # A fresh copy per call: transformers' heuristic schedule writes K back into this config.
+            self._assistant.generation_config = copy.deepcopy(self._assistant_config)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+        clock = _FirstTokenClock()
+        self._counter.reset()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = self._target.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                           max_new_tokens=max_new_tokens, streamer=clock, **self._kwargs)
+        end = time.perf_counter()
+        new_ids = output[0, len(prompt_ids):].tolist()
+        first = clock.first_token_at or end
+        lengths = self._counter.input_lengths
+        # The first pass holds the prompt (plus drafts on some paths); later passes hold 1 token plus drafts.
+        drafted = (lengths[0] - len(prompt_ids) if lengths else 0) + sum(n - 1 for n in lengths[1:])
+        return Outcome(token_ids=new_ids, ttft_s=first - start, decode_s=end - first, wall_s=end - start,
+                       target_passes=len(lengths), drafted_tokens=drafted,
+                       accepted_tokens=max(0, len(new_ids) - len(lengths)), drafter_used=self._drafter)

@@ -1,0 +1,99 @@
+import json
+import time
+
+import pytest
+
+from gemma_spec_ros.bench import main
+from gemma_spec_ros.bench.analysis import expected_tokens, fit_alpha, predict_speedup
+from gemma_spec_ros.bench.harness import Measurement, first_mismatch
+from gemma_spec_ros.bench.probe import CostProbe
+from gemma_spec_ros.bench.prompts import load_prompts, take_per_category
+
+EXPECTED_SYSTEMS = {'ours/none', 'ours/ngram/K2', 'ours/ngram/adaptive', 'ours/draft/K2', 'ours/draft/adaptive',
+                    'ours/mtp/K2', 'ours/mtp/adaptive', 'hf/none', 'hf/ngram/default', 'hf/ngram/K2',
+                    'hf/draft/default', 'hf/draft/K2', 'hf/mtp/default', 'hf/mtp/K2'}
+
+
+def test_quick_bench_on_tiny_models(tiny_models, tmp_path):
+    out = tmp_path / 'out'
+    started = time.perf_counter()
+    code = main(['--quick', '--target', tiny_models.target, '--draft', tiny_models.draft,
+                 '--assistant', tiny_models.assistant, '--out', str(out)])
+    elapsed = time.perf_counter() - started
+    assert code == 0
+    document = json.loads((out / 'results.json').read_text())
+    assert document['schema'] == 'gemma_spec_ros.bench/1'
+    assert {s['name'] for s in document['systems']} == EXPECTED_SYSTEMS
+    overall = {c['system']: c for c in document['summary'] if c['category'] == 'all'}
+    assert set(overall) == EXPECTED_SYSTEMS
+    assert document['parity_failures'] == []
+    assert all(c['parity'] for c in document['summary'])
+    assert all(c['tokens_per_s'] > 0 for c in overall.values())
+    assert overall['ours/none']['speedup_vs_ours_plain'] == pytest.approx(1.0)
+    categories = {p['category'] for p in document['prompts']}
+    assert categories == {'code', 'explain', 'summarize', 'math', 'extract'}
+    assert len(document['measurements']) == len(EXPECTED_SYSTEMS) * len(document['prompts'])
+    assert 'token_ids' not in document['measurements'][0]
+    for name in ('results.md', 'speedup_by_category.png', 'k_sweep.png', 'predicted_vs_measured.png'):
+        assert (out / name).stat().st_size > 0, name
+    assert 'ours/mtp/adaptive' in (out / 'results.md').read_text()
+    assert elapsed < 60, 'bench --quick took {:.0f} s'.format(elapsed)
+
+
+def test_committed_prompt_set_covers_every_category():
+    prompts = load_prompts('bench/prompts.jsonl')
+    by_category = {}
+    for prompt in prompts:
+        by_category[prompt.category] = by_category.get(prompt.category, 0) + 1
+    assert set(by_category) == {'code', 'explain', 'summarize', 'math', 'extract'}
+    assert min(by_category.values()) >= 3
+    assert len(take_per_category(prompts, 1)) == 5
+
+
+def test_bad_prompt_file_raises_value_error(tmp_path):
+    bad = tmp_path / 'bad.jsonl'
+    bad.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match='category'):
+        load_prompts(str(bad))
+    bad.write_text('not json\n')
+    with pytest.raises(ValueError, match='not JSON'):
+        load_prompts(str(bad))
+
+
+def test_bad_options_exit_with_message(capsys, tiny_models):
+    assert main(['--quick', '--ks', '0', '--target', tiny_models.target, '--draft', tiny_models.draft,
+                 '--assistant', tiny_models.assistant]) == 2
+    assert 'K values must be >= 1' in capsys.readouterr().err
+
+
+def test_first_mismatch():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) == -1
+    assert first_mismatch([1, 5, 3], [1, 2, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def _sample(per_position, passes):
+    return Measurement(system='s', prompt_id='p', category='c', repeat=0, new_tokens=10, ttft_s=0.1, decode_s=1.0,
+                       wall_s=1.1, target_passes=passes, drafted_tokens=0, accepted_tokens=0,
+                       per_position_acceptance=per_position, mean_num_draft_tokens=0.0, draft_cost_ratio=0.1,
+                       drafter_used='ngram', warnings=[], peak_rss_bytes=0, rss_growth_bytes=0, parity=True,
+                       first_mismatch=-1)
+
+
+def test_leviathan_model():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # Per-position acceptance of an i.i.d. alpha = 0.6 drafter is 0.6, 0.36, 0.216.
+    assert fit_alpha([_sample([0.6, 0.36, 0.216], 11)]) == pytest.approx(0.6)
+    assert fit_alpha([_sample([], 11)]) is None
+    probe = CostProbe(context_tokens=100, target_forward_ms={1: 10.0, 3: 12.0}, verify_cost={1: 1.0, 3: 1.2},
+                      draft_step_ms=1.0, assistant_step_ms=1.0, draft_cost_ratio={})
+    assert probe.verify_cost_at(2) == pytest.approx(1.1)
+    tau, speedup = predict_speedup(0.5, 2, 1.0, 0.1, probe)
+    assert tau == pytest.approx(1.75)
+    assert speedup == pytest.approx(1.75 / (2 * 0.1 + 1.2))
+    # Rounds with nothing to draft are plain rounds: one token for one 1-token pass.
+    tau, speedup = predict_speedup(0.5, 2, 0.5, 0.0, probe)
+    assert tau == pytest.approx(0.5 * 1.75 + 0.5)
+    assert speedup == pytest.approx(tau / (0.5 * 1.2 + 0.5))
