@@ -87,7 +87,7 @@ def test_leviathan_model():
     # Per-position acceptance of an i.i.d. alpha = 0.6 drafter is 0.6, 0.36, 0.216.
     assert fit_alpha([_sample([0.6, 0.36, 0.216], 11)]) == pytest.approx(0.6)
     assert fit_alpha([_sample([], 11)]) is None
-    probe = CostProbe(context_tokens=100, target_forward_ms={1: 10.0, 3: 12.0}, verify_cost={1: 1.0, 3: 1.2},
+    probe = CostProbe(context_tokens=100, rounds=1, target_forward_ms={1: 10.0, 3: 12.0}, verify_cost={1: 1.0, 3: 1.2},
                       draft_step_ms=1.0, assistant_step_ms=1.0, draft_cost_ratio={})
     assert probe.verify_cost_at(2) == pytest.approx(1.1)
     tau, speedup = predict_speedup(0.5, 2, 1.0, 0.1, probe)

@@ -20,7 +20,7 @@ BUNDLED = {'target': 'models/gemma4-spec-target', 'draft': 'models/gemma4-spec-d
            'assistant': 'models/gemma4-spec-assistant'}
 # (full run, --quick) defaults; an explicit option wins.
 DEFAULTS = {'max_new_tokens': (96, 16), 'repeats': (2, 1), 'per_category': (0, 1), 'ks': ('1,2,4,8', '2'),
-            'probe_repeats': (15, 3), 'threads': (0, 1)}
+            'probe_repeats': (10, 2), 'threads': (0, 1)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--threads', type=int,
                         help='torch CPU threads for every system (default: torch default; quick 1, since two '
                              'threads on shared cores can be several times slower)')
-    parser.add_argument('--probe-repeats', type=int, help='rounds of the forward-cost probe (default 15; quick 3)')
+    parser.add_argument('--probe-repeats', type=int,
+                        help='forward-cost probe rounds before and after the run (default 10; quick 2)')
     parser.add_argument('--seed', type=int, default=0, help='seed of the interleaving order')
     parser.add_argument('--out', help='output directory (default bench/results; quick bench/results/quick)')
     parser.add_argument('--quick', action='store_true', help='short smoke run: 1 prompt per category, K=2, 16 tokens')
@@ -92,7 +93,8 @@ def run(args, argv: list[str]) -> Path:
     probe_prompt = sorted(prompts, key=lambda p: lengths[p.id])[len(prompts) // 2]
     print('probing forward costs on {} ({} tokens)'.format(probe_prompt.id, lengths[probe_prompt.id]),
           file=sys.stderr)
-    probe = bench.probe(probe_prompt)
+    sampler = bench.cost_sampler(probe_prompt)
+    sampler.sample(settings.probe_repeats)
 
     calibration_prompts = take_per_category(prompts, 1)
     sweep = len(settings.ks) > 1
@@ -109,7 +111,9 @@ def run(args, argv: list[str]) -> Path:
         systems = bench.our_systems() + [System('hf', 'none')]
         for drafter in settings.drafters:
             systems += [System('hf', drafter), System('hf', drafter, calibration.chosen_k[drafter])]
-        measurements = run_interleaved(bench, systems, prompts, step)
+        measurements = run_interleaved(bench, systems, prompts, sampler, step)
+    sampler.sample(settings.probe_repeats)
+    probe = sampler.result()
 
     summary = summarize(systems, measurements, categories, probe)
     document = {

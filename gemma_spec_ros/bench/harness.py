@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gemma_spec_ros.bench.probe import CostProbe, measure_costs
+from gemma_spec_ros.bench.probe import CostSampler
 from gemma_spec_ros.bench.prompts import Prompt
 from gemma_spec_ros.bench.systems import (
     DRAFTERS,
@@ -34,7 +34,7 @@ class Settings:
     ks: list[int]                  # fixed K values for our engine and the transformers K sweep
     drafters: list[str]            # speculative drafters to measure (subset of ngram, draft, mtp)
     threads: int
-    probe_repeats: int
+    probe_repeats: int             # cost-probe rounds before and after the run (plus one after each prompt)
     seed: int
 
     def check(self) -> None:
@@ -179,10 +179,9 @@ class Bench:
         chosen = {drafter: max(by_k, key=by_k.get) for drafter, by_k in rates.items()}
         return Calibration(rates, chosen)
 
-    def probe(self, prompt: Prompt) -> CostProbe:
+    def cost_sampler(self, prompt: Prompt) -> CostSampler:
         sizes = [1] + [k + 1 for k in self.settings.ks]
-        return measure_costs(self.target, self.encode(prompt), sizes, self.settings.probe_repeats,
-                             self.draft_model, self.assistant)
+        return CostSampler(self.target, self.encode(prompt), sizes, self.draft_model, self.assistant)
 
 
 def measure_once(runner: Runner, prompt_ids: list[int], max_new_tokens: int) -> tuple[Outcome, int, int]:
@@ -194,12 +193,12 @@ def measure_once(runner: Runner, prompt_ids: list[int], max_new_tokens: int) -> 
     return outcome, peak, max(0, peak - before)
 
 
-def run_interleaved(bench: Bench, systems: list[System], prompts: list[Prompt],
+def run_interleaved(bench: Bench, systems: list[System], prompts: list[Prompt], probe: CostSampler,
                     on_step: Callable[[str], None]) -> list[Measurement]:
     """
     Measure every system on every prompt ``repeats`` times after one warm-up run per system.
 
-    The order is shuffled per (repeat, prompt) with a fixed seed.
+    The order is shuffled per (repeat, prompt) with a fixed seed; one cost-probe round follows each prompt.
     """
     settings = bench.settings
     runners = {system.name: bench.runner(system) for system in systems}
@@ -220,6 +219,7 @@ def run_interleaved(bench: Bench, systems: list[System], prompts: list[Prompt],
             for name in names:
                 outcomes[name] = measure_once(runners[name], encoded[prompt.id], settings.max_new_tokens)
                 on_step(name)
+            probe.sample()
             reference = references.setdefault(prompt.id, outcomes['hf/none'][0].token_ids)
             for name in runners:
                 outcome, peak, growth = outcomes[name]

@@ -73,11 +73,11 @@ def k_sweep(summary: Summary, drafters: list[str], path: Path) -> None:
                             label=drafter + ' adaptive (mean K)')
             tau_axis.plot([adaptive.mean_k], [adaptive.tau], '*', color=color, markersize=13)
     speed_axis.axhline(1.0, color='grey', linewidth=0.8)
-    speed_axis.set(xlabel='K (drafted tokens per round)', ylabel='speedup vs our plain decoding', xscale='log',
+    speed_axis.set(xlabel='K (drafted tokens per round)', ylabel='speedup vs our plain decoding',
                    title='speedup against K')
-    tau_axis.set(xlabel='K (drafted tokens per round)', ylabel='tau (tokens per target pass)', xscale='log',
-                 title='tau against K')
+    tau_axis.set(xlabel='K (drafted tokens per round)', ylabel='tau (tokens per target pass)', title='tau against K')
     for axis in (speed_axis, tau_axis):
+        axis.set_xlim(left=0)
         axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -2,7 +2,8 @@
 Forward-cost probe: target cost for 1..K+1 tokens at a real context, and one drafter step.
 
 The Leviathan model needs c (drafter step / target step) and the verify-cost curve v(n) = t(n tokens) / t(1 token).
-Each timed forward starts from a copy of the same prefilled cache, so every size sees the same context.
+Each timed forward starts from a copy of the same prefilled cache, so every size sees the same context. The harness
+takes probe rounds between the measured generations, so the probe sees the same machine load as the systems.
 """
 
 import copy
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 @dataclass
 class CostProbe:
     context_tokens: int
+    rounds: int
     target_forward_ms: dict[int, float]   # tokens in one target forward -> median ms
     verify_cost: dict[int, float]         # n -> t(n) / t(1)
     draft_step_ms: float                  # draft model, 1 token with cache
@@ -21,7 +23,7 @@ class CostProbe:
     draft_cost_ratio: dict[str, float]    # drafter -> c measured here
 
     def verify_cost_at(self, tokens: float) -> float:
-        """v(tokens), linearly interpolated between measured sizes (clamped at the ends)."""
+        """Return v(tokens), linearly interpolated between measured sizes (clamped at the ends)."""
         sizes = sorted(self.verify_cost)
         if tokens <= sizes[0]:
             return self.verify_cost[sizes[0]]
@@ -38,43 +40,58 @@ def _timed_ms(call) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def measure_costs(target, prompt_ids: list[int], sizes: list[int], repeats: int, draft_model=None,
-                  assistant=None) -> CostProbe:
-    """Median forward times over ``repeats`` interleaved rounds (sizes in one round share machine load)."""
-    import torch
+class CostSampler:
+    """Prefilled target (and drafters) on one prompt; each round times every size once."""
 
-    if not sizes or min(sizes) < 1 or repeats < 1:
-        raise ValueError('sizes must be >= 1 and repeats >= 1')
-    sizes = sorted(set(sizes) | {1})
-    context = torch.tensor([prompt_ids], dtype=torch.long)
-    next_tokens = context[:, -max(sizes):].flip(1)  # real token ids, any content will do
-    samples: dict[str, list[float]] = {str(n): [] for n in sizes} | {'draft': [], 'mtp': []}
-    with torch.inference_mode():
-        prefill = target(input_ids=context, use_cache=True, output_hidden_states=True, return_shared_kv_states=True)
-        draft_cache = draft_model(input_ids=context, use_cache=True).past_key_values if draft_model else None
-        hidden = prefill.hidden_states[-1][:, -1:]
-        shared_kv = prefill.shared_kv_states
-        embed = target.get_input_embeddings()
-        position = torch.tensor([[context.shape[1] - 1]])
-        for _ in range(repeats):
-            for n in sizes:
-                cache = copy.deepcopy(prefill.past_key_values)
-                samples[str(n)].append(_timed_ms(
-                    lambda n=n, cache=cache: target(input_ids=next_tokens[:, :n], cache=cache, use_cache=True)))
-            if draft_model is not None:
-                cache = copy.deepcopy(draft_cache)
-                samples['draft'].append(_timed_ms(
-                    lambda cache=cache: draft_model(input_ids=next_tokens[:, :1], cache=cache, use_cache=True)))
-            if assistant is not None:
-                samples['mtp'].append(_timed_ms(lambda: assistant(
-                    inputs_embeds=torch.cat([embed(context[:, -1:]), hidden], dim=-1), position_ids=position,
-                    shared_kv_states=shared_kv, use_cache=False)))
-    forward_ms = {n: statistics.median(samples[str(n)]) for n in sizes}
-    draft_ms = statistics.median(samples['draft']) if samples['draft'] else 0.0
-    assistant_ms = statistics.median(samples['mtp']) if samples['mtp'] else 0.0
-    return CostProbe(
-        context_tokens=len(prompt_ids), target_forward_ms=forward_ms,
-        verify_cost={n: forward_ms[n] / forward_ms[1] for n in sizes},
-        draft_step_ms=draft_ms, assistant_step_ms=assistant_ms,
-        draft_cost_ratio={'none': 0.0, 'ngram': 0.0, 'draft': draft_ms / forward_ms[1],
-                          'mtp': assistant_ms / forward_ms[1]})
+    def __init__(self, target, prompt_ids: list[int], sizes: list[int], draft_model=None, assistant=None):
+        import torch
+
+        if not sizes or min(sizes) < 1:
+            raise ValueError('probe sizes must be >= 1, got {}'.format(sizes))
+        self._target, self._draft_model, self._assistant = target, draft_model, assistant
+        self._sizes = sorted(set(sizes) | {1})
+        self._context = torch.tensor([prompt_ids], dtype=torch.long)
+        self._next_tokens = self._context[:, -max(self._sizes):].flip(1)  # real token ids; content is irrelevant
+        self._samples: dict[str, list[float]] = {str(n): [] for n in self._sizes} | {'draft': [], 'mtp': []}
+        with torch.inference_mode():
+            prefill = target(input_ids=self._context, use_cache=True, output_hidden_states=True,
+                             return_shared_kv_states=True)
+            self._draft_cache = (draft_model(input_ids=self._context, use_cache=True).past_key_values
+                                 if draft_model is not None else None)
+        self._target_cache = prefill.past_key_values
+        self._hidden = prefill.hidden_states[-1][:, -1:]
+        self._shared_kv = prefill.shared_kv_states
+        self._position = torch.tensor([[self._context.shape[1] - 1]])
+
+    def sample(self, rounds: int = 1) -> None:
+        import torch
+
+        embed = self._target.get_input_embeddings()
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for n in self._sizes:
+                    cache = copy.deepcopy(self._target_cache)
+                    self._samples[str(n)].append(_timed_ms(lambda n=n, cache=cache: self._target(
+                        input_ids=self._next_tokens[:, :n], cache=cache, use_cache=True)))
+                if self._draft_model is not None:
+                    cache = copy.deepcopy(self._draft_cache)
+                    self._samples['draft'].append(_timed_ms(lambda cache=cache: self._draft_model(
+                        input_ids=self._next_tokens[:, :1], cache=cache, use_cache=True)))
+                if self._assistant is not None:
+                    self._samples['mtp'].append(_timed_ms(lambda: self._assistant(
+                        inputs_embeds=torch.cat([embed(self._context[:, -1:]), self._hidden], dim=-1),
+                        position_ids=self._position, shared_kv_states=self._shared_kv, use_cache=False)))
+
+    def result(self) -> CostProbe:
+        """Medians of all rounds so far."""
+        if not self._samples['1']:
+            raise ValueError('no probe rounds taken')
+        forward_ms = {n: statistics.median(self._samples[str(n)]) for n in self._sizes}
+        draft_ms = statistics.median(self._samples['draft']) if self._samples['draft'] else 0.0
+        assistant_ms = statistics.median(self._samples['mtp']) if self._samples['mtp'] else 0.0
+        return CostProbe(
+            context_tokens=self._context.shape[1], rounds=len(self._samples['1']), target_forward_ms=forward_ms,
+            verify_cost={n: forward_ms[n] / forward_ms[1] for n in self._sizes},
+            draft_step_ms=draft_ms, assistant_step_ms=assistant_ms,
+            draft_cost_ratio={'none': 0.0, 'ngram': 0.0, 'draft': draft_ms / forward_ms[1],
+                              'mtp': assistant_ms / forward_ms[1]})

@@ -120,9 +120,9 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
         lines.append('| {} | {} |'.format(cell.system, ' | '.join(row)))
     probe = document['cost_probe']
     lines += ['', '## Cost probe', '',
-              'Target forward at a {}-token context: {}. Drafter step: draft model {:.2f} ms (c = {:.3f}), '
-              'assistant {:.2f} ms (c = {:.3f}).'.format(
-                  probe['context_tokens'], ', '.join('{} tok {:.2f} ms (v = {:.2f})'.format(
+              'Medians of {} probe rounds spread over the run. Target forward at a {}-token context: {}. '
+              'Drafter step: draft model {:.2f} ms (c = {:.3f}), assistant {:.2f} ms (c = {:.3f}).'.format(
+                  probe['rounds'], probe['context_tokens'], ', '.join('{} tok {:.2f} ms (v = {:.2f})'.format(
                       n, ms, probe['verify_cost'][n]) for n, ms in probe['target_forward_ms'].items()),
                   probe['draft_step_ms'], probe['draft_cost_ratio']['draft'], probe['assistant_step_ms'],
                   probe['draft_cost_ratio']['mtp'])]
