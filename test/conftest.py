@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# the 2 cores are shared with other jobs: one torch thread avoids spin-wait contention (override for benchmarks)
+TEST_THREADS = int(os.environ.get('GEMMA_SPEC_TEST_THREADS', '1'))
 TOKENIZER_DIR = REPO_ROOT / 'models' / 'tokenizer'
 SLIDING_WINDOW = 16
 
@@ -87,6 +89,12 @@ def build_tiny_models(root: Path) -> TinyModels:
     draft = Gemma4ForCausalLM(_text_config(vocab, 32, [sliding, full])).eval()
     paths['draft'] = _save(draft, tokenizer, root / 'draft')
     return TinyModels(**paths)
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture(scope='session')

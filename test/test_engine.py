@@ -1,0 +1,235 @@
+"""The engine on tiny random Gemma 4 models: greedy parity with transformers, streaming, stops, cancel, seeds."""
+
+import math
+import threading
+
+import pytest
+import torch
+
+from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationRequest
+from gemma_spec_ros.engine.stream import IncrementalDetokenizer, StopStrings
+
+CODE_PROMPT = 'def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n'
+STORY_PROMPT = 'The robot picked up the red cube and'
+LONG = 72  # new tokens: several times the fixtures' sliding_window (16)
+
+
+@pytest.fixture(scope='module')
+def reference(tiny_models, tiny_engine):
+    """Greedy continuations from transformers' plain generate, cached per (prompt, length)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.target).eval()
+    cache = {}
+
+    def continuation(prompt_ids, max_new_tokens):
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=tiny_engine.eos_token_ids, pad_token_id=0)
+            cache[key] = out[0, len(prompt_ids):].tolist()
+        return cache[key]
+
+    return continuation
+
+
+@pytest.fixture(scope='module')
+def agreeing_engine(tiny_models):
+    """Draft model = the target itself: every greedy draft is accepted (exercises the accept paths)."""
+    return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
+                                           draft_model_path=tiny_models.target, device='cpu'))
+
+
+@pytest.fixture(scope='module')
+def ordered_engine(tiny_models):
+    return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='mtp',
+                                           assistant_path=tiny_models.assistant_ordered, device='cpu'))
+
+
+def ids_of(engine, prompt):
+    return engine.tokenizer(prompt).input_ids
+
+
+@pytest.mark.parametrize('drafter', ['none', 'ngram', 'draft', 'mtp'])
+@pytest.mark.parametrize('k', [1, 2, 4, 8])
+def test_greedy_parity_with_transformers(tiny_engine, reference, drafter, k):
+    prompt = CODE_PROMPT if drafter == 'ngram' else STORY_PROMPT
+    expected = reference(ids_of(tiny_engine, prompt), LONG)
+    result = tiny_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=LONG, drafter=drafter,
+                                                    num_draft_tokens=k))
+    assert result.token_ids == expected
+    assert result.stats.drafter == drafter and not result.warnings
+
+
+@pytest.mark.parametrize('drafter', ['ngram', 'draft', 'mtp'])
+def test_greedy_parity_adaptive_k(tiny_engine, reference, drafter):
+    expected = reference(ids_of(tiny_engine, CODE_PROMPT), LONG)
+    for _ in range(2):  # the second request starts from the controller's learned state
+        result = tiny_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=LONG, drafter=drafter))
+        assert result.token_ids == expected
+
+
+def test_ngram_accepts_on_repetitive_prompt(tiny_engine, reference):
+    result = tiny_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=LONG, drafter='ngram',
+                                                    num_draft_tokens=4))
+    assert result.stats.accepted_tokens > 0 and result.stats.tau > 1.0
+
+
+@pytest.mark.parametrize('k', [1, 3, 8])
+def test_agreeing_drafter_accepts_everything(agreeing_engine, reference, k):
+    expected = reference(ids_of(agreeing_engine, STORY_PROMPT), LONG)
+    result = agreeing_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=LONG,
+                                                        num_draft_tokens=k))
+    assert result.token_ids == expected
+    stats = result.stats
+    assert stats.acceptance_rate == 1.0 and stats.per_position_acceptance == [1.0] * k
+    assert stats.target_passes == 1 + math.ceil((LONG - 1) / (k + 1))
+    assert stats.tau == pytest.approx(LONG / stats.target_passes)
+
+
+def test_agreeing_drafter_sampled_proposals_are_accepted(agreeing_engine):
+    # proposals sampled from the drafter's own processed distribution, which equals the target's here
+    result = agreeing_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=40, temperature=0.9,
+                                                        top_p=0.95, top_k=40, seed=11, num_draft_tokens=4))
+    assert result.stats.acceptance_rate > 0.9 and result.stats.tau > 3.0
+
+
+def test_ordered_embedding_assistant_parity(ordered_engine, reference):
+    expected = reference(ids_of(ordered_engine, STORY_PROMPT), LONG)
+    for k in (2, 5):
+        result = ordered_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=LONG,
+                                                           num_draft_tokens=k))
+        assert result.token_ids == expected and result.stats.drafter == 'mtp'
+
+
+@pytest.mark.parametrize('drafter', ['none', 'ngram', 'draft', 'mtp'])
+def test_seed_determinism_and_sampling_stats(tiny_engine, drafter):
+    request = GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=40, temperature=0.8, top_p=0.9, top_k=50, seed=3,
+                                drafter=drafter, num_draft_tokens=3)
+    first, second = tiny_engine.generate(request), tiny_engine.generate(request)
+    assert first.token_ids == second.token_ids and first.text == second.text
+    other = tiny_engine.generate(GenerationRequest(**{**request.__dict__, 'seed': 4}))
+    assert other.token_ids != first.token_ids
+    stats = first.stats
+    assert stats.new_tokens == 40 and stats.prompt_tokens == len(ids_of(tiny_engine, CODE_PROMPT))
+    assert stats.tau == pytest.approx(40 / stats.target_passes)
+    assert stats.peak_memory_bytes > 0 and stats.wall_time > 0 and stats.tokens_per_second > 0
+    assert 0 <= stats.inter_token_latency_p50 <= stats.inter_token_latency_p95
+
+
+def test_streaming_one_delta_per_round_and_text_matches(tiny_engine):
+    deltas = []
+    result = tiny_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=50, drafter='ngram',
+                                                    num_draft_tokens=4), on_delta=deltas.append)
+    assert len(deltas) == result.stats.target_passes  # prefill + one per verify round, never coalesced
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids
+    assert ''.join(d.text for d in deltas) == result.text
+    assert result.text == tiny_engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert deltas[-1].tokens_generated == 50 and result.finish_reason == 'length'
+    assert any(len(d.token_ids) > 1 for d in deltas)
+
+
+def test_stream_iterator_returns_result(tiny_engine):
+    iterator = tiny_engine.stream(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=10, drafter='none'))
+    deltas = []
+    while True:
+        try:
+            deltas.append(next(iterator))
+        except StopIteration as stop:
+            result = stop.value
+            break
+    assert len(deltas) == 10 and result.token_ids == [t for d in deltas for t in d.token_ids]
+
+
+def test_incremental_detokenizer_never_emits_broken_utf8(tiny_engine):
+    text = 'Grüße, 日本の🤖 robots! Ünïcödé ✓'
+    ids = tiny_engine.tokenizer(text, add_special_tokens=False).input_ids
+    assert len(ids) > len(text.encode()) // 4  # multi-byte chars span several byte-level tokens
+    detokenizer = IncrementalDetokenizer(tiny_engine.tokenizer)
+    pieces = [detokenizer.add([token]) for token in ids] + [detokenizer.flush()]
+    assert all('\ufffd' not in piece for piece in pieces)
+    assert ''.join(pieces) == text
+    assert sum(1 for piece in pieces if piece == '') > 0  # held back while a character was incomplete
+
+
+def test_stop_strings_across_chunk_boundaries():
+    stops = StopStrings(['STOP', 'halt!'])
+    emitted = [stops.feed(piece) for piece in ['go ST', 'O', 'ne', ' ha', 'lt', '! tail']]
+    assert ''.join(emitted) == 'go STOne ' and stops.stopped
+    stops = StopStrings(['STOP'])
+    assert stops.feed('abc S') == 'abc ' and stops.feed('T') == '' and stops.flush() == 'ST'
+
+
+def test_stop_string_spanning_rounds(tiny_engine):
+    deltas = []
+    base = tiny_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=40, drafter='ngram',
+                                                  num_draft_tokens=4), on_delta=deltas.append)
+    # a stop string made of the end of one round's text and the start of the next
+    offsets, position = [], 0
+    for delta in deltas:
+        position += len(delta.text)
+        offsets.append(position)
+    boundary = next(o for o in offsets[1:-1] if 2 <= o <= len(base.text) - 2 and base.text[o - 2:o + 2].strip())
+    stop = base.text[boundary - 2:boundary + 2]
+    seen = []
+    result = tiny_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=40, drafter='ngram',
+                                                    num_draft_tokens=4, stop=[stop]), on_delta=seen.append)
+    assert result.finish_reason == 'stop'
+    assert result.text == base.text[:base.text.find(stop)]
+    assert ''.join(d.text for d in seen) == result.text
+
+
+def test_cancel_from_another_thread(tiny_engine):
+    cancel = CancelToken()
+    first_delta = threading.Event()
+    outcome = {}
+
+    def run():
+        outcome['result'] = tiny_engine.generate(
+            GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=500, drafter='none'),
+            on_delta=lambda delta: first_delta.set(), cancel=cancel)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert first_delta.wait(60)
+    cancel.cancel()
+    worker.join(60)
+    result = outcome['result']
+    assert result.finish_reason == 'cancelled' and 0 < len(result.token_ids) < 500
+
+
+def test_eos_stops_generation(tiny_engine):
+    plain = tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=12, drafter='none'))
+    eos_engine_ids = set(tiny_engine.eos_token_ids)
+    tiny_engine._eos_ids = eos_engine_ids | {plain.token_ids[5]}
+    try:
+        result = tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=12, drafter='ngram'))
+    finally:
+        tiny_engine._eos_ids = eos_engine_ids
+    assert result.finish_reason == 'stop' and result.token_ids == plain.token_ids[:plain.token_ids.index(
+        plain.token_ids[5]) + 1]
+
+
+def test_chat_messages_use_template(tiny_engine):
+    messages = [{'role': 'user', 'content': 'pick up the cube'}]
+    result = tiny_engine.generate(GenerationRequest(messages=messages, max_new_tokens=4, drafter='none'))
+    text = tiny_engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert result.stats.prompt_tokens == len(tiny_engine.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def test_status_reports_controller(tiny_engine):
+    status = tiny_engine.status()
+    assert status.target_id == 'target' and status.device == 'cpu' and status.dtype == 'float32'
+    assert status.drafter == 'ngram' and status.num_draft_tokens >= 1 and status.tau_lifetime >= 1.0
+
+
+def test_profit_gate_pauses_useless_drafter(tiny_models):
+    engine = Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
+                                             draft_model_path=tiny_models.draft, device='cpu', probe_interval=8))
+    result = engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=60))
+    status = engine.status()
+    # random weights accept almost nothing: speculation must pause and most rounds run plain
+    assert not status.speculating
+    assert result.stats.mean_num_draft_tokens < 2
+    assert status.break_even_tau > 1.0
