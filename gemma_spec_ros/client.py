@@ -1,0 +1,355 @@
+"""
+Send a Generate goal and stream its feedback, like ``ros2 action send_goal --feedback``.
+
+``python -m gemma_spec_ros client "prompt" [--max-new-tokens N] [--cancel-after N] ...`` prints the text as
+it streams, then the goal status and the result's statistics. ``GenerateClient`` is the same client as a
+class (demo, record/replay and tests use it): goals can be sent from several threads at once.
+"""
+
+import argparse
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import rclpy
+from action_msgs.msg import GoalStatus
+from diagnostic_msgs.msg import DiagnosticArray
+from gemma_spec_msgs.action import Generate
+from gemma_spec_msgs.msg import ChatMessage
+from rclpy.action import ActionClient
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.qos import QoSProfile
+from rclpy.signals import SignalHandlerOptions
+
+from gemma_spec_ros.diagnostics import level_name
+
+DEFAULT_ACTION = '/gemma_spec/generate'
+FEEDBACK_QUEUE_DEPTH = 1000
+STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: 'succeeded', GoalStatus.STATUS_ABORTED: 'aborted',
+                GoalStatus.STATUS_CANCELED: 'canceled'}
+
+
+@dataclass
+class Outcome:
+    """What happened to one goal, as the client saw it."""
+
+    accepted: bool = False
+    status: str = 'rejected'          # succeeded|aborted|canceled|rejected|timeout
+    result: object = None             # Generate.Result
+    feedback: list = field(default_factory=list)        # Generate.Feedback messages in arrival order
+    feedback_times: list = field(default_factory=list)  # seconds after sending, per feedback message
+    result_time: float = 0.0          # seconds from sending to the result
+    cancel_time: float = 0.0          # seconds after sending when the cancel was requested (0 = never)
+
+    @property
+    def first_feedback_latency(self) -> float:
+        return self.feedback_times[0] if self.feedback_times else 0.0
+
+    @property
+    def streamed_text(self) -> str:
+        return ''.join(f.text_delta for f in self.feedback)
+
+    @property
+    def cancel_latency(self) -> float:
+        """Seconds from the cancel request to the result (0 when not cancelled)."""
+        return self.result_time - self.cancel_time if self.cancel_time else 0.0
+
+
+def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0.0, top_k=0, stop=(),
+              seed=-1, drafter='', num_draft_tokens=0) -> Generate.Goal:
+    """Build a Generate goal; messages are (role, content) pairs or dicts."""
+    chat = [ChatMessage(role=m['role'], content=m['content']) if isinstance(m, dict)
+            else ChatMessage(role=m[0], content=m[1]) for m in messages]
+    return Generate.Goal(prompt=prompt, messages=chat, max_new_tokens=int(max_new_tokens),
+                         temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                         stop=list(stop), seed=int(seed), drafter=drafter,
+                         num_draft_tokens=int(num_draft_tokens))
+
+
+class BackgroundSpinner:
+    """Spins an executor on a daemon thread until stop() (which joins it before the executor is shut down)."""
+
+    def __init__(self, node, executor=None):
+        self._executor = executor or SingleThreadedExecutor(context=node.context)
+        self._executor.add_node(node)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+
+    @property
+    def executor(self):
+        return self._executor
+
+    def _spin(self):
+        while not self._stop.is_set() and self._executor.context.ok():
+            self._executor.spin_once(timeout_sec=0.05)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        self._executor.shutdown(timeout_sec=1.0)
+
+
+class DiagnosticsListener:
+    """Keeps the latest status of each name on /diagnostics whose node prefix matches."""
+
+    def __init__(self, node, node_name='gemma_spec'):
+        self._prefix = node_name + ': ' if node_name else ''
+        self._lock = threading.Condition()
+        self._latest = {}   # status name -> (level name, message, {key: value}, monotonic time)
+        self._arrays = 0
+        self._subscription = node.create_subscription(
+            DiagnosticArray, '/diagnostics', self._on_array, QoSProfile(depth=10))
+
+    def _on_array(self, array):
+        now = time.monotonic()
+        with self._lock:
+            matched = False
+            for status in array.status:
+                if status.name.startswith(self._prefix):
+                    values = {kv.key: kv.value for kv in status.values}
+                    self._latest[status.name] = (level_name(status.level), status.message, values, now)
+                    matched = True
+            if matched:
+                self._arrays += 1
+                self._lock.notify_all()
+
+    def wait(self, predicate=None, timeout=10.0):
+        """Wait until predicate(latest) holds (or any sample arrives); return latest, or None on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            start = self._arrays
+            while True:
+                if predicate is None and self._arrays > start:
+                    return dict(self._latest)
+                if predicate is not None and self._latest and predicate(self._latest):
+                    return dict(self._latest)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._lock.wait(remaining)
+
+    def latest(self):
+        with self._lock:
+            return dict(self._latest)
+
+
+def engine_state(latest, node_name='gemma_spec'):
+    """Return (state, message) of the node's engine status: loading|ready|failed|shutdown, or None."""
+    entry = latest.get('{}: engine'.format(node_name))
+    return (entry[2].get('state'), entry[1]) if entry else (None, '')
+
+
+class GenerateClient:
+    """An ActionClient for Generate with its own node, spun on a background thread."""
+
+    def __init__(self, action_name=DEFAULT_ACTION, node_name='gemma_spec_client', context=None):
+        self._node = rclpy.create_node(node_name, context=context)
+        self._client = ActionClient(self._node, Generate, action_name,
+                                    feedback_sub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH))
+        self._diagnostics = None
+        self._spinner = BackgroundSpinner(self._node)
+
+    @property
+    def node(self):
+        return self._node
+
+    def wait_for_server(self, timeout=30.0) -> bool:
+        return self._client.wait_for_server(timeout_sec=timeout)
+
+    def wait_until_ready(self, node_name='gemma_spec', timeout=120.0):
+        """Wait until the node's /diagnostics say the engine is ready; RuntimeError if it failed or timed out."""
+        if self._diagnostics is None:
+            self._diagnostics = DiagnosticsListener(self._node, node_name)
+        latest = self._diagnostics.wait(
+            lambda latest: engine_state(latest, node_name)[0] in ('ready', 'failed'), timeout)
+        if latest is None:
+            raise RuntimeError('node {} did not report ready on /diagnostics within {} s'.format(node_name, timeout))
+        state, message = engine_state(latest, node_name)
+        if state != 'ready':
+            raise RuntimeError('node {} is not serving: {}'.format(node_name, message))
+        return latest
+
+    def diagnostics_sample(self, node_name='gemma_spec', timeout=10.0):
+        """Return the next /diagnostics statuses of the node: {name: (level, message, values, time)}."""
+        if self._diagnostics is None:
+            self._diagnostics = DiagnosticsListener(self._node, node_name)
+        return self._diagnostics.wait(timeout=timeout)
+
+    def send(self, goal, on_feedback=None, cancel_after_tokens=0, cancel_after_seconds=0.0,
+             timeout=600.0) -> Outcome:
+        """Send one goal and wait for its result; optionally cancel after N tokens or seconds."""
+        outcome = Outcome()
+        lock = threading.Lock()
+        state = {'handle': None, 'cancel': False}
+        start = time.monotonic()
+
+        def request_cancel():
+            with lock:
+                if outcome.cancel_time:
+                    return
+                handle = state['handle']
+                if handle is None:
+                    state['cancel'] = True
+                    return
+                outcome.cancel_time = time.monotonic() - start
+            handle.cancel_goal_async()
+
+        def feedback_callback(message):
+            feedback = message.feedback
+            outcome.feedback_times.append(time.monotonic() - start)
+            outcome.feedback.append(feedback)
+            if on_feedback is not None:
+                on_feedback(feedback)
+            if cancel_after_tokens and feedback.tokens_generated >= cancel_after_tokens:
+                request_cancel()
+
+        sent = _wait(self._in_executor(self._client.send_goal_async, goal, feedback_callback=feedback_callback),
+                     timeout)
+        if sent is None:
+            outcome.status = 'timeout'
+            return outcome
+        if not sent.accepted:
+            return outcome
+        outcome.accepted = True
+        with lock:
+            state['handle'] = sent
+            pending_cancel = state['cancel']
+        timer = None
+        if pending_cancel:
+            request_cancel()
+        elif cancel_after_seconds > 0:
+            timer = threading.Timer(cancel_after_seconds, request_cancel)
+            timer.start()
+        response = _wait(self._in_executor(sent.get_result_async), timeout)
+        if timer is not None:
+            timer.cancel()
+        outcome.result_time = time.monotonic() - start
+        if response is None:
+            outcome.status = 'timeout'
+            return outcome
+        outcome.status = STATUS_NAMES.get(response.status, 'unknown')
+        outcome.result = response.result
+        return outcome
+
+    def _in_executor(self, function, *args, **kwargs):
+        """
+        Call an ActionClient method on the spinning thread; return the rclpy Future it returns.
+
+        rclpy registers a pending request only after sending it, so a call from another thread can miss a fast
+        response ('Ignoring unexpected goal response'); on the executor's own thread it cannot.
+        """
+        outer = self._spinner.executor.create_task(function, *args, **kwargs)
+        return _Chained(outer)
+
+    def close(self):
+        self._spinner.stop()
+        self._client.destroy()
+        self._node.destroy_node()
+
+
+class _Chained:
+    """The future returned by the future that a task returns."""
+
+    def __init__(self, outer):
+        self._outer = outer
+
+    def add_done_callback(self, callback):
+        self._outer.add_done_callback(lambda outer: outer.result().add_done_callback(callback))
+
+    def result(self):
+        return self._outer.result().result()
+
+
+def _wait(future, timeout):
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    if not done.wait(timeout):
+        return None
+    return future.result()
+
+
+def format_stats(stats) -> str:
+    """One-paragraph summary of gemma_spec_msgs/GenerationStats."""
+    return ('tokens {} (prompt {})  tau {:.2f}  acceptance {:.2f}  drafter {}  K {:.1f}  c {:.3f}\n'
+            'ttft {:.3f} s  itl p50 {:.4f} s  p95 {:.4f} s  decode {:.1f} tok/s  wall {:.2f} s  '
+            'peak RSS {:.0f} MiB').format(
+        stats.new_tokens, stats.prompt_tokens, stats.tau, stats.acceptance_rate, stats.drafter or '-',
+        stats.mean_num_draft_tokens, stats.draft_cost_ratio, stats.time_to_first_token,
+        stats.inter_token_latency_p50, stats.inter_token_latency_p95, stats.tokens_per_second, stats.wall_time,
+        stats.peak_memory_bytes / 2 ** 20)
+
+
+def _message(text):
+    role, sep, content = text.partition(':')
+    if not sep:
+        raise argparse.ArgumentTypeError('--message takes ROLE:CONTENT, e.g. user:hello')
+    return role, content
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros client',
+                                     description=__doc__.strip().split('\n')[0])
+    parser.add_argument('prompt', nargs='?', default='', help='raw text prompt (ignored with --message)')
+    parser.add_argument('--message', '-m', action='append', type=_message, default=[], metavar='ROLE:CONTENT',
+                        help='chat turn, repeatable (rendered with the chat template)')
+    parser.add_argument('--max-new-tokens', type=int, default=0, help='0 = node default')
+    parser.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
+    parser.add_argument('--top-p', type=float, default=0.0, help='0 = off')
+    parser.add_argument('--top-k', type=int, default=0, help='0 = off')
+    parser.add_argument('--stop', action='append', default=[], help='stop string, repeatable')
+    parser.add_argument('--seed', type=int, default=-1, help='-1 = random')
+    parser.add_argument('--drafter', default='', help="none|mtp|draft|ngram ('' = node default)")
+    parser.add_argument('--num-draft-tokens', type=int, default=0, help='K, 0 = adaptive')
+    parser.add_argument('--cancel-after', type=int, default=0, metavar='N', help='cancel after N tokens')
+    parser.add_argument('--action', default=DEFAULT_ACTION, help='action name (default %(default)s)')
+    parser.add_argument('--server-timeout', type=float, default=30.0, help='seconds to wait for the server')
+    parser.add_argument('--quiet', '-q', action='store_true', help='do not stream the text')
+    return parser
+
+
+def main(argv=None) -> int:
+    args, ros_args = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    if not args.prompt and not args.message:
+        print('client: give a prompt or --message ROLE:CONTENT', file=sys.stderr)
+        return 2
+    goal = make_goal(args.prompt, args.message, args.max_new_tokens, args.temperature, args.top_p, args.top_k,
+                     args.stop, args.seed, args.drafter, args.num_draft_tokens)
+    rclpy.init(args=['client'] + ros_args, signal_handler_options=SignalHandlerOptions.NO)
+    client = GenerateClient(args.action)
+    try:
+        if not client.wait_for_server(args.server_timeout):
+            print('client: no action server {} within {} s'.format(args.action, args.server_timeout),
+                  file=sys.stderr)
+            return 1
+
+        def stream(feedback):
+            if not args.quiet:
+                sys.stdout.write(feedback.text_delta)
+                sys.stdout.flush()
+
+        outcome = client.send(goal, on_feedback=stream, cancel_after_tokens=args.cancel_after)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
+        rclpy.try_shutdown()
+    print('\n---')
+    print('status: {}  feedback messages: {}  first feedback after {:.3f} s  result after {:.3f} s'.format(
+        outcome.status, len(outcome.feedback), outcome.first_feedback_latency, outcome.result_time))
+    if outcome.cancel_time:
+        print('cancel requested at {:.3f} s, result {:.3f} s later'.format(outcome.cancel_time,
+                                                                         outcome.cancel_latency))
+    if outcome.result is not None:
+        print('finish_reason: {}'.format(outcome.result.finish_reason))
+        if outcome.result.error:
+            print('error: {}'.format(outcome.result.error))
+        print(format_stats(outcome.result.stats))
+    if outcome.status == 'succeeded' or (outcome.status == 'canceled' and args.cancel_after):
+        return 0
+    return 1
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""
+diagnostic_updater for the node: the ROS package when installed (robot), else a compatible fallback.
+
+The fallback follows diagnostic_updater's Python API and conventions: ``Updater(node, period)`` reads the
+parameter ``diagnostic_updater.period``, ``setHardwareID``, ``add(name, fn)`` / ``add(task)``, a task that
+sets nothing reports ERROR, status names are prefixed with the node name, and one DiagnosticArray per
+period is published on ``/diagnostics``.
+"""
+
+import threading
+from collections import deque
+
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
+
+OK = DiagnosticStatus.OK
+WARN = DiagnosticStatus.WARN
+ERROR = DiagnosticStatus.ERROR
+STALE = DiagnosticStatus.STALE
+LEVEL_NAMES = {OK: 'OK', WARN: 'WARN', ERROR: 'ERROR', STALE: 'STALE'}
+
+PERIOD_PARAMETER = 'diagnostic_updater.period'
+
+
+class FallbackStatusWrapper(DiagnosticStatus):
+    """A DiagnosticStatus with diagnostic_updater's helpers for summary and key/values."""
+
+    def summary(self, *args):
+        """Set level and message from a status, or from (level, message)."""
+        if len(args) == 1:
+            self.level, self.message = args[0].level, args[0].message
+        elif len(args) == 2:
+            self.level, self.message = args[0], str(args[1])
+        else:
+            raise TypeError('summary() takes a status or (level, message)')
+
+    def clearSummary(self):  # noqa: N802 (diagnostic_updater's name)
+        self.summary(OK, '')
+
+    def mergeSummary(self, *args):  # noqa: N802
+        """Keep the higher level; join messages of equally (non-)OK levels with '; '."""
+        if len(args) == 1:
+            level, message = args[0].level, args[0].message
+        elif len(args) == 2:
+            level, message = args[0], str(args[1])
+        else:
+            raise TypeError('mergeSummary() takes a status or (level, message)')
+        if (level > OK) == (self.level > OK):
+            self.message = '; '.join(m for m in (self.message, message) if m)
+        elif level > self.level:
+            self.message = message
+        self.level = max(self.level, level)
+
+    def add(self, key, value):
+        self.values.append(KeyValue(key=str(key), value=str(value)))
+
+
+class _FunctionTask:
+    def __init__(self, name, fn):
+        self.name = name
+        self._fn = fn
+
+    def run(self, stat):
+        return self._fn(stat)
+
+
+class FallbackUpdater:
+    """Runs tasks every ``diagnostic_updater.period`` seconds and publishes them on /diagnostics."""
+
+    def __init__(self, node, period=1.0):
+        self._node = node
+        self._lock = threading.Lock()
+        self._tasks = []
+        self._hardware_id = ''
+        self._warned_no_hardware_id = False
+        if node.has_parameter(PERIOD_PARAMETER):
+            period = node.get_parameter(PERIOD_PARAMETER).value
+        else:
+            period = node.declare_parameter(PERIOD_PARAMETER, float(period), ParameterDescriptor(
+                description='seconds between /diagnostics updates',
+                floating_point_range=[FloatingPointRange(from_value=0.05, to_value=60.0)],
+                read_only=True)).value
+        self.period = float(period)
+        self._publisher = node.create_publisher(DiagnosticArray, '/diagnostics', 1)
+        self._timer = node.create_timer(self.period, self.update)
+
+    def setHardwareID(self, hardware_id):  # noqa: N802
+        self._hardware_id = str(hardware_id)
+
+    def add(self, *args):
+        """Add a task object with .name and .run(stat), or a name and a function fn(stat) -> stat."""
+        if len(args) == 1:
+            task = args[0]
+            name = task.getName() if hasattr(task, 'getName') else task.name
+            task = _FunctionTask(name, task.run)
+        elif len(args) == 2:
+            task = _FunctionTask(*args)
+        else:
+            raise TypeError('add() takes a task or (name, fn)')
+        with self._lock:
+            self._tasks.append(task)
+
+    def run_tasks(self):
+        """Run every task once and return the statuses (names not yet prefixed)."""
+        statuses = []
+        with self._lock:
+            tasks = list(self._tasks)
+        for task in tasks:
+            stat = FallbackStatusWrapper(level=ERROR, name=task.name, message='No message was set',
+                                         hardware_id=self._hardware_id)
+            stat = task.run(stat) or stat
+            statuses.append(stat)
+        return statuses
+
+    def update(self):
+        statuses = self.run_tasks()
+        if not self._hardware_id and not self._warned_no_hardware_id:
+            self._node.get_logger().warning('diagnostic_updater: no hardware_id was set')
+            self._warned_no_hardware_id = True
+        self.publish(statuses)
+
+    def force_update(self):
+        self.update()
+
+    def broadcast(self, level, message):
+        statuses = []
+        with self._lock:
+            for task in self._tasks:
+                stat = FallbackStatusWrapper(name=task.name, hardware_id=self._hardware_id)
+                stat.summary(level, message)
+                statuses.append(stat)
+        self.publish(statuses)
+
+    def publish(self, statuses):
+        array = DiagnosticArray()
+        array.header.stamp = self._node.get_clock().now().to_msg()
+        for stat in statuses if isinstance(statuses, list) else [statuses]:
+            array.status.append(DiagnosticStatus(
+                level=stat.level, name='{}: {}'.format(self._node.get_name(), stat.name),
+                message=stat.message, hardware_id=stat.hardware_id, values=list(stat.values)))
+        self._publisher.publish(array)
+
+
+try:
+    from diagnostic_updater import DiagnosticStatusWrapper, Updater  # ROS package (robot)
+    USING_FALLBACK = False
+except ImportError:
+    DiagnosticStatusWrapper, Updater = FallbackStatusWrapper, FallbackUpdater
+    USING_FALLBACK = True
+
+
+def level_name(level) -> str:
+    """'OK', 'WARN', 'ERROR' or 'STALE' for a level given as bytes (message field) or int."""
+    key = bytes([level]) if isinstance(level, int) else bytes(level)
+    return LEVEL_NAMES.get(key, repr(level))
+
+
+# ---- the node's figures and tasks (pure functions of a snapshot, testable without spinning) ----
+
+def percentile(values, q):
+    """Return the q-th percentile (0..100) by linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class GenerationMetrics:
+    """Goal counts and a rolling window of per-goal statistics; thread-safe."""
+
+    OUTCOMES = ('succeeded', 'aborted', 'cancelled', 'rejected')
+
+    def __init__(self, window=32):
+        self._lock = threading.Lock()
+        self._window = deque(maxlen=int(window))
+        self._counts = dict.fromkeys(self.OUTCOMES, 0)
+        self._drafter_fallbacks = 0
+        self._last_warning = ''
+
+    def resize(self, window):
+        with self._lock:
+            self._window = deque(self._window, maxlen=int(window))
+
+    def count(self, outcome):
+        with self._lock:
+            self._counts[outcome] += 1
+
+    def record(self, outcome, result=None, feedback_times=()):
+        """
+        Count a finished goal; keep its statistics when it generated tokens.
+
+        feedback_times: (monotonic time, tokens) for the start of generation and each feedback message;
+        a round of n tokens that arrived g seconds after the previous one adds n gaps of g / n.
+        """
+        gaps = []
+        for (t0, _), (t1, tokens) in zip(feedback_times[1:], feedback_times[2:], strict=False):
+            gaps += [(t1 - t0) / tokens] * tokens if tokens else []
+        with self._lock:
+            self._counts[outcome] += 1
+            if result is None:
+                return
+            if result.warnings:
+                self._drafter_fallbacks += len(result.warnings)
+                self._last_warning = result.warnings[-1]
+            stats = result.stats
+            if stats.new_tokens > 0:
+                self._window.append({
+                    'tau': stats.tau, 'target_passes': stats.target_passes,
+                    'drafted': stats.drafted_tokens, 'accepted': stats.accepted_tokens,
+                    'ttft': stats.time_to_first_token,
+                    'decode_tokens': max(0, stats.new_tokens - 1),
+                    'decode_time': (stats.new_tokens - 1) / stats.tokens_per_second
+                    if stats.tokens_per_second > 0 else 0.0,
+                    'gaps': gaps})
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            window = list(self._window)
+            snap = dict(self._counts, drafter_fallbacks=self._drafter_fallbacks,
+                        last_warning=self._last_warning, goals_in_window=len(window))
+        passes = sum(g['target_passes'] for g in window)
+        drafted = sum(g['drafted'] for g in window)
+        decode_time = sum(g['decode_time'] for g in window)
+        gaps = [gap for g in window for gap in g['gaps']]
+        ttfts = [g['ttft'] for g in window]
+        snap.update(
+            tau=sum(g['tau'] * g['target_passes'] for g in window) / passes if passes else 0.0,
+            acceptance_rate=sum(g['accepted'] for g in window) / drafted if drafted else 0.0,
+            tokens_per_second=sum(g['decode_tokens'] for g in window) / decode_time if decode_time else 0.0,
+            ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),
+            itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
+        return snap
+
+
+def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0):
+    """Fill the engine task: ERROR when the models are not loaded, WARN while the profit gate pauses speculation."""
+    stat.add('state', state)
+    if state == 'failed':
+        stat.summary(ERROR, error or 'models not loaded')
+        return stat
+    if state == 'loading':
+        stat.summary(WARN, 'loading models ({:.0f} s)'.format(loading_seconds))
+        return stat
+    if state == 'shutdown' or status is None:
+        stat.summary(WARN, error or 'not serving')
+        return stat
+    snap = metrics.snapshot()
+    if status.drafter == 'none':
+        speculation = 'off'
+        stat.summary(OK, 'ready, plain decoding')
+    elif status.speculating:
+        speculation = 'on'
+        stat.summary(OK, 'ready, speculating with {} (K={})'.format(status.drafter, status.num_draft_tokens))
+    else:
+        speculation = 'paused'
+        stat.summary(WARN, 'speculation paused by the profit gate: drafter {} does not beat plain decoding '
+                     '(break-even tau {:.2f})'.format(status.drafter, status.break_even_tau))
+    for key, value in (
+            ('target model', status.target_id), ('drafter', status.drafter),
+            ('drafter model', status.drafter_id or '-'), ('device', status.device), ('dtype', status.dtype),
+            ('speculation', speculation), ('K', status.num_draft_tokens),
+            ('draft cost ratio c', '{:.3f}'.format(status.draft_cost_ratio)),
+            ('break-even tau', '{:.3f}'.format(status.break_even_tau)),
+            ('tau (window)', '{:.3f}'.format(snap['tau'])),
+            ('tau (lifetime)', '{:.3f}'.format(status.tau_lifetime)),
+            ('acceptance rate (window)', '{:.3f}'.format(snap['acceptance_rate'])),
+            ('acceptance rate (lifetime)', '{:.3f}'.format(status.acceptance_rate_lifetime)),
+            ('drafter fallbacks', snap['drafter_fallbacks'])):
+        stat.add(key, value)
+    if snap['last_warning']:
+        stat.add('last warning', snap['last_warning'])
+    return stat
+
+
+def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inter_token_latency_budget=0.0):
+    """Fill the generation task: throughput, latency percentiles, queue and counts; WARN over a latency budget."""
+    snap = metrics.snapshot()
+    stat.summary(OK, 'generating, {} waiting'.format(queued) if running else 'idle')
+    if ttft_budget > 0 and snap['goals_in_window'] and snap['ttft_p95'] > ttft_budget:
+        stat.mergeSummary(WARN, 'time to first token p95 {:.3f} s over budget {:.3f} s'.format(
+            snap['ttft_p95'], ttft_budget))
+    if inter_token_latency_budget > 0 and snap['itl_p95'] > inter_token_latency_budget:
+        stat.mergeSummary(WARN, 'inter-token latency p95 {:.3f} s over budget {:.3f} s'.format(
+            snap['itl_p95'], inter_token_latency_budget))
+    for key, value in (
+            ('queue depth', queued), ('running', running),
+            ('decode tokens/s', '{:.2f}'.format(snap['tokens_per_second'])),
+            ('time to first token p50 (s)', '{:.4f}'.format(snap['ttft_p50'])),
+            ('time to first token p95 (s)', '{:.4f}'.format(snap['ttft_p95'])),
+            ('inter-token latency p50 (s)', '{:.4f}'.format(snap['itl_p50'])),
+            ('inter-token latency p95 (s)', '{:.4f}'.format(snap['itl_p95'])),
+            ('goals in window', snap['goals_in_window'])):
+        stat.add(key, value)
+    for outcome in GenerationMetrics.OUTCOMES:
+        stat.add('goals ' + outcome, snap[outcome])
+    return stat
+
+
+def _read_kib(path, keys):
+    values = {}
+    try:
+        with open(path) as file:
+            for line in file:
+                name, _, rest = line.partition(':')
+                if name in keys:
+                    values[name] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+def read_memory(device='cpu') -> dict:
+    """Process RSS, system MemAvailable (/proc; unified memory on Jetson) and CUDA memory on CUDA, bytes."""
+    memory = _read_kib('/proc/self/status', ('VmRSS', 'VmHWM'))
+    memory.update(_read_kib('/proc/meminfo', ('MemAvailable', 'MemTotal')))
+    if str(device).startswith('cuda'):
+        import torch
+        if torch.cuda.is_available():
+            memory['cuda_allocated'] = torch.cuda.memory_allocated()
+            memory['cuda_reserved'] = torch.cuda.memory_reserved()
+    return memory
+
+
+def fill_memory_status(stat, memory, rss_budget_mb=0.0, min_mem_available_mb=0.0,
+                       cuda_reserved_budget_mb=0.0):
+    """Fill the memory task: WARN over the RSS or CUDA budget, or when MemAvailable drops below its floor."""
+    mib = 1024.0 * 1024.0
+    stat.summary(OK, 'memory within budget')
+    rss = memory.get('VmRSS', 0) / mib
+    available = memory.get('MemAvailable', 0) / mib
+    if rss_budget_mb > 0 and rss > rss_budget_mb:
+        stat.mergeSummary(WARN, 'process RSS {:.0f} MiB over budget {:.0f} MiB'.format(rss, rss_budget_mb))
+    if min_mem_available_mb > 0 and 'MemAvailable' in memory and available < min_mem_available_mb:
+        stat.mergeSummary(WARN, 'MemAvailable {:.0f} MiB below {:.0f} MiB'.format(
+            available, min_mem_available_mb))
+    stat.add('process RSS (MiB)', '{:.1f}'.format(rss))
+    stat.add('process peak RSS (MiB)', '{:.1f}'.format(memory.get('VmHWM', 0) / mib))
+    stat.add('MemAvailable (MiB)', '{:.1f}'.format(available))
+    stat.add('MemTotal (MiB)', '{:.1f}'.format(memory.get('MemTotal', 0) / mib))
+    if 'cuda_reserved' in memory:
+        reserved = memory['cuda_reserved'] / mib
+        stat.add('CUDA allocated (MiB)', '{:.1f}'.format(memory['cuda_allocated'] / mib))
+        stat.add('CUDA reserved (MiB)', '{:.1f}'.format(reserved))
+        if cuda_reserved_budget_mb > 0 and reserved > cuda_reserved_budget_mb:
+            stat.mergeSummary(WARN, 'CUDA reserved {:.0f} MiB over budget {:.0f} MiB'.format(
+                reserved, cuda_reserved_budget_mb))
+    return stat

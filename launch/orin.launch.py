@@ -1,0 +1,46 @@
+"""Launch the gemma_spec node with the Jetson Orin parameters: ``ros2 launch gemma_spec_ros orin.launch.py``."""
+
+import os
+
+from ament_index_python.packages import get_package_share_directory
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import Node
+
+from launch import LaunchDescription
+
+OVERRIDES = ('device', 'drafter')  # launch arguments that override engine.<name> when not empty
+
+
+def _node(context):
+    overrides = {}
+    for name in OVERRIDES:
+        value = LaunchConfiguration(name).perform(context)
+        if value:
+            overrides['engine.' + name] = value
+    return [Node(
+        package='gemma_spec_ros',
+        executable='gemma_spec_node',
+        name='gemma_spec',
+        namespace=LaunchConfiguration('namespace'),
+        parameters=[LaunchConfiguration('params_file')] + ([overrides] if overrides else []),
+        arguments=['--ros-args', '--log-level', LaunchConfiguration('log_level')],
+        output='screen',
+        emulate_tty=True,
+    )]
+
+
+def generate_launch_description():
+    default_params = os.path.join(get_package_share_directory('gemma_spec_ros'), 'config', 'orin.yaml')
+    return LaunchDescription([
+        DeclareLaunchArgument('params_file', default_value=default_params,
+                              description='node parameters (YAML with /**: ros__parameters:)'),
+        DeclareLaunchArgument('namespace', default_value='',
+                              description='namespace of the node (the action becomes <ns>/gemma_spec/generate)'),
+        DeclareLaunchArgument('log_level', default_value='info', description='debug|info|warn|error'),
+        DeclareLaunchArgument('device', default_value='',
+                              description="override engine.device: auto|cpu|cuda ('' = keep the params file's)"),
+        DeclareLaunchArgument('drafter', default_value='',
+                              description="override engine.drafter: none|mtp|draft|ngram ('' = keep the file's)"),
+        OpaqueFunction(function=_node),
+    ])
