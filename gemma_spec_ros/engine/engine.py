@@ -231,7 +231,7 @@ class Engine:
                                  len(prompt_ids), max_new, self._context_limit))
         temperature = float(request.temperature)
         if not math.isfinite(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
-            raise ValueError('temperature must be a finite number in [0, {}] (0 = greedy), got {}'.format(
+            raise ValueError('temperature must be a finite number in [0, {:g}] (0 = greedy), got {}'.format(
                 MAX_TEMPERATURE, request.temperature))
         top_p = float(request.top_p)
         if top_p != 0.0 and not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
