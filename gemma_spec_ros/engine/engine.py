@@ -247,6 +247,10 @@ class Engine:
             raise ValueError('num_draft_tokens must be between 0 (adaptive) and max_draft_tokens={}, got {}'.format(
                 self.config.max_draft_tokens, request.num_draft_tokens))
         seed = request.seed if request.seed >= 0 else int.from_bytes(os.urandom(4), 'little')
+        if request.seed >= 0 and temperature > 0 and not pinned:
+            # adaptive K follows measured timings, which would change the random draws: pin K so that the same
+            # seed reproduces the same output
+            pinned = max(1, self.config.max_draft_tokens // 2)
         return _Plan(prompt_ids, max_new, SamplingParams(temperature, request.top_k, top_p), list(request.stop),
                      seed, drafter, pinned)
 

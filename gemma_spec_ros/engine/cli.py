@@ -1,0 +1,127 @@
+"""``python -m gemma_spec_ros generate``: run the engine from the command line (no ROS)."""
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from .config_file import load_engine_config, resolve_model_path
+from .types import DRAFTERS, GenerationRequest, GenerationResult
+
+DEFAULT_TARGET = 'models/gemma4-spec-target'
+DEFAULT_ASSISTANT = 'models/gemma4-spec-assistant'
+DEFAULT_DRAFT = 'models/gemma4-spec-draft'
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the generate command."""
+    parser = argparse.ArgumentParser(
+        prog='python -m gemma_spec_ros generate',
+        description='Generate text with the speculative Gemma 4 engine. Without --config the bundled models '
+                    '(models/gemma4-spec-*) are used; explicit flags override the config file.')
+    parser.add_argument('--config', help="node params YAML (e.g. config/orin.yaml); reads its 'engine:' group")
+    parser.add_argument('--target', help='target model directory')
+    parser.add_argument('--drafter', choices=DRAFTERS, help='drafter (default: from the config, else mtp)')
+    parser.add_argument('--drafter-path', help='model directory of the drafter (assistant for mtp, model for draft)')
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument('--prompt', help='prompt text')
+    prompt.add_argument('--prompt-ids', help='comma-separated token ids, e.g. 2,651,1234')
+    prompt.add_argument('--messages-json', help='JSON file with chat messages [{"role": ..., "content": ...}]')
+    parser.add_argument('--max-new-tokens', type=int, default=0, help='0 = engine default')
+    parser.add_argument('--temperature', type=float, default=0.0, help='0 = greedy (default)')
+    parser.add_argument('--top-p', type=float, default=0.0, help='0 = off')
+    parser.add_argument('--top-k', type=int, default=0, help='0 = off')
+    parser.add_argument('--seed', type=int, default=-1, help='-1 = random; sample i uses seed + i')
+    parser.add_argument('--stop', action='append', default=[], help='stop string (repeatable)')
+    parser.add_argument('--num-draft-tokens', type=int, default=None, help='K; 0 = adaptive')
+    parser.add_argument('--device', choices=('auto', 'cpu', 'cuda'), help='default: auto')
+    parser.add_argument('--dtype', choices=('auto', 'float32', 'bfloat16', 'float16'), help='default: auto')
+    parser.add_argument('--samples', type=int, default=1, help='number of generations (seeds S, S+1, ...)')
+    parser.add_argument('--json', action='store_true', help='print one JSON object per sample and line')
+    return parser
+
+
+def _engine_overrides(args) -> dict:
+    overrides = {'target_path': args.target, 'drafter': args.drafter, 'device': args.device, 'dtype': args.dtype,
+                 'num_draft_tokens': args.num_draft_tokens}
+    if not args.config:
+        overrides['target_path'] = args.target or DEFAULT_TARGET
+        for field, default in (('assistant_path', DEFAULT_ASSISTANT), ('draft_model_path', DEFAULT_DRAFT)):
+            overrides[field] = default if Path(resolve_model_path(default)).is_dir() else ''
+        overrides['drafter'] = args.drafter or ('mtp' if overrides['assistant_path'] else 'ngram')
+    if args.drafter_path:
+        drafter = args.drafter or 'mtp'
+        if drafter not in ('mtp', 'draft'):
+            raise ValueError('--drafter-path needs --drafter mtp or --drafter draft')
+        overrides['assistant_path' if drafter == 'mtp' else 'draft_model_path'] = args.drafter_path
+        overrides['drafter'] = drafter
+    return overrides
+
+
+def _request(args, sample: int) -> GenerationRequest:
+    request = GenerationRequest(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, stop=list(args.stop),
+                                seed=args.seed + sample if args.seed >= 0 else -1)
+    if args.prompt is not None:
+        request.prompt = args.prompt
+    elif args.prompt_ids is not None:
+        try:
+            request.prompt_ids = [int(token) for token in args.prompt_ids.split(',') if token.strip()]
+        except ValueError as exc:
+            raise ValueError('--prompt-ids must be comma-separated integers, got {!r}'.format(args.prompt_ids)) from exc
+    else:
+        try:
+            with open(args.messages_json, encoding='utf-8') as stream:
+                request.messages = json.load(stream)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError('cannot read chat messages from {}: {}'.format(args.messages_json, exc)) from exc
+        if not isinstance(request.messages, list):
+            raise ValueError('--messages-json must hold a list of {"role", "content"} objects')
+    return request
+
+
+def _print_stats(result: GenerationResult) -> None:
+    stats = result.stats
+    print('\n--- finish={} drafter={} new_tokens={} tau={:.2f} acceptance={:.2f} K_mean={:.2f} c={:.3f}'.format(
+        result.finish_reason, stats.drafter, stats.new_tokens, stats.tau, stats.acceptance_rate,
+        stats.mean_num_draft_tokens, stats.draft_cost_ratio))
+    print('--- ttft={:.3f}s tokens/s={:.1f} itl_p50={:.1f}ms itl_p95={:.1f}ms wall={:.2f}s peak_rss={:.0f}MiB'.format(
+        stats.time_to_first_token, stats.tokens_per_second, stats.inter_token_latency_p50 * 1e3,
+        stats.inter_token_latency_p95 * 1e3, stats.wall_time, stats.peak_memory_bytes / 2**20))
+    for warning in result.warnings:
+        print('--- warning: {}'.format(warning))
+
+
+def main(argv=None) -> int:
+    """Entry point of the generate command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.samples < 1:
+            raise ValueError('--samples must be >= 1, got {}'.format(args.samples))
+        config = load_engine_config(args.config, _engine_overrides(args))
+        from transformers.utils import logging as transformers_logging
+
+        from .engine import Engine  # heavy imports (torch, transformers) after argument checks
+
+        transformers_logging.disable_progress_bar()
+
+        engine = Engine.from_config(config, progress=lambda message: print(message, file=sys.stderr))
+        for sample in range(args.samples):
+            request = _request(args, sample)
+            if args.json:
+                result = engine.generate(request)
+                print(json.dumps({'text': result.text, 'token_ids': result.token_ids,
+                                  'finish_reason': result.finish_reason, 'stats': dataclasses.asdict(result.stats),
+                                  'warnings': result.warnings}), flush=True)
+            else:
+                result = engine.generate(request, on_delta=lambda delta: print(delta.text, end='', flush=True))
+                _print_stats(result)
+    except ValueError as exc:
+        print('error: {}'.format(exc), file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""``python -m gemma_spec_ros generate`` on the tiny models (in-process main(argv), plus one real --help run)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gemma_spec_ros.engine.cli import main
+
+
+def test_help_runs():
+    out = subprocess.run([sys.executable, '-m', 'gemma_spec_ros', 'generate', '--help'], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in ('--config', '--target', '--drafter', '--drafter-path', '--prompt-ids', '--messages-json',
+                 '--num-draft-tokens', '--samples', '--json'):
+        assert flag in out.stdout
+
+
+def test_json_samples_with_consecutive_seeds(tiny_models, capsys):
+    argv = ['--target', tiny_models.target, '--drafter', 'draft', '--drafter-path', tiny_models.draft,
+            '--prompt', 'The robot', '--max-new-tokens', '8', '--temperature', '0.8', '--seed', '5',
+            '--samples', '2', '--json', '--device', 'cpu']
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        assert set(line) >= {'text', 'token_ids', 'finish_reason', 'stats'}
+        assert len(line['token_ids']) == 8 and line['stats']['new_tokens'] == 8
+    assert main(argv[:-5] + ['--seed', '6', '--samples', '1', '--json']) == 0  # sample 2 used seed 6
+    again = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert again['token_ids'] == lines[1]['token_ids']
+
+
+def test_streams_text_then_stats(tiny_models, capsys):
+    assert main(['--target', tiny_models.target, '--drafter', 'ngram', '--prompt-ids', '2,651,300,651,300',
+                 '--max-new-tokens', '6', '--num-draft-tokens', '2']) == 0
+    out = capsys.readouterr().out
+    assert '--- finish=length drafter=ngram new_tokens=6' in out and 'tokens/s=' in out
+
+
+def test_messages_json_and_config_file(tiny_models, tmp_path, capsys):
+    params = tmp_path / 'params.yaml'
+    params.write_text('/**:\n  ros__parameters:\n    engine:\n      target_path: {}\n      drafter: mtp\n'
+                      '      assistant_path: {}\n'.format(tiny_models.target, tiny_models.assistant))
+    messages = tmp_path / 'messages.json'
+    messages.write_text(json.dumps([{'role': 'user', 'content': 'go to the door'}]))
+    assert main(['--config', str(params), '--messages-json', str(messages), '--max-new-tokens', '4', '--json']) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line['stats']['drafter'] == 'mtp' or line['stats']['drafter'] == 'none'
+
+
+@pytest.mark.parametrize('extra, message', [
+    (['--temperature', '3'], 'temperature must be'),
+    (['--prompt-ids', '1,x'], '--prompt-ids must be comma-separated integers'),
+    (['--samples', '0'], '--samples must be >= 1'),
+])
+def test_bad_input_exits_2_with_message(tiny_models, capsys, extra, message):
+    argv = ['--target', tiny_models.target, '--drafter', 'none', '--max-new-tokens', '2']
+    argv += extra if '--prompt-ids' in extra else ['--prompt', 'hi'] + extra
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
