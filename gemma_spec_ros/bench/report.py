@@ -126,6 +126,11 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
                       n, ms, probe['verify_cost'][n]) for n, ms in probe['target_forward_ms'].items()),
                   probe['draft_step_ms'], probe['draft_cost_ratio']['draft'], probe['assistant_step_ms'],
                   probe['draft_cost_ratio']['mtp'])]
+    ours, hf = summary.cell('ours/none'), summary.cell('hf/none')
+    if ours and hf and ours.tokens_per_s and hf.tokens_per_s:
+        lines += ['', 'Plain decoding per token: ours {:.2f} ms, transformers generate {:.2f} ms, bare 1-token '
+                  'target forward {:.2f} ms (the rest is loop overhead).'.format(
+                      1000.0 / ours.tokens_per_s, 1000.0 / hf.tokens_per_s, probe['target_forward_ms'][1])]
     calibration = document['hf_calibration']
     if calibration['tokens_per_s']:
         lines += ['', "transformers' K chosen on the calibration prompts (decode tok/s per K): " + '; '.join(
