@@ -1,0 +1,161 @@
+"""
+``make run``: start the node as the launch file does, stream a planner-style goal, show the figures, keep serving.
+
+``python -m gemma_spec_ros demo --params-file config/orin.yaml`` runs
+``python -m gemma_spec_ros node --ros-args --params-file ...`` as a subprocess, waits until /diagnostics say
+the engine is ready, sends a chat goal and streams its tokens, sends the same goal with plain decoding for
+comparison, prints tau / latency / memory from the results and one /diagnostics sample, then serves until Ctrl-C.
+"""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import rclpy
+from rclpy.signals import SignalHandlerOptions
+
+from gemma_spec_ros.client import GenerateClient, format_stats, make_goal
+
+NODE_NAME = 'gemma_spec'
+SYSTEM = 'You are the task planner of a mobile manipulator. Answer with short Python code.'
+REQUEST = ('Write a Python function plan(robot) that drives to the kitchen table, picks up the red cup, '
+           'places it in the sink and returns True when done.')
+
+
+def default_params_file() -> str:
+    local = Path('config/orin.yaml')
+    if local.exists():
+        return str(local)
+    from ament_index_python.packages import get_package_share_directory
+    return os.path.join(get_package_share_directory('gemma_spec_ros'), 'config', 'orin.yaml')
+
+
+class NodeProcess:
+    """The node subprocess; its log lines are echoed with a prefix (all while loading, then warnings only)."""
+
+    def __init__(self, params_file, overrides):
+        command = [sys.executable, '-m', 'gemma_spec_ros', 'node', '--ros-args', '--params-file', params_file]
+        for override in overrides:
+            command += ['-p', override]
+        print('$ ' + ' '.join(command[1:] if command[0] == sys.executable else command), flush=True)
+        self.quiet = False
+        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         bufsize=1, env=dict(os.environ, PYTHONUNBUFFERED='1'))
+        threading.Thread(target=self._echo, daemon=True).start()
+
+    def _echo(self):
+        for line in self._process.stdout:
+            if not self.quiet or '[WARN]' in line or '[ERROR]' in line:
+                sys.stderr.write('[node] ' + line)
+
+    def alive(self):
+        return self._process.poll() is None
+
+    def stop(self, timeout=15.0) -> int:
+        if self.alive():
+            self._process.send_signal(signal.SIGINT)
+            try:
+                self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+        return self._process.wait()
+
+
+def _mib(value):
+    return float(value) if value else 0.0
+
+
+def run_goal(client, label, goal, stream):
+    print('\n=== {} ==='.format(label), flush=True)
+    on_feedback = (lambda f: (sys.stdout.write(f.text_delta), sys.stdout.flush())) if stream else None
+    outcome = client.send(goal, on_feedback=on_feedback)
+    if outcome.status != 'succeeded':
+        raise RuntimeError('goal {}: {}'.format(outcome.status, outcome.result.error if outcome.result else ''))
+    if not stream:
+        print(outcome.result.text)
+    print('\n--- {}: {} feedback messages, first after {:.3f} s, result after {:.3f} s'.format(
+        label, len(outcome.feedback), outcome.first_feedback_latency, outcome.result_time))
+    print(format_stats(outcome.result.stats), flush=True)
+    return outcome
+
+
+def print_diagnostics(latest):
+    print('\n=== /diagnostics ({}) ==='.format(NODE_NAME))
+    for name in sorted(latest):
+        level, message, values, _ = latest[name]
+        print('[{}] {}: {}'.format(level, name, message))
+        for key in ('speculation', 'K', 'draft cost ratio c', 'break-even tau', 'tau (window)', 'tau (lifetime)',
+                    'acceptance rate (window)', 'decode tokens/s', 'time to first token p95 (s)',
+                    'inter-token latency p95 (s)', 'process RSS (MiB)', 'MemAvailable (MiB)',
+                    'CUDA reserved (MiB)'):
+            if key in values:
+                print('    {:<28} {}'.format(key, values[key]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros demo', description=__doc__.strip().split('\n')[0])
+    parser.add_argument('--params-file', default=None, help='node parameters (default config/orin.yaml)')
+    parser.add_argument('-p', '--param', action='append', default=[], metavar='NAME:=VALUE',
+                        help='extra node parameter, e.g. engine.device:=cpu (repeatable)')
+    parser.add_argument('--max-new-tokens', type=int, default=96)
+    parser.add_argument('--no-compare', action='store_true', help='skip the plain-decoding comparison goal')
+    parser.add_argument('--once', action='store_true', help='stop the node after the demo goals (no serving)')
+    parser.add_argument('--ready-timeout', type=float, default=600.0, help='seconds to wait for the models')
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    params_file = os.path.abspath(args.params_file or default_params_file())
+    if not os.path.exists(params_file):
+        print('demo: params file {} not found'.format(params_file), file=sys.stderr)
+        return 2
+
+    node = NodeProcess(params_file, args.param)
+    rclpy.init(args=['demo'], signal_handler_options=SignalHandlerOptions.NO)
+    client = GenerateClient('/{}/generate'.format(NODE_NAME), 'gemma_spec_demo')
+    code = 0
+    try:
+        if not client.wait_for_server(args.ready_timeout) or not node.alive():
+            raise RuntimeError('the node did not start (see the [node] lines above)')
+        started = time.monotonic()
+        client.wait_until_ready(NODE_NAME, args.ready_timeout)
+        print('node ready ({:.1f} s after the action server appeared)'.format(time.monotonic() - started))
+        node.quiet = True
+        goal = dict(messages=[('system', SYSTEM), ('user', REQUEST)], max_new_tokens=args.max_new_tokens)
+        print('\nplanner request: ' + REQUEST)
+        spec = run_goal(client, 'speculative (node default drafter)', make_goal(**goal), stream=True)
+        if not args.no_compare:
+            plain = run_goal(client, 'plain decoding (drafter none), same goal', make_goal(drafter='none', **goal),
+                             stream=False)
+            same = list(plain.result.token_ids) == list(spec.result.token_ids)
+            ratio = spec.result.stats.tokens_per_second / max(plain.result.stats.tokens_per_second, 1e-9)
+            print('\nspeculative vs plain: {:.2f}x decode tokens/s, identical tokens: {}'.format(ratio, same))
+        latest = client.diagnostics_sample(NODE_NAME, timeout=10.0)
+        if latest:
+            print_diagnostics(latest)
+        if not args.once:
+            print('\nserving /{}/generate until Ctrl-C; try:\n  python -m gemma_spec_ros client "def plan(robot):" '
+                  '--max-new-tokens 32\n  python -m gemma_spec_ros diag'.format(NODE_NAME), flush=True)
+            while node.alive():
+                time.sleep(0.5)
+            print('the node exited', file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        print('\nCtrl-C: stopping the node')
+    except RuntimeError as error:
+        print('demo: {}'.format(error), file=sys.stderr)
+        code = 1
+    finally:
+        client.close()
+        rclpy.try_shutdown()
+        node_code = node.stop()
+    if node_code not in (0, -signal.SIGINT):
+        print('demo: the node exited with code {}'.format(node_code), file=sys.stderr)
+        code = code or 1
+    return code
+
+
+if __name__ == '__main__':
+    sys.exit(main())
