@@ -233,3 +233,22 @@ def test_profit_gate_pauses_useless_drafter(tiny_models):
     assert not status.speculating
     assert result.stats.mean_num_draft_tokens < 2
     assert status.break_even_tau > 1.0
+
+
+def test_multimodal_checkpoint_generates_through_language_model(tiny_models, tiny_engine, tmp_path):
+    # real Gemma 4 checkpoints load as Gemma4ForConditionalGeneration; text goes through its language model
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+
+    text = Gemma4ForCausalLM.from_pretrained(tiny_models.target)
+    multimodal = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.config.to_dict())).eval()
+    multimodal.model.language_model.load_state_dict(text.model.state_dict())
+    multimodal.generation_config.eos_token_id = tiny_engine.tokenizer.eos_token_id
+    multimodal.save_pretrained(tmp_path / 'multimodal')
+    tiny_engine.tokenizer.save_pretrained(tmp_path / 'multimodal')
+    engine = Engine.from_config(EngineConfig(target_path=str(tmp_path / 'multimodal'), drafter='mtp',
+                                             assistant_path=tiny_models.assistant, device='cpu'))
+    expected = tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=30, drafter='none'))
+    for drafter in ('none', 'mtp'):
+        result = engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=30, drafter=drafter,
+                                                   num_draft_tokens=3))
+        assert result.token_ids == expected.token_ids and result.stats.drafter == drafter
