@@ -15,7 +15,15 @@ from transformers import DynamicCache
 
 from . import models
 from .adaptive import AdaptiveK, TargetCost
-from .drafters import DraftContext, Drafter, DraftModelDrafter, MtpDrafter, NgramDrafter, NoneDrafter
+from .drafters import (
+    DraftContext,
+    Drafter,
+    DraftModelDrafter,
+    MtpDrafter,
+    NgramDrafter,
+    NoneDrafter,
+    single_token_masks,
+)
 from .sampling import SamplingParams, logits_to_probs
 from .stream import IncrementalDetokenizer, StopStrings
 from .types import (
@@ -297,7 +305,7 @@ class Engine:
         positions = torch.arange(start, start + token_ids.shape[1], device=self._device).unsqueeze(0)
         extra = {'output_hidden_states': -1, 'return_shared_kv_states': True} if want_states else {}
         return self._target(input_ids=token_ids, position_ids=positions, cache=cache, use_cache=True,
-                            logits_to_keep=keep_last, **extra)
+                            logits_to_keep=keep_last, attention_mask=single_token_masks(token_ids), **extra)
 
     def _sync(self) -> None:
         if self._device.type == 'cuda':
