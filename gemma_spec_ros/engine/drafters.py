@@ -50,7 +50,8 @@ class NgramDrafter(Drafter):
     """
     Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose what followed.
 
-    Example: tokens [5, 6, 7, 9, 5, 6] with n = 2 match (5, 6) at position 0, so k = 2 proposes [7, 9].
+    Example: tokens [5, 6, 7, 9, 5, 6] with n = 2 match (5, 6) at position 0, so k = 2 proposes [7, 9];
+    tokens [1, 2, 1, 2] with n = 2 match (1, 2) at position 0 and k = 3 proposes [1, 2, 1] (periodic).
     Longer n-grams are tried first. An incremental index keeps the work per round independent of context length.
     """
 
@@ -76,9 +77,16 @@ class NgramDrafter(Drafter):
                 continue
             follow = self._continuation.get(tuple(tokens[-n:]))
             if follow is not None:
-                draft = tokens[follow:follow + k]
-                return Proposal(torch.tensor(draft, device=self._device), None)
+                return Proposal(torch.tensor(self._continue(tokens, follow, k), device=self._device), None)
         return None
+
+    @staticmethod
+    def _continue(tokens: list[int], follow: int, k: int) -> list[int]:
+        # copy what followed the match; a match just behind the end repeats the pattern periodically
+        draft: list[int] = []
+        for index in range(follow, follow + k):
+            draft.append(tokens[index] if index < len(tokens) else draft[index - len(tokens)])
+        return draft
 
     def _index_until(self, tokens: list[int], end: int) -> None:
         # index every n-gram that ends before the last token, pointing at the token that followed it
