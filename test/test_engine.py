@@ -231,7 +231,7 @@ def test_profit_gate_pauses_useless_drafter(tiny_models):
     status = engine.status()
     # random weights accept almost nothing: speculation must pause and most rounds run plain
     assert not status.speculating
-    assert result.stats.mean_num_draft_tokens < 2
+    assert result.stats.mean_num_draft_tokens < 2 and result.stats.paused_rounds > 20
     assert status.break_even_tau > 1.0
 
 
@@ -252,3 +252,37 @@ def test_multimodal_checkpoint_generates_through_language_model(tiny_models, tin
         result = engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=30, drafter=drafter,
                                                    num_draft_tokens=3))
         assert result.token_ids == expected.token_ids and result.stats.drafter == drafter
+
+
+def test_ngram_proposals():
+    from gemma_spec_ros.engine.drafters import DraftContext, NgramDrafter
+    from gemma_spec_ros.engine.sampling import SamplingParams
+
+    drafter = NgramDrafter(1, 3, torch.device('cpu'))
+    drafter.start()
+
+    def propose(tokens, k):
+        proposal = drafter.propose(DraftContext(tokens, SamplingParams(), None), k)
+        return None if proposal is None else proposal.tokens.tolist()
+
+    assert propose([5, 6, 7, 9, 5, 6], 2) == [7, 9]
+    drafter.start()
+    assert propose([1, 2, 1, 2], 3) == [1, 2, 1]  # periodic continuation
+    drafter.start()
+    assert propose([1, 2, 3], 2) is None
+    assert propose([1, 2, 3, 4, 2], 3) == [3, 4, 2]  # index extended incrementally; latest match wins
+
+
+def test_mtp_drafter_drops_rejected_kv():
+    from types import SimpleNamespace
+
+    from gemma_spec_ros.engine.drafters import MtpDrafter
+
+    drafter = MtpDrafter(assistant=None, target_embeddings=None)
+    keys = torch.arange(20.0).view(1, 1, 20, 1)
+    out = SimpleNamespace(hidden_states=(torch.arange(5.0).view(1, 5, 1),),
+                          shared_kv_states={'sliding_attention': (keys, keys), 'full_attention': (keys, keys)})
+    drafter.observe(out, num_fed=5, num_kept=2)  # 1 draft accepted, 3 rejected
+    assert drafter._hidden.flatten().tolist() == [1.0]
+    for kv in drafter._shared_kv.values():
+        assert kv[0].shape[2] == 17 and kv[0][0, 0, -1, 0] == 16.0

@@ -61,6 +61,7 @@ class _Tally:
 
     target_passes: int = 0
     rounds: int = 0                 # decode rounds (after prefill)
+    paused_rounds: int = 0          # rounds the profit gate ran plain
     drafted: int = 0
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)    # [K] rounds that drafted position i
@@ -369,7 +370,9 @@ class Engine:
             # ---- draft
             round_start = time.perf_counter()
             budget = min(plan.max_new_tokens - len(generated), self._context_limit - len(tokens)) - 1
-            k = min(self._choose_k(plan, controller), budget)
+            k, paused = self._choose_k(plan, controller)
+            k = min(k, budget)
+            tally.paused_rounds += paused
             proposal = None
             if k > 0:
                 context = DraftContext(tokens, plan.sampling, generator)
@@ -427,12 +430,14 @@ class Engine:
             return logits.argmax(dim=-1)
         return torch.multinomial(logits_to_probs(logits, sampling), 1, generator=generator).squeeze(-1)
 
-    def _choose_k(self, plan: _Plan, controller: AdaptiveK | None) -> int:
+    def _choose_k(self, plan: _Plan, controller: AdaptiveK | None) -> tuple[int, bool]:
+        """K for the next round and whether the profit gate paused speculation for it."""
         if controller is None:
-            return 0
+            return 0, False
         if plan.pinned_k:
-            return plan.pinned_k
-        return controller.decide().num_draft_tokens
+            return plan.pinned_k, False
+        decision = controller.decide()
+        return decision.num_draft_tokens, not decision.speculating and decision.num_draft_tokens == 0
 
     def _cut(self, new_tokens: list[int], num_generated: int, max_new: int) -> tuple[list[int], str]:
         """Truncate a round's tokens at EOS (kept) or at max_new_tokens; returns (tokens, finish reason or '')."""
@@ -455,7 +460,7 @@ class Engine:
             per_position_acceptance=[a / d for a, d in zip(tally.accepted_at, tally.drafted_at, strict=True)],
             mean_num_draft_tokens=tally.drafted / tally.rounds if tally.rounds else 0.0,
             draft_cost_ratio=self._cost_ratio(controller) if controller is not None else 0.0,
-            drafter=drafter_used, time_to_first_token=first_token_at - started,
+            drafter=drafter_used, paused_rounds=tally.paused_rounds, time_to_first_token=first_token_at - started,
             inter_token_latency_p50=_percentile(tally.token_gaps, 0.5),
             inter_token_latency_p95=_percentile(tally.token_gaps, 0.95),
             tokens_per_second=(len(generated) - 1) / decode_time if decode_time > 0 else 0.0,

@@ -71,6 +71,7 @@ class GenerationStats:
     mean_num_draft_tokens: float = 0.0
     draft_cost_ratio: float = 0.0      # measured c
     drafter: str = 'none'              # drafter actually used
+    paused_rounds: int = 0             # decode rounds run plain because the profit gate paused speculation
     time_to_first_token: float = 0.0   # seconds
     inter_token_latency_p50: float = 0.0
     inter_token_latency_p95: float = 0.0
