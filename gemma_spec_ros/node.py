@@ -303,8 +303,9 @@ class GemmaSpecNode(Node):
         with self._lock:
             if self._state == 'shutdown':
                 return GoalResponse.REJECT
-            if (self._param('queue.policy') == 'fifo'
-                    and self._admitted >= 1 + self._param('queue.max_length')):
+            limit = self._param('queue.max_length') if self._param('queue.policy') == 'fifo' else (
+                QUEUE_MAX_LENGTH_LIMIT)  # preempt: bounded only so that executor threads never run out
+            if self._admitted >= 1 + limit:
                 self._metrics.count('rejected')
                 self.get_logger().warning('goal rejected: busy ({} goals running or waiting)'.format(
                     self._admitted))
