@@ -160,15 +160,21 @@ def test_bad_goal_does_not_wait_behind_a_running_goal(served):
 def test_queue_fifo_and_busy_rejection(served):
     node, client = served
     node.set_parameters([Parameter('queue.max_length', value=1)])
+    planners = [GenerateClient('/gemma_spec_t/generate', 'planner_%d' % i, context=node.context) for i in range(3)]
     try:
+        for planner in planners:
+            assert planner.wait_for_server(20)
         first = send_in_thread(client, make_goal('first', max_new_tokens=LONG))
         wait_for_feedback(first[2])
-        others = [send_in_thread(client, make_goal('other %d' % i, max_new_tokens=16)) for i in range(3)]
+        others = [send_in_thread(planner, make_goal('other %d' % i, max_new_tokens=16))
+                  for i, planner in enumerate(planners)]
         for thread, _, _ in [first] + others:
             thread.join(120)
         outcomes = [box['outcome'] for _, box, _ in [first] + others]
     finally:
         node.set_parameters([Parameter('queue.max_length', value=4)])
+        for planner in planners:
+            planner.close()
     statuses = sorted(o.status for o in outcomes[1:])
     assert outcomes[0].status == 'succeeded'
     assert statuses == ['rejected', 'rejected', 'succeeded'], statuses
