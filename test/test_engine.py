@@ -259,16 +259,16 @@ def test_ngram_proposals():
     from gemma_spec_ros.engine.sampling import SamplingParams
 
     drafter = NgramDrafter(1, 3, torch.device('cpu'))
-    drafter.start()
+    drafter.start([])
 
     def propose(tokens, k):
         proposal = drafter.propose(DraftContext(tokens, SamplingParams(), None), k)
         return None if proposal is None else proposal.tokens.tolist()
 
     assert propose([5, 6, 7, 9, 5, 6], 2) == [7, 9]
-    drafter.start()
+    drafter.start([])
     assert propose([1, 2, 1, 2], 3) == [1, 2, 1]  # periodic continuation
-    drafter.start()
+    drafter.start([])
     assert propose([1, 2, 3], 2) is None
     assert propose([1, 2, 3, 4, 2], 3) == [3, 4, 2]  # index extended incrementally; latest match wins
 

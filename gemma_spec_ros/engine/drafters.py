@@ -31,8 +31,8 @@ class Drafter:
     name = 'none'
     needs_target_states = False  # True: target passes must return the last hidden state and shared K/V
 
-    def start(self) -> None:
-        """Forget the previous request."""
+    def start(self, prompt_ids: list[int]) -> None:
+        """Begin a request (forget the previous one); called before the target's prefill."""
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         """Up to k tokens that continue context.tokens, or None for a plain round."""
@@ -65,7 +65,7 @@ class NgramDrafter(Drafter):
         self._continuation: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it last
         self._indexed = 0
 
-    def start(self) -> None:
+    def start(self, prompt_ids: list[int]) -> None:
         self._continuation.clear()
         self._indexed = 0
 
@@ -134,10 +134,15 @@ class DraftModelDrafter(Drafter):
         self._cached = 0    # tokens in the draft cache
         self._proposed = 0  # drafts proposed in the round being verified
 
-    def start(self) -> None:
+    def start(self, prompt_ids: list[int]) -> None:
+        # prefill here, so that the first round's drafting cost is a normal step
         self._cache = DynamicCache(config=self._model.config)
         self._cache.activate_past_recording()
-        self._cached = 0
+        prompt = torch.tensor([prompt_ids], device=self._model.device)
+        positions = torch.arange(len(prompt_ids), device=self._model.device).unsqueeze(0)
+        self._model(input_ids=prompt, position_ids=positions, cache=self._cache, use_cache=True, logits_to_keep=1)
+        self._cache.crop(0)
+        self._cached = len(prompt_ids)
         self._proposed = 0
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
@@ -187,7 +192,7 @@ class MtpDrafter(Drafter):
         self._hidden = None      # [1, 1, hidden] target state that predicted the last token
         self._shared_kv = None   # {layer_type: (keys, values)} up to the token before the last one
 
-    def start(self) -> None:
+    def start(self, prompt_ids: list[int]) -> None:
         self._hidden = None
         self._shared_kv = None
 

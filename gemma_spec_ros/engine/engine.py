@@ -329,7 +329,11 @@ class Engine:
         finish = ''
         cache = DynamicCache(config=self._target.config)
         cache.activate_past_recording()
-        drafter.start()
+        try:
+            drafter.start(tokens)
+        except Exception as exc:  # a broken drafter must not fail the request
+            warnings.append(_fallback_warning(drafter, exc))
+            drafter, controller = self._drafters['none'], None
 
         # prefill: the prompt in one pass, then the first token
         out = self._forward(cache, torch.tensor([tokens], device=self._device), 0, 1, drafter.needs_target_states)
