@@ -76,8 +76,8 @@ def _sample(per_position, passes):
     return Measurement(system='s', prompt_id='p', category='c', repeat=0, new_tokens=10, ttft_s=0.1, decode_s=1.0,
                        wall_s=1.1, target_passes=passes, drafted_tokens=0, accepted_tokens=0,
                        per_position_acceptance=per_position, mean_num_draft_tokens=0.0, draft_cost_ratio=0.1,
-                       drafter_used='ngram', warnings=[], peak_rss_bytes=0, rss_growth_bytes=0, parity=True,
-                       first_mismatch=-1)
+                       paused_rounds=0, drafter_used='ngram', warnings=[], peak_rss_bytes=0, rss_growth_bytes=0,
+                       parity=True, first_mismatch=-1)
 
 
 def test_leviathan_model():

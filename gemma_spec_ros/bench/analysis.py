@@ -144,10 +144,12 @@ def _cell(system: System, category: str, samples: list[Measurement], probe: Cost
         system.drafter]
     cell.alpha = fit_alpha(samples)
     if cell.alpha is not None:
-        # Fixed K: rounds that drafted anything drafted K (ngram may find no match). Adaptive: K varies per
-        # round, approximated by its mean over all rounds.
-        k = float(system.k) if system.k else cell.mean_k
-        share = min(1.0, cell.mean_k / k) if system.k else 1.0
+        if system.k:  # rounds that drafted anything drafted K (ngram may find no match)
+            k, share = float(system.k), min(1.0, cell.mean_k / system.k)
+        else:  # adaptive: rounds the profit gate paused are plain; the others draft their mean K
+            paused = sum(s.paused_rounds for s in samples)
+            share = _ratio(decode_passes - paused, decode_passes)
+            k = _ratio(drafted, decode_passes - paused)
         cell.predicted_tau, cell.predicted_speedup = predict_speedup(cell.alpha, k, share, cell.draft_cost_ratio,
                                                                      probe)
     return cell

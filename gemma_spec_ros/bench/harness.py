@@ -5,6 +5,7 @@ Per repeat and prompt, every system runs once, in a shuffled order, so machine d
 thermal) spreads over all systems instead of biasing one.
 """
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class Measurement:
     per_position_acceptance: list[float]
     mean_num_draft_tokens: float
     draft_cost_ratio: float
+    paused_rounds: int
     drafter_used: str
     warnings: list[str]
     peak_rss_bytes: int            # process high-water mark during this generation
@@ -224,14 +226,9 @@ def run_interleaved(bench: Bench, systems: list[System], prompts: list[Prompt], 
             for name in runners:
                 outcome, peak, growth = outcomes[name]
                 mismatch = first_mismatch(outcome.token_ids, reference)
+                fields = {f.name: getattr(outcome, f.name) for f in dataclasses.fields(Outcome)}
                 measurements.append(Measurement(
                     system=name, prompt_id=prompt.id, category=prompt.category, repeat=repeat,
-                    new_tokens=len(outcome.token_ids), ttft_s=outcome.ttft_s, decode_s=outcome.decode_s,
-                    wall_s=outcome.wall_s, target_passes=outcome.target_passes,
-                    drafted_tokens=outcome.drafted_tokens, accepted_tokens=outcome.accepted_tokens,
-                    per_position_acceptance=outcome.per_position_acceptance,
-                    mean_num_draft_tokens=outcome.mean_num_draft_tokens, draft_cost_ratio=outcome.draft_cost_ratio,
-                    drafter_used=outcome.drafter_used, warnings=outcome.warnings, peak_rss_bytes=peak,
-                    rss_growth_bytes=growth, parity=mismatch < 0, first_mismatch=mismatch,
-                    token_ids=outcome.token_ids))
+                    new_tokens=len(outcome.token_ids), peak_rss_bytes=peak, rss_growth_bytes=growth,
+                    parity=mismatch < 0, first_mismatch=mismatch, **fields))
     return measurements

@@ -54,6 +54,7 @@ class Outcome:
     per_position_acceptance: list[float] = field(default_factory=list)
     mean_num_draft_tokens: float = 0.0
     draft_cost_ratio: float = 0.0
+    paused_rounds: int = 0         # rounds our profit gate ran plain
     drafter_used: str = 'none'
     warnings: list[str] = field(default_factory=list)
 
@@ -90,7 +91,7 @@ class EngineRunner:
             target_passes=stats.target_passes, drafted_tokens=stats.drafted_tokens,
             accepted_tokens=stats.accepted_tokens, per_position_acceptance=list(stats.per_position_acceptance),
             mean_num_draft_tokens=stats.mean_num_draft_tokens, draft_cost_ratio=stats.draft_cost_ratio,
-            drafter_used=stats.drafter, warnings=list(result.warnings))
+            paused_rounds=stats.paused_rounds, drafter_used=stats.drafter, warnings=list(result.warnings))
 
 
 class ForwardCounter:
