@@ -24,7 +24,7 @@ from .drafters import (
     NoneDrafter,
     single_token_masks,
 )
-from .sampling import SamplingParams, logits_to_probs
+from .sampling import SamplingParams, logits_to_probs, sample
 from .stream import IncrementalDetokenizer, StopStrings
 from .types import (
     DRAFTERS,
@@ -68,7 +68,10 @@ class _Tally:
     accepted_at: list[int] = field(default_factory=list)   # [K] rounds that accepted position i
     token_gaps: list[float] = field(default_factory=list)  # per-token inter-token latency samples (s)
 
-    def add_round(self, num_drafted: int, num_accepted: int) -> None:
+    def add_round(self, num_drafted: int, num_accepted: int, seconds: float) -> None:
+        # a round emits num_accepted + 1 tokens after `seconds`: that many latency samples of the per-token share
+        emitted = num_accepted + 1
+        self.token_gaps.extend([seconds / emitted] * emitted)
         self.rounds += 1
         self.target_passes += 1
         self.drafted += num_drafted
@@ -79,6 +82,32 @@ class _Tally:
         for position in range(num_drafted):
             self.drafted_at[position] += 1
             self.accepted_at[position] += position < num_accepted
+
+
+@dataclass
+class _Run:
+    """The mutable state of one generation."""
+
+    plan: _Plan
+    drafter: Drafter
+    controller: AdaptiveK | None       # None: plain decoding (drafter 'none' or after a fallback)
+    generator: torch.Generator
+    cache: DynamicCache
+    detokenizer: IncrementalDetokenizer
+    stops: StopStrings
+    tokens: list[int]                  # prompt + generated; the last one is not in the target cache yet
+    generated: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)      # streamed text, one piece per delta
+    warnings: list[str] = field(default_factory=list)
+    tally: _Tally = field(default_factory=_Tally)
+    finish: str = ''
+    last_emit: float = 0.0
+
+    def fall_back(self, plain: Drafter, exc: Exception) -> None:
+        """Continue this request with plain decoding after the drafter raised."""
+        self.warnings.append('drafter {!r} failed ({}: {}); fell back to plain decoding'.format(
+            self.drafter.name, type(exc).__name__, exc))
+        self.drafter, self.controller = plain, None
 
 
 def peak_rss_bytes() -> int:
@@ -316,123 +345,117 @@ class Engine:
         started = time.perf_counter()
         if self._device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self._device)
-        generator = torch.Generator(device=self._device).manual_seed(plan.seed)
-        drafter = self._drafters[plan.drafter]
-        controller = self._controllers.get(plan.drafter)
-        warnings: list[str] = []
-        tally = _Tally()
-        detokenizer = IncrementalDetokenizer(self._tokenizer)
-        stops = StopStrings(plan.stops)
-        tokens = list(plan.prompt_ids)
-        generated: list[int] = []
-        pieces: list[str] = []
-        finish = ''
         cache = DynamicCache(config=self._target.config)
-        cache.activate_past_recording()
-        try:
-            drafter.start(tokens)
-        except Exception as exc:  # a broken drafter must not fail the request
-            warnings.append(_fallback_warning(drafter, exc))
-            drafter, controller = self._drafters['none'], None
-
-        # prefill: the prompt in one pass, then the first token
-        out = self._forward(cache, torch.tensor([tokens], device=self._device), 0, 1, drafter.needs_target_states)
-        cache.crop(0)
-        first = self._pick(out.logits[0, -1:], plan.sampling, generator)
-        new_tokens = [first.item()]
-        drafter.observe(out, len(tokens), len(tokens))
-        tally.target_passes += 1
-        last_emit = time.perf_counter()
-        first_token_at = last_emit
-
+        cache.activate_past_recording()  # sliding layers keep rolled-back K/V until the next crop
+        run = _Run(plan=plan, drafter=self._drafters[plan.drafter], controller=self._controllers.get(plan.drafter),
+                   generator=torch.Generator(device=self._device).manual_seed(plan.seed), cache=cache,
+                   detokenizer=IncrementalDetokenizer(self._tokenizer), stops=StopStrings(plan.stops),
+                   tokens=list(plan.prompt_ids))
+        new_tokens = self._prefill(run)
+        first_token_at = run.last_emit = time.perf_counter()
         while True:
-            # ---- emit what the round produced, check EOS / length / stop strings
-            new_tokens, finish = self._cut(new_tokens, len(generated), plan.max_new_tokens)
-            tokens += new_tokens
-            generated += new_tokens
-            text = stops.feed(detokenizer.add([t for t in new_tokens if t not in self._eos_ids]))
-            if stops.stopped:
-                finish = 'stop'
-            elif finish:
-                text += stops.feed(detokenizer.flush())
-                text += '' if stops.stopped else stops.flush()
-                finish = 'stop' if stops.stopped else finish
-            pieces.append(text)
-            if on_delta is not None:
-                on_delta(StreamDelta(text, new_tokens, len(generated), len(generated) / tally.target_passes))
-            if finish:
+            self._emit(run, new_tokens, on_delta)
+            if run.finish:
                 break
             if cancel is not None and cancel.cancelled:
-                tail = stops.feed(detokenizer.flush()) + stops.flush()
+                tail = self._release_held_text(run)
                 if tail:
-                    pieces.append(tail)
-                    if on_delta is not None:
-                        on_delta(StreamDelta(tail, [], len(generated), len(generated) / tally.target_passes))
-                finish = 'cancelled'
+                    self._send(run, tail, [], on_delta)
+                run.finish = 'cancelled'
                 break
+            new_tokens = self._speculate(run)
+        stats = self._stats(run, started, first_token_at, time.perf_counter())
+        self._lifetime_tokens += len(run.generated)
+        self._lifetime_passes += run.tally.target_passes
+        self._lifetime_drafted += run.tally.drafted
+        self._lifetime_accepted += run.tally.accepted
+        return GenerationResult(''.join(run.pieces), run.generated, run.finish, stats, run.warnings)
 
-            # ---- draft
-            round_start = time.perf_counter()
-            budget = min(plan.max_new_tokens - len(generated), self._context_limit - len(tokens)) - 1
-            k, paused = self._choose_k(plan, controller)
-            k = min(k, budget)
-            tally.paused_rounds += paused
-            proposal = None
-            if k > 0:
-                context = DraftContext(tokens, plan.sampling, generator)
-                try:
-                    proposal = drafter.propose(context, k)
-                except Exception as exc:  # a broken drafter must not fail the request
-                    warnings.append(_fallback_warning(drafter, exc))
-                    drafter, controller, proposal = self._drafters['none'], None, None
-            num_drafted = 0 if proposal is None else proposal.tokens.shape[0]
-            self._sync()
-            drafted_at = time.perf_counter()
+    def _prefill(self, run: _Run) -> list[int]:
+        """Start the drafter, run the prompt through the target in one pass and pick the first token."""
+        try:
+            run.drafter.start(run.tokens)
+        except Exception as exc:  # a broken drafter must not fail the request
+            run.fall_back(self._drafters['none'], exc)
+        prompt = torch.tensor([run.tokens], device=self._device)
+        out = self._forward(run.cache, prompt, 0, 1, run.drafter.needs_target_states)
+        run.cache.crop(0)
+        first = self._pick(out.logits[0, -1:], run.plan.sampling, run.generator)
+        run.drafter.observe(out, len(run.tokens), len(run.tokens))
+        run.tally.target_passes += 1
+        return [first.item()]
 
-            # ---- verify: one target pass over [last token, drafts]
-            last = torch.tensor([tokens[-1]], device=self._device)
-            draft_tokens = last[:0] if proposal is None else proposal.tokens
-            out = self._forward(cache, torch.cat([last, draft_tokens]).unsqueeze(0), len(tokens) - 1, 0,
-                                drafter.needs_target_states)
-            logits = out.logits[0]  # [k + 1, vocab]
-            target_probs = logits if plan.sampling.greedy else logits_to_probs(logits, plan.sampling)
-            draft_probs = None if proposal is None or proposal.draft_probs is None else proposal.draft_probs[None]
-            num_accepted, next_token = verify(draft_tokens[None], target_probs[None], draft_probs,
-                                              plan.sampling.greedy, generator)
-            row = torch.cat([num_accepted, draft_tokens, next_token]).tolist()  # the round's one host sync
-            accepted = row[0]
-            new_tokens = row[1:1 + accepted] + row[-1:]
-            cache.crop(-(num_drafted - accepted))
+    def _speculate(self, run: _Run) -> list[int]:
+        """One round: draft K tokens, verify them in one target pass, roll back the rejected ones, measure."""
+        round_start = time.perf_counter()
+        budget = min(run.plan.max_new_tokens - len(run.generated), self._context_limit - len(run.tokens)) - 1
+        k, paused = self._choose_k(run.plan, run.controller)
+        k = min(k, budget)
+        run.tally.paused_rounds += paused
+        proposal = None
+        if k > 0:
             try:
-                drafter.observe(out, num_drafted + 1, accepted + 1)
-            except Exception as exc:
-                warnings.append(_fallback_warning(drafter, exc))
-                drafter, controller = self._drafters['none'], None
-            verified_at = time.perf_counter()
+                proposal = run.drafter.propose(DraftContext(run.tokens, run.plan.sampling, run.generator), k)
+            except Exception as exc:  # a broken drafter must not fail the request
+                run.fall_back(self._drafters['none'], exc)
+        num_drafted = 0 if proposal is None else proposal.tokens.shape[0]
+        self._sync()
+        drafted_at = time.perf_counter()
 
-            # ---- measure
-            self._target_cost.record(num_drafted + 1, verified_at - drafted_at)
-            if controller is not None:
-                controller.record(num_drafted, accepted, drafted_at - round_start)
-            tally.add_round(num_drafted, accepted)
-            gap = (verified_at - last_emit) / len(new_tokens)
-            tally.token_gaps.extend([gap] * len(new_tokens))
-            last_emit = verified_at
+        last = torch.tensor([run.tokens[-1]], device=self._device)
+        draft_tokens = last[:0] if proposal is None else proposal.tokens  # [k]
+        out = self._forward(run.cache, torch.cat([last, draft_tokens]).unsqueeze(0), len(run.tokens) - 1, 0,
+                            run.drafter.needs_target_states)
+        logits = out.logits[0]  # [k + 1, vocab]
+        sampling = run.plan.sampling
+        target_probs = logits if sampling.greedy else logits_to_probs(logits, sampling)
+        draft_probs = None if proposal is None or proposal.draft_probs is None else proposal.draft_probs[None]
+        num_accepted, next_token = verify(draft_tokens[None], target_probs[None], draft_probs, sampling.greedy,
+                                          run.generator)
+        row = torch.cat([num_accepted, draft_tokens, next_token]).tolist()  # the round's one host sync
+        accepted = row[0]
+        run.cache.crop(-(num_drafted - accepted))
+        try:
+            run.drafter.observe(out, num_drafted + 1, accepted + 1)
+        except Exception as exc:
+            run.fall_back(self._drafters['none'], exc)
+        verified_at = time.perf_counter()
 
-        finished = time.perf_counter()
-        stats = self._stats(plan, tally, generated, started, first_token_at, last_emit, finished,
-                            'none' if controller is None else plan.drafter, controller)
-        self._lifetime_tokens += len(generated)
-        self._lifetime_passes += tally.target_passes
-        self._lifetime_drafted += tally.drafted
-        self._lifetime_accepted += tally.accepted
-        return GenerationResult(''.join(pieces), generated, finish, stats, warnings)
+        self._target_cost.record(num_drafted + 1, verified_at - drafted_at)
+        if run.controller is not None:
+            run.controller.record(num_drafted, accepted, drafted_at - round_start)
+        run.tally.add_round(num_drafted, accepted, verified_at - run.last_emit)
+        run.last_emit = verified_at
+        return row[1:1 + accepted] + row[-1:]  # accepted drafts + recovered or bonus token
+
+    def _emit(self, run: _Run, new_tokens: list[int], on_delta: DeltaCallback | None) -> None:
+        """Append a round's tokens, apply EOS / max_new_tokens / stop strings, and stream the new text."""
+        new_tokens, run.finish = self._cut(new_tokens, len(run.generated), run.plan.max_new_tokens)
+        run.tokens += new_tokens
+        run.generated += new_tokens
+        text = run.stops.feed(run.detokenizer.add([t for t in new_tokens if t not in self._eos_ids]))
+        if run.stops.stopped:
+            run.finish = 'stop'
+        elif run.finish:
+            text += self._release_held_text(run)
+            run.finish = 'stop' if run.stops.stopped else run.finish
+        self._send(run, text, new_tokens, on_delta)
+
+    def _release_held_text(self, run: _Run) -> str:
+        """At the end: incomplete characters and possible stop-string prefixes that were held back."""
+        text = run.stops.feed(run.detokenizer.flush())
+        return text if run.stops.stopped else text + run.stops.flush()
+
+    def _send(self, run: _Run, text: str, token_ids: list[int], on_delta: DeltaCallback | None) -> None:
+        run.pieces.append(text)
+        if on_delta is not None:
+            on_delta(StreamDelta(text, token_ids, len(run.generated), len(run.generated) / run.tally.target_passes))
 
     def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         """Pick the first token from prefill logits [1, vocab] -> [1]."""
         if sampling.greedy:
             return logits.argmax(dim=-1)
-        return torch.multinomial(logits_to_probs(logits, sampling), 1, generator=generator).squeeze(-1)
+        return sample(logits_to_probs(logits, sampling), generator)
 
     def _choose_k(self, plan: _Plan, controller: AdaptiveK | None) -> tuple[int, bool]:
         """K for the next round and whether the profit gate paused speculation for it."""
@@ -453,18 +476,19 @@ class Engine:
             return new_tokens[:room], 'length'
         return new_tokens, ''
 
-    def _stats(self, plan, tally: _Tally, generated, started, first_token_at, last_emit, finished, drafter_used,
-               controller) -> GenerationStats:
-        decode_time = last_emit - first_token_at
+    def _stats(self, run: _Run, started: float, first_token_at: float, finished: float) -> GenerationStats:
+        tally, generated = run.tally, run.generated
+        decode_time = run.last_emit - first_token_at
         stats = GenerationStats(
-            prompt_tokens=len(plan.prompt_ids), new_tokens=len(generated), target_passes=tally.target_passes,
+            prompt_tokens=len(run.plan.prompt_ids), new_tokens=len(generated), target_passes=tally.target_passes,
             drafted_tokens=tally.drafted, accepted_tokens=tally.accepted,
             tau=len(generated) / tally.target_passes,
             acceptance_rate=tally.accepted / tally.drafted if tally.drafted else 0.0,
             per_position_acceptance=[a / d for a, d in zip(tally.accepted_at, tally.drafted_at, strict=True)],
             mean_num_draft_tokens=tally.drafted / tally.rounds if tally.rounds else 0.0,
-            draft_cost_ratio=self._cost_ratio(controller) if controller is not None else 0.0,
-            drafter=drafter_used, paused_rounds=tally.paused_rounds, time_to_first_token=first_token_at - started,
+            draft_cost_ratio=self._cost_ratio(run.controller) if run.controller is not None else 0.0,
+            drafter='none' if run.controller is None else run.plan.drafter, paused_rounds=tally.paused_rounds,
+            time_to_first_token=first_token_at - started,
             inter_token_latency_p50=_percentile(tally.token_gaps, 0.5),
             inter_token_latency_p95=_percentile(tally.token_gaps, 0.95),
             tokens_per_second=(len(generated) - 1) / decode_time if decode_time > 0 else 0.0,
@@ -473,10 +497,6 @@ class Engine:
             stats.cuda_allocated_bytes = torch.cuda.max_memory_allocated(self._device)
             stats.cuda_reserved_bytes = torch.cuda.max_memory_reserved(self._device)
         return stats
-
-
-def _fallback_warning(drafter: Drafter, exc: Exception) -> str:
-    return 'drafter {!r} failed ({}: {}); fell back to plain decoding'.format(drafter.name, type(exc).__name__, exc)
 
 
 def _check_config(config: EngineConfig) -> None:
