@@ -31,9 +31,10 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize('fields, message', BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
 def test_bad_request_rejected(tiny_engine, fields, message):
-    with pytest.raises(ValueError) as error:
-        tiny_engine.generate(GenerationRequest(**fields))
-    assert message in str(error.value)
+    for call in (tiny_engine.validate, tiny_engine.generate):
+        with pytest.raises(ValueError) as error:
+            call(GenerationRequest(**fields))
+        assert message in str(error.value)
 
 
 def test_drafter_not_loaded(tiny_models):

@@ -246,6 +246,10 @@ class Engine:
         return step / plain if step is not None and plain else 0.0
 
     # ----------------------------------------------------------------------------------------------- requests
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise ValueError when generate would refuse the request (tokenizes the prompt; no model work)."""
+        self._plan(request)
+
     def _plan(self, request: GenerationRequest) -> _Plan:
         """Validate a request and tokenize its prompt; ValueError with a planner-readable message on bad input."""
         if request.prompt_ids:
