@@ -135,8 +135,10 @@ class Bench:
         self.settings = settings
         say('loading our engine')
         self.engine = Engine.from_config(EngineConfig(
-            target_path=settings.target, drafter='none', assistant_path=settings.assistant,
-            draft_model_path=settings.draft, device='cpu', dtype='float32', max_draft_tokens=max(settings.ks),
+            target_path=settings.target, drafter='none',
+            assistant_path=settings.assistant if 'mtp' in settings.drafters else '',
+            draft_model_path=settings.draft if 'draft' in settings.drafters else '',
+            device='cpu', dtype='float32', max_draft_tokens=max(settings.ks),
             max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads))
         say('loading transformers models')
 
