@@ -262,7 +262,7 @@ def test_ngram_proposals():
     drafter.start([])
 
     def propose(tokens, k):
-        proposal = drafter.propose(DraftContext(tokens, SamplingParams(), None), k)
+        proposal = drafter.propose(DraftContext(tokens, torch.tensor(tokens[-1:]), SamplingParams(), None), k)
         return None if proposal is None else proposal.tokens.tolist()
 
     assert propose([5, 6, 7, 9, 5, 6], 2) == [7, 9]

@@ -13,6 +13,7 @@ class DraftContext:
     """What a drafter may read in a round. The last token is emitted but not yet in the target's cache."""
 
     tokens: list[int]                  # prompt + generated token ids
+    last_token: torch.Tensor           # [1] tokens[-1], already on the device
     sampling: SamplingParams
     generator: torch.Generator | None
 
@@ -207,7 +208,7 @@ class MtpDrafter(Drafter):
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         device = self._hidden.device
         position = torch.tensor([[len(context.tokens) - 1]], device=device)
-        token = torch.tensor([context.tokens[-1]], device=device)
+        token = context.last_token
         hidden = self._hidden
         drafted, probs = [], []
         for _ in range(k):

@@ -84,6 +84,23 @@ class _Tally:
             self.accepted_at[position] += position < num_accepted
 
 
+class _Stopwatch:
+    """Times the parts of a round; on CUDA with events, read after the round's sync (no extra host sync)."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == 'cuda'
+
+    def mark(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000.0 if self._cuda else end - start
+
+
 @dataclass
 class _Run:
     """The mutable state of one generation."""
@@ -96,12 +113,14 @@ class _Run:
     detokenizer: IncrementalDetokenizer
     stops: StopStrings
     tokens: list[int]                  # prompt + generated; the last one is not in the target cache yet
+    last_token: torch.Tensor | None    # [1] tokens[-1] on the device (saves a host-to-device copy per round)
+    stopwatch: _Stopwatch
     generated: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)      # streamed text, one piece per delta
     warnings: list[str] = field(default_factory=list)
     tally: _Tally = field(default_factory=_Tally)
     finish: str = ''
-    last_emit: float = 0.0
+    last_emit: float = 0.0                               # perf_counter() of the last delta
 
     def fall_back(self, plain: Drafter, exc: Exception) -> None:
         """Continue this request with plain decoding after the drafter raised."""
@@ -341,10 +360,6 @@ class Engine:
         return self._target(input_ids=token_ids, position_ids=positions, cache=cache, use_cache=True,
                             logits_to_keep=keep_last, attention_mask=single_token_masks(token_ids), **extra)
 
-    def _sync(self) -> None:
-        if self._device.type == 'cuda':
-            torch.cuda.synchronize(self._device)
-
     def _run(self, plan: _Plan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> GenerationResult:
         started = time.perf_counter()
         if self._device.type == 'cuda':
@@ -354,7 +369,7 @@ class Engine:
         run = _Run(plan=plan, drafter=self._drafters[plan.drafter], controller=self._controllers.get(plan.drafter),
                    generator=torch.Generator(device=self._device).manual_seed(plan.seed), cache=cache,
                    detokenizer=IncrementalDetokenizer(self._tokenizer), stops=StopStrings(plan.stops),
-                   tokens=list(plan.prompt_ids))
+                   tokens=list(plan.prompt_ids), last_token=None, stopwatch=_Stopwatch(self._device))
         new_tokens = self._prefill(run)
         first_token_at = run.last_emit = time.perf_counter()
         while True:
@@ -387,11 +402,12 @@ class Engine:
         first = self._pick(out.logits[0, -1:], run.plan.sampling, run.generator)
         run.drafter.observe(out, len(run.tokens), len(run.tokens))
         run.tally.target_passes += 1
+        run.last_token = first
         return [first.item()]
 
     def _speculate(self, run: _Run) -> list[int]:
         """One round: draft K tokens, verify them in one target pass, roll back the rejected ones, measure."""
-        round_start = time.perf_counter()
+        round_start = run.stopwatch.mark()
         budget = min(run.plan.max_new_tokens - len(run.generated), self._context_limit - len(run.tokens)) - 1
         k, paused = self._choose_k(run.plan, run.controller)
         k = min(k, budget)
@@ -399,37 +415,39 @@ class Engine:
         proposal = None
         if k > 0:
             try:
-                proposal = run.drafter.propose(DraftContext(run.tokens, run.plan.sampling, run.generator), k)
+                context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator)
+                proposal = run.drafter.propose(context, k)
             except Exception as exc:  # a broken drafter must not fail the request
                 run.fall_back(self._drafters['none'], exc)
         num_drafted = 0 if proposal is None else proposal.tokens.shape[0]
-        self._sync()
-        drafted_at = time.perf_counter()
+        drafted_at = run.stopwatch.mark()
 
-        last = torch.tensor([run.tokens[-1]], device=self._device)
-        draft_tokens = last[:0] if proposal is None else proposal.tokens  # [k]
-        out = self._forward(run.cache, torch.cat([last, draft_tokens]).unsqueeze(0), len(run.tokens) - 1, 0,
-                            run.drafter.needs_target_states)
+        draft_tokens = run.last_token[:0] if proposal is None else proposal.tokens  # [k]
+        out = self._forward(run.cache, torch.cat([run.last_token, draft_tokens]).unsqueeze(0), len(run.tokens) - 1,
+                            0, run.drafter.needs_target_states)
         logits = out.logits[0]  # [k + 1, vocab]
         sampling = run.plan.sampling
         target_probs = logits if sampling.greedy else logits_to_probs(logits, sampling)
         draft_probs = None if proposal is None or proposal.draft_probs is None else proposal.draft_probs[None]
         num_accepted, next_token = verify(draft_tokens[None], target_probs[None], draft_probs, sampling.greedy,
                                           run.generator)
-        row = torch.cat([num_accepted, draft_tokens, next_token]).tolist()  # the round's one host sync
+        row = torch.cat([num_accepted, draft_tokens, next_token])
+        verified_at = run.stopwatch.mark()
+        row = row.tolist()  # the round's one host sync
         accepted = row[0]
         run.cache.crop(-(num_drafted - accepted))
         try:
             run.drafter.observe(out, num_drafted + 1, accepted + 1)
         except Exception as exc:
             run.fall_back(self._drafters['none'], exc)
-        verified_at = time.perf_counter()
 
-        self._target_cost.record(num_drafted + 1, verified_at - drafted_at)
+        self._target_cost.record(num_drafted + 1, run.stopwatch.seconds(drafted_at, verified_at))
         if run.controller is not None:
-            run.controller.record(num_drafted, accepted, drafted_at - round_start)
-        run.tally.add_round(num_drafted, accepted, verified_at - run.last_emit)
-        run.last_emit = verified_at
+            run.controller.record(num_drafted, accepted, run.stopwatch.seconds(round_start, drafted_at))
+        now = time.perf_counter()
+        run.tally.add_round(num_drafted, accepted, now - run.last_emit)
+        run.last_emit = now
+        run.last_token = next_token
         return row[1:1 + accepted] + row[-1:]  # accepted drafts + recovered or bonus token
 
     def _emit(self, run: _Run, new_tokens: list[int], on_delta: DeltaCallback | None) -> None:
