@@ -26,18 +26,24 @@ class TargetCost:
 
     def __init__(self, max_tokens: int):
         self._seconds: list[float | None] = [None] * (max_tokens + 1)  # index = tokens per pass
+        self._curve: list[float | None] | None = None                  # cached estimates
 
     def record(self, num_tokens: int, seconds: float) -> None:
         if num_tokens >= len(self._seconds):
             return
         old = self._seconds[num_tokens]
         self._seconds[num_tokens] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        self._curve = None
 
-    def seconds(self, num_tokens: int) -> float | None:
-        """Measured cost, else linear interpolation / flat extrapolation from the nearest measurements."""
-        known = [(n, s) for n, s in enumerate(self._seconds) if s is not None]
-        if not known:
-            return None
+    def curve(self) -> list[float | None]:
+        """Seconds per pass for 0..max tokens: measured, else interpolated, else extrapolated along the last slope."""
+        if self._curve is None:
+            known = [(n, s) for n, s in enumerate(self._seconds) if s is not None]
+            self._curve = [self._estimate(known, n) if known else None for n in range(len(self._seconds))]
+        return self._curve
+
+    @staticmethod
+    def _estimate(known: list[tuple[int, float]], num_tokens: int) -> float:
         below = [(n, s) for n, s in known if n <= num_tokens]
         above = [(n, s) for n, s in known if n >= num_tokens]
         if below and above:
@@ -47,6 +53,10 @@ class TargetCost:
             (n0, s0), (n1, s1) = known[-2], known[-1]
             return s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (num_tokens - n1)
         return (below[-1] if below else above[0])[1]
+
+    def seconds(self, num_tokens: int) -> float | None:
+        """Estimated seconds of a pass verifying num_tokens tokens (None before any measurement)."""
+        return self.curve()[num_tokens]
 
     def measured(self, num_tokens: int) -> bool:
         return num_tokens < len(self._seconds) and self._seconds[num_tokens] is not None
@@ -71,7 +81,8 @@ class AdaptiveK:
         self._draft_step: float | None = None  # seconds per drafted token
         self.speculating = True
         self._paused_rounds = 0
-        self._probe_left = 0
+        self._probe_left = 0              # probe rounds still to run while paused
+        self._probed = False              # a probe just finished: re-evaluate the gate
 
     @property
     def alpha(self) -> float:
@@ -91,24 +102,25 @@ class AdaptiveK:
         step = draft_seconds / num_drafted
         self._draft_step = step if self._draft_step is None else DECAY * self._draft_step + (1 - DECAY) * step
 
-    def rate(self, k: int) -> float | None:
+    def rate(self, k: int, curve: list[float | None] | None = None) -> float | None:
         """Return expected tokens per second with k drafts (k = 0: plain decoding), or None before measurements."""
-        verify = self.target_cost.seconds(k + 1)
+        verify = (curve or self.target_cost.curve())[k + 1]
         if verify is None or (k and self._draft_step is None):
             return None
         return expected_tokens(self.alpha, k) / (k * (self._draft_step or 0.0) + verify)
 
     def best_k(self) -> int:
         """Return the K >= 1 with the highest expected rate (max_k // 2 before measurements)."""
-        rates = [(self.rate(k), k) for k in range(1, self.max_k + 1)]
+        curve = self.target_cost.curve()
+        rates = [(self.rate(k, curve), k) for k in range(1, self.max_k + 1)]
         if any(rate is None for rate, _ in rates):
             return max(1, self.max_k // 2)
         return max(rates)[1]
 
     def break_even_tau(self, k: int) -> float:
         """Tokens per round a round with k drafts needs to match plain decoding: cost(k) / cost(plain)."""
-        plain = self.target_cost.seconds(1)
-        verify = self.target_cost.seconds(k + 1)
+        curve = self.target_cost.curve()
+        plain, verify = curve[1], curve[k + 1]
         if plain is None or verify is None:
             return 1.0
         return (k * (self._draft_step or 0.0) + verify) / plain
@@ -117,20 +129,27 @@ class AdaptiveK:
         """K for the next round, applying the profit gate and periodic probes."""
         if not self.target_cost.measured(1):
             return Decision(0, self.speculating)  # measure plain decoding once first
-        k = self.best_k()
         if not self.profit_gate:
-            return Decision(k, True)
+            return Decision(self.best_k(), True)
         if self._probe_left > 0:
             self._probe_left -= 1
-            return Decision(k, self.speculating)
-        best, plain = self.rate(k), self.rate(0)
-        profitable = best is None or plain is None or best > plain
-        if profitable:
-            self.speculating = True
-            return Decision(k, True)
-        self.speculating = False
-        self._paused_rounds += 1
-        if self._paused_rounds % self.probe_interval == 0:
+            return Decision(self.best_k(), False)
+        if not self.speculating and not self._probed:
+            self._paused_rounds += 1
+            if self._paused_rounds % self.probe_interval:
+                return Decision(0, False)  # paused: no estimates needed
             self._probe_left = PROBE_ROUNDS - 1
-            return Decision(k, False)
-        return Decision(0, False)
+            self._probed = True
+            return Decision(self.best_k(), False)
+        self._probed = False
+        k = self.best_k()
+        curve = self.target_cost.curve()
+        best, plain = self.rate(k, curve), self.rate(0, curve)
+        self.speculating = best is None or plain is None or best > plain
+        return Decision(k if self.speculating else 0, self.speculating)
+
+    def may_speculate_next(self) -> bool:
+        """Tell whether the next round may draft (False only when decide() will surely run it plain)."""
+        if not self.profit_gate or self.speculating or self._probe_left or self._probed:
+            return True
+        return not self.target_cost.measured(1) or (self._paused_rounds + 1) % self.probe_interval == 0

@@ -198,6 +198,9 @@ class MtpDrafter(Drafter):
         self._shared_kv = None
 
     def observe(self, target_out, num_fed: int, num_kept: int) -> None:
+        if target_out.shared_kv_states is None:  # a pass without states (speculation paused): wait for the next
+            self._hidden = self._shared_kv = None
+            return
         self._hidden = target_out.hidden_states[-1][:, num_kept - 1:num_kept]
         drop = num_fed - num_kept
         kv = target_out.shared_kv_states
@@ -206,6 +209,8 @@ class MtpDrafter(Drafter):
         self._shared_kv = kv
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
+        if self._hidden is None:
+            return None
         device = self._hidden.device
         position = torch.tensor([[len(context.tokens) - 1]], device=device)
         token = context.last_token

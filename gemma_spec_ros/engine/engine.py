@@ -423,8 +423,11 @@ class Engine:
         drafted_at = run.stopwatch.mark()
 
         draft_tokens = run.last_token[:0] if proposal is None else proposal.tokens  # [k]
+        # the MTP drafter reads this pass's hidden state and K/V, unless the next round is surely plain
+        want_states = run.drafter.needs_target_states and (
+            run.plan.pinned_k > 0 or run.controller is None or run.controller.may_speculate_next())
         out = self._forward(run.cache, torch.cat([run.last_token, draft_tokens]).unsqueeze(0), len(run.tokens) - 1,
-                            0, run.drafter.needs_target_states)
+                            0, want_states)
         logits = out.logits[0]  # [k + 1, vocab]
         sampling = run.plan.sampling
         target_probs = logits if sampling.greedy else logits_to_probs(logits, sampling)

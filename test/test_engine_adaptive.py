@@ -1,0 +1,72 @@
+"""Adaptive K and the profit gate on simulated measurements (no models)."""
+
+import pytest
+
+from gemma_spec_ros.engine.adaptive import PROBE_ROUNDS, AdaptiveK, TargetCost, expected_tokens
+
+
+def simulate(controller, cost, alpha_of_round, rounds, step_seconds, verify_seconds):
+    """Feed the controller rounds whose drafts are accepted with probability-free, fixed prefix lengths."""
+    decisions = []
+    for index in range(rounds):
+        decision = controller.decide()
+        k = decision.num_draft_tokens
+        alpha = alpha_of_round(index)
+        accepted = min(k, int(round(alpha * k)))  # deterministic stand-in for acceptance
+        cost.record(k + 1, verify_seconds(k + 1))
+        controller.record(k, accepted, k * step_seconds)
+        decisions.append(decision)
+    return decisions
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_target_cost_interpolates_and_extrapolates():
+    cost = TargetCost(9)
+    assert cost.seconds(3) is None
+    cost.record(1, 1.0)
+    cost.record(5, 2.0)
+    assert cost.seconds(3) == pytest.approx(1.5)
+    assert cost.seconds(9) == pytest.approx(3.0)  # along the last slope
+    assert cost.seconds(1) == 1.0
+
+
+def test_cheap_accurate_drafter_gets_long_drafts():
+    cost = TargetCost(9)
+    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=8)
+    decisions = simulate(controller, cost, lambda _: 0.95, 60, step_seconds=0.01,
+                         verify_seconds=lambda n: 1.0 + 0.02 * n)
+    assert decisions[0].num_draft_tokens == 0  # one plain round measures plain decoding first
+    assert controller.speculating and decisions[-1].num_draft_tokens >= 6
+
+
+def test_expensive_drafter_gets_short_drafts():
+    cost = TargetCost(9)
+    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=8)
+    decisions = simulate(controller, cost, lambda _: 0.7, 60, step_seconds=0.3, verify_seconds=lambda n: 1.0)
+    assert controller.speculating and 1 <= decisions[-1].num_draft_tokens <= 3
+
+
+def test_gate_pauses_probes_and_resumes():
+    cost = TargetCost(9)
+    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=10)
+    bad_until = 60
+    decisions = simulate(controller, cost, lambda i: 0.0 if i < bad_until else 0.9, 120, step_seconds=0.2,
+                         verify_seconds=lambda n: 1.0 + 0.1 * n)
+    paused = decisions[20:bad_until]
+    assert all(not d.speculating for d in paused)
+    probes = [d for d in paused if d.num_draft_tokens > 0]
+    assert 0 < len(probes) <= PROBE_ROUNDS * (len(paused) // 10 + 1)  # probes only every probe_interval rounds
+    assert not controller.may_speculate_next() or controller.speculating
+    assert decisions[-1].speculating and decisions[-1].num_draft_tokens > 0  # resumed after acceptance came back
+
+
+def test_gate_off_always_speculates():
+    cost = TargetCost(9)
+    controller = AdaptiveK(4, cost, profit_gate=False, probe_interval=10)
+    decisions = simulate(controller, cost, lambda _: 0.0, 30, step_seconds=0.5, verify_seconds=lambda n: 1.0)
+    assert all(d.num_draft_tokens >= 1 for d in decisions[1:])
