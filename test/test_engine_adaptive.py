@@ -70,3 +70,29 @@ def test_gate_off_always_speculates():
     controller = AdaptiveK(4, cost, profit_gate=False, probe_interval=10)
     decisions = simulate(controller, cost, lambda _: 0.0, 30, step_seconds=0.5, verify_seconds=lambda n: 1.0)
     assert all(d.num_draft_tokens >= 1 for d in decisions[1:])
+
+
+def test_per_position_acceptance_limits_k():
+    # the first draft is always right, later ones never: K = 1 is best even though mean acceptance is high
+    cost = TargetCost(9)
+    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=8)
+    for _ in range(3):
+        simulate(controller, cost, lambda _: 0.0, 1, 0.01, lambda n: 1.0)
+    for _ in range(60):
+        k = controller.decide().num_draft_tokens
+        cost.record(k + 1, 1.0 + 0.05 * (k + 1))
+        controller.record(k, min(k, 1), 0.05 * k)
+    rates = controller.position_alpha()
+    assert rates[0] > 0.9 and rates[1] < 0.2
+    assert controller.best_k() == 1
+    assert controller.expected_tokens(4) < 2.2
+
+
+def test_positions_learned_from_counts():
+    controller = AdaptiveK(6, TargetCost(7), profit_gate=True, probe_interval=8)
+    for _ in range(200):
+        controller.record(6, 3, 0.1)  # geometric-looking: judged 4, accepted 3 per round
+    alpha = controller.alpha
+    assert alpha == pytest.approx(0.75, abs=0.01)
+    assert controller.expected_tokens(3) == pytest.approx(4, abs=0.15)  # positions 1-3 always kept
+    assert controller.expected_tokens(5) < controller.expected_tokens(3) + 0.2  # position 5 never

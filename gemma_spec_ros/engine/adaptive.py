@@ -1,8 +1,9 @@
 """
 Adaptive draft length and profit gate, from online measurements.
 
-Expected tokens per round with K drafts at acceptance alpha (Leviathan et al.): E(K) = (1 - alpha^(K+1)) / (1 - alpha).
-A round costs K drafter steps plus one target pass over K + 1 tokens, both measured; K is chosen to maximize
+Expected tokens per round with K drafts at acceptance alpha (Leviathan et al.): E(K) = (1 - alpha^(K+1)) / (1 - alpha);
+with measured per-position acceptance a_i it is 1 + sum_j prod_{i<=j} a_i, which equals that formula when all a_i are
+the same. A round costs K drafter steps plus one target pass over K + 1 tokens, both measured; K is chosen to maximize
 E(K) / cost(K). When no K >= 1 beats plain decoding (1 token per 1-token target pass), speculation pauses and is
 probed again every probe_interval rounds.
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 DECAY = 0.97          # weight of older rounds in the running estimates
 PROBE_ROUNDS = 3      # speculative rounds per probe while paused
+UNOBSERVED_DECAY = 0.995  # per round, for draft positions the round did not judge
 PRIOR_ALPHA = 0.5     # acceptance assumed before anything is measured (weight of ~2 drafted tokens)
 
 
@@ -78,6 +80,8 @@ class AdaptiveK:
         self.probe_interval = max(1, probe_interval)
         self._accepted = PRIOR_ALPHA * 2   # decayed accepted drafts
         self._evaluated = 2.0              # decayed drafts the target judged (accepted + first rejected)
+        self._kept_at = [0.0] * max_k      # [K] decayed accepts at draft position i
+        self._judged_at = [0.0] * max_k    # [K] decayed rounds that judged position i (all before it accepted)
         self._draft_step: float | None = None  # seconds per drafted token
         self.speculating = True
         self._paused_rounds = 0
@@ -87,6 +91,23 @@ class AdaptiveK:
     @property
     def alpha(self) -> float:
         return self._accepted / self._evaluated
+
+    def position_alpha(self) -> list[float]:
+        """Return the acceptance at each draft position given all earlier ones were accepted ([K], shrunk to alpha)."""
+        alpha = self.alpha
+        return [(kept + 2 * alpha) / (judged + 2) for kept, judged in zip(self._kept_at, self._judged_at, strict=True)]
+
+    def expected_tokens(self, k: int) -> float:
+        """
+        Tokens a round with k drafts emits: 1 + sum over j <= k of the chance that drafts 1..j are accepted.
+
+        With the same acceptance alpha at every position this is (1 - alpha^(k+1)) / (1 - alpha).
+        """
+        total, survive = 1.0, 1.0
+        for rate in self.position_alpha()[:k]:
+            survive *= rate
+            total += survive
+        return total
 
     @property
     def draft_step_seconds(self) -> float | None:
@@ -99,6 +120,15 @@ class AdaptiveK:
         evaluated = num_accepted + (1 if num_accepted < num_drafted else 0)
         self._accepted = DECAY * self._accepted + num_accepted
         self._evaluated = DECAY * self._evaluated + evaluated
+        for position in range(self.max_k):
+            # judged positions forget with DECAY; unobserved ones (beyond the drafts) only slowly, so that what
+            # was learned about them holds K steady, and decays enough to be explored again eventually
+            if position < min(evaluated, num_drafted):
+                self._judged_at[position] = DECAY * self._judged_at[position] + 1
+                self._kept_at[position] = DECAY * self._kept_at[position] + (position < num_accepted)
+            else:
+                self._judged_at[position] *= UNOBSERVED_DECAY
+                self._kept_at[position] *= UNOBSERVED_DECAY
         step = draft_seconds / num_drafted
         self._draft_step = step if self._draft_step is None else DECAY * self._draft_step + (1 - DECAY) * step
 
@@ -107,7 +137,7 @@ class AdaptiveK:
         verify = (curve or self.target_cost.curve())[k + 1]
         if verify is None or (k and self._draft_step is None):
             return None
-        return expected_tokens(self.alpha, k) / (k * (self._draft_step or 0.0) + verify)
+        return self.expected_tokens(k) / (k * (self._draft_step or 0.0) + verify)
 
     def best_k(self) -> int:
         """Return the K >= 1 with the highest expected rate (max_k // 2 before measurements)."""
