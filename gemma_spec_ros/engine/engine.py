@@ -215,6 +215,9 @@ class Engine:
         ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self._tokenizer.eos_token_id is not None:
             ids.add(self._tokenizer.eos_token_id)
+        end_of_turn = self._tokenizer.get_vocab().get('<end_of_turn>')  # Gemma chat turns end here
+        if end_of_turn is not None and '<end_of_turn>' in self._tokenizer.all_special_tokens:
+            ids.add(end_of_turn)
         return ids
 
     # ----------------------------------------------------------------------------------------------- settings
