@@ -106,7 +106,7 @@ def single_token_masks(token_ids: torch.Tensor) -> dict | None:
     Attention masks for a pass over token_ids [1, q]: none needed for one token, else built by the model.
 
     A single query may see every cached key: full layers hold only the past, and a rolled-back sliding layer hands
-    out exactly its window. Skipping mask construction is a noticeable share of a small model's decode step.
+    out exactly its window. Mask construction is a noticeable share of a small model's decode step.
     """
     return NO_MASKS if token_ids.shape[1] == 1 else None
 
