@@ -20,9 +20,11 @@ def simulate(controller, cost, alpha_of_round, rounds, step_seconds, verify_seco
 
 
 def test_expected_tokens_formula():
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens([0.0] * 4, 4) == 1.0
+    assert expected_tokens([1.0] * 4, 4) == 5.0
+    for alpha in (0.3, 0.5, 0.9):
+        assert expected_tokens([alpha] * 8, 5) == pytest.approx((1 - alpha ** 6) / (1 - alpha))
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
 
 
 def test_target_cost_interpolates_and_extrapolates():
@@ -85,7 +87,7 @@ def test_per_position_acceptance_limits_k():
     rates = controller.position_alpha()
     assert rates[0] > 0.9 and rates[1] < 0.2
     assert controller.best_k() == 1
-    assert controller.expected_tokens(4) < 2.2
+    assert expected_tokens(rates, 4) < 2.2
 
 
 def test_positions_learned_from_counts():
@@ -94,5 +96,6 @@ def test_positions_learned_from_counts():
         controller.record(6, 3, 0.1)  # geometric-looking: judged 4, accepted 3 per round
     alpha = controller.alpha
     assert alpha == pytest.approx(0.75, abs=0.01)
-    assert controller.expected_tokens(3) == pytest.approx(4, abs=0.15)  # positions 1-3 always kept
-    assert controller.expected_tokens(5) < controller.expected_tokens(3) + 0.2  # position 5 never
+    rates = controller.position_alpha()
+    assert expected_tokens(rates, 3) == pytest.approx(4, abs=0.15)  # positions 1-3 always kept
+    assert expected_tokens(rates, 5) < expected_tokens(rates, 3) + 0.2  # position 4 never

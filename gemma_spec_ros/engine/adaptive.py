@@ -16,11 +16,18 @@ UNOBSERVED_DECAY = 0.995  # per round, for draft positions the round did not jud
 PRIOR_ALPHA = 0.5     # acceptance assumed before anything is measured (weight of ~2 drafted tokens)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens emitted by a round with k drafts, bonus/recovered token included."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """
+    Return the tokens a round with k drafts emits, bonus token included: 1 + sum_{j<=k} prod_{i<=j} acceptance[i].
+
+    acceptance[i] is the chance that draft i+1 is accepted after all earlier ones were; with the same alpha
+    everywhere this is (1 - alpha^(k+1)) / (1 - alpha).
+    """
+    total, survive = 1.0, 1.0
+    for rate in acceptance[:k]:
+        survive *= rate
+        total += survive
+    return total
 
 
 class TargetCost:
@@ -97,18 +104,6 @@ class AdaptiveK:
         alpha = self.alpha
         return [(kept + 2 * alpha) / (judged + 2) for kept, judged in zip(self._kept_at, self._judged_at, strict=True)]
 
-    def expected_tokens(self, k: int) -> float:
-        """
-        Tokens a round with k drafts emits: 1 + sum over j <= k of the chance that drafts 1..j are accepted.
-
-        With the same acceptance alpha at every position this is (1 - alpha^(k+1)) / (1 - alpha).
-        """
-        total, survive = 1.0, 1.0
-        for rate in self.position_alpha()[:k]:
-            survive *= rate
-            total += survive
-        return total
-
     @property
     def draft_step_seconds(self) -> float | None:
         return self._draft_step
@@ -137,7 +132,7 @@ class AdaptiveK:
         verify = (curve or self.target_cost.curve())[k + 1]
         if verify is None or (k and self._draft_step is None):
             return None
-        return self.expected_tokens(k) / (k * (self._draft_step or 0.0) + verify)
+        return expected_tokens(self.position_alpha(), k) / (k * (self._draft_step or 0.0) + verify)
 
     def best_k(self) -> int:
         """Return the K >= 1 with the highest expected rate (max_k // 2 before measurements)."""
