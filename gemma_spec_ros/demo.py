@@ -112,6 +112,8 @@ def main(argv=None) -> int:
         print('demo: params file {} not found'.format(params_file), file=sys.stderr)
         return 2
 
+    for signum in (signal.SIGINT, signal.SIGTERM):  # also when started with SIGINT ignored (background)
+        signal.signal(signum, signal.default_int_handler)
     node = NodeProcess(params_file, args.param)
     rclpy.init(args=['demo'], signal_handler_options=SignalHandlerOptions.NO)
     client = GenerateClient('/{}/generate'.format(NODE_NAME), 'gemma_spec_demo')

@@ -6,6 +6,7 @@ and exits (1 with 'No diagnostics received' when none arrives in time).
 """
 
 import argparse
+import signal
 import sys
 import time
 
@@ -34,6 +35,8 @@ def main(argv=None) -> int:
     parser.add_argument('--once', action='store_true', help='print one sample and exit')
     parser.add_argument('--timeout', type=float, default=10.0, help='seconds to wait for a sample (--once)')
     args, ros_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # also when started with SIGINT ignored (background)
+        signal.signal(signum, signal.default_int_handler)
     rclpy.init(args=['diag'] + ros_args, signal_handler_options=SignalHandlerOptions.NO)
     node = rclpy.create_node('gemma_spec_diag_monitor')
     listener = DiagnosticsListener(node, args.node)
