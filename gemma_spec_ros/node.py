@@ -407,7 +407,7 @@ class GemmaSpecNode(Node):
             outcome = 'cancelled'
         elif job.error:
             result.error = job.error
-            result.finish_reason = 'cancelled' if job.preempted else 'error'
+            result.finish_reason = 'cancelled' if job.preempted or finish_reason == 'cancelled' else 'error'
             goal_handle.abort()
             outcome = 'aborted'
             self.get_logger().warning('goal {} aborted: {}'.format(_short_id(goal_handle), job.error))
