@@ -237,7 +237,7 @@ class GenerationMetrics:
 
 def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0):
     """Fill the engine task: ERROR when the models are not loaded, WARN while the profit gate pauses speculation."""
-    stat.add('state', state)
+    stat.add('state', str(state))
     if state == 'failed':
         stat.summary(ERROR, error or 'models not loaded')
         return stat
@@ -269,9 +269,9 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0)
             ('acceptance rate (window)', '{:.3f}'.format(snap['acceptance_rate'])),
             ('acceptance rate (lifetime)', '{:.3f}'.format(status.acceptance_rate_lifetime)),
             ('drafter fallbacks', snap['drafter_fallbacks'])):
-        stat.add(key, value)
+        stat.add(key, str(value))
     if snap['last_warning']:
-        stat.add('last warning', snap['last_warning'])
+        stat.add('last warning', str(snap['last_warning']))
     return stat
 
 
@@ -293,9 +293,9 @@ def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inte
             ('inter-token latency p50 (s)', '{:.4f}'.format(snap['itl_p50'])),
             ('inter-token latency p95 (s)', '{:.4f}'.format(snap['itl_p95'])),
             ('goals in window', snap['goals_in_window'])):
-        stat.add(key, value)
+        stat.add(key, str(value))
     for outcome in GenerationMetrics.OUTCOMES:
-        stat.add('goals ' + outcome, snap[outcome])
+        stat.add('goals ' + outcome, str(snap[outcome]))
     return stat
 
 

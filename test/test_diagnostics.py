@@ -204,3 +204,21 @@ def test_exported_api_is_diagnostic_updater_compatible():
         assert callable(getattr(diagnostics.DiagnosticStatusWrapper, name))
     for name in ('setHardwareID', 'add', 'update', 'force_update', 'broadcast'):
         assert callable(getattr(diagnostics.Updater, name))
+
+
+class StrictWrapper(FallbackStatusWrapper):
+    """diagnostic_updater's add() stores the value as given: a non-str would fail in the KeyValue message."""
+
+    def add(self, key, value):
+        assert isinstance(key, str) and isinstance(value, str), (key, value)
+        super().add(key, value)
+
+
+def test_tasks_pass_strings_as_diagnostic_updater_requires():
+    metrics = diagnostics.GenerationMetrics()
+    metrics.record('succeeded', result(warnings=['drafter failed']), [(0.0, 0), (0.1, 1), (0.2, 1)])
+    status = EngineStatus(target_id='t', drafter='mtp', speculating=True, num_draft_tokens=2)
+    diagnostics.fill_engine_status(StrictWrapper(), 'ready', '', status, metrics)
+    diagnostics.fill_generation_status(StrictWrapper(), metrics, 1, True)
+    memory = dict(diagnostics.read_memory('cpu'), cuda_allocated=1, cuda_reserved=2)
+    diagnostics.fill_memory_status(StrictWrapper(), memory)
