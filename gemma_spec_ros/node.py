@@ -117,11 +117,6 @@ def check_choice(name, value):
             name, '|'.join(choices), value))
 
 
-def check_request(engine, request):
-    """Raise the engine's ValueError for a bad request now, so that it never waits in the queue."""
-    engine._plan(request)  # the engine's own validation (tokenizes the prompt; no model work)
-
-
 def stats_to_msg(stats, msg):
     """Copy engine GenerationStats fields into a gemma_spec_msgs/GenerationStats message."""
     for name, kind in msg.get_fields_and_field_types().items():
@@ -363,8 +358,8 @@ class GemmaSpecNode(Node):
             return
         with self._lock:
             if self._state == 'ready':
-                try:
-                    check_request(self._engine, job.request)
+                try:  # the engine's own checks now, so that a bad goal never waits in the queue
+                    self._engine.validate(job.request)
                 except ValueError as error:
                     job.finish(str(error))
                     return
