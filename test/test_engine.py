@@ -2,6 +2,7 @@
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -140,6 +141,17 @@ def test_stream_iterator_returns_result(tiny_engine):
             result = stop.value
             break
     assert len(deltas) == 10 and result.token_ids == [t for d in deltas for t in d.token_ids]
+    with pytest.raises(ValueError, match='top_k must be >= 0'):
+        tiny_engine.stream(GenerationRequest(prompt='hi', top_k=-1))  # validated at the call
+
+
+def test_stream_closed_early_cancels_the_run(tiny_engine):
+    iterator = tiny_engine.stream(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=900, drafter='none'))
+    next(iterator)
+    iterator.close()
+    started = time.monotonic()
+    result = tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=2, drafter='none'))
+    assert len(result.token_ids) == 2 and time.monotonic() - started < 5  # the lock was released quickly
 
 
 def test_incremental_detokenizer_never_emits_broken_utf8(tiny_engine):

@@ -84,6 +84,17 @@ class _Tally:
             self.accepted_at[position] += position < num_accepted
 
 
+class _AnyCancel:
+    """Cancelled when any of the given tokens is."""
+
+    def __init__(self, *tokens: CancelToken | None):
+        self._tokens = [token for token in tokens if token is not None]
+
+    @property
+    def cancelled(self) -> bool:
+        return any(token.cancelled for token in self._tokens)
+
+
 class _Stopwatch:
     """Times the parts of a round; on CUDA with events, read after the round's sync (no extra host sync)."""
 
@@ -335,22 +346,32 @@ class Engine:
             return self._run(plan, on_delta, cancel)
 
     def stream(self, request: GenerationRequest, cancel: CancelToken | None = None) -> Iterator[StreamDelta]:
-        """Iterate over the deltas of one request; the GenerationResult is the generator's return value."""
-        plan = self._plan(request)
+        """
+        Iterate over the deltas of one request; the GenerationResult is the iterator's return value.
+
+        The request is validated here (ValueError at the call). Closing the iterator early cancels the generation.
+        """
+        return self._stream(self._plan(request), cancel)
+
+    def _stream(self, plan: _Plan, cancel: CancelToken | None) -> Iterator[StreamDelta]:
         deltas: queue.Queue = queue.Queue()
         outcome: dict = {}
+        abandoned = CancelToken()
 
         def work():
             try:
                 with self._lock, torch.inference_mode():
-                    outcome['result'] = self._run(plan, deltas.put, cancel)
+                    outcome['result'] = self._run(plan, deltas.put, _AnyCancel(cancel, abandoned))
             except BaseException as exc:  # re-raised in the consumer's thread
                 outcome['error'] = exc
             deltas.put(None)
 
         threading.Thread(target=work, daemon=True).start()
-        while (delta := deltas.get()) is not None:
-            yield delta
+        try:
+            while (delta := deltas.get()) is not None:
+                yield delta
+        finally:
+            abandoned.cancel()  # no-op when the run already ended
         if 'error' in outcome:
             raise outcome['error']
         return outcome['result']
