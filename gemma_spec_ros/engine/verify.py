@@ -26,6 +26,10 @@ def verify(
     the target distribution exactly.
     """
     batch, k = draft_tokens.shape
+    if k == 0:  # plain decoding: the target's own pick
+        next_token = (target_probs[:, 0].argmax(dim=-1) if greedy
+                      else torch.multinomial(target_probs[:, 0].float(), 1, generator=generator).squeeze(-1))
+        return torch.zeros_like(next_token), next_token
     rows = torch.arange(batch, device=draft_tokens.device)
     if greedy:
         target_tokens = target_probs.argmax(dim=-1)                                   # [batch, k + 1]
@@ -44,17 +48,17 @@ def verify(
     accepted = uniform * draft_of_draft < target_of_draft                                  # [batch, k]
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)                             # [batch]
 
+    # the recovered token comes from the residual at the first rejection; the bonus token from the target
     next_target = target_probs[rows, num_accepted]                                        # [batch, vocab]
-    rejected_at = num_accepted.clamp(max=k - 1) if k else num_accepted
-    if k:
-        if draft_probs is None:
-            next_draft = torch.zeros_like(next_target)
-            next_draft[rows, draft_tokens[rows, rejected_at]] = 1.0
-        else:
-            next_draft = draft_probs[rows, rejected_at]                                    # [batch, vocab]
-        residual = (next_target - next_draft).clamp(min=0.0)
-        residual_mass = residual.sum(dim=-1, keepdim=True)
-        use_residual = (num_accepted < k).unsqueeze(-1) & (residual_mass > 0)
-        next_target = torch.where(use_residual, residual / residual_mass.clamp(min=1e-30), next_target)
+    rejected_at = num_accepted.clamp(max=k - 1)
+    if draft_probs is None:
+        next_draft = torch.zeros_like(next_target)
+        next_draft[rows, draft_tokens[rows, rejected_at]] = 1.0
+    else:
+        next_draft = draft_probs[rows, rejected_at]                                        # [batch, vocab]
+    residual = (next_target - next_draft).clamp(min=0.0)
+    residual_mass = residual.sum(dim=-1, keepdim=True)
+    use_residual = (num_accepted < k).unsqueeze(-1) & (residual_mass > 0)
+    next_target = torch.where(use_residual, residual / residual_mass.clamp(min=1e-30), next_target)
     next_token = torch.multinomial(next_target, 1, generator=generator).squeeze(-1)
     return num_accepted, next_token
