@@ -298,3 +298,22 @@ def test_mtp_drafter_drops_rejected_kv():
     assert drafter._hidden.flatten().tolist() == [1.0]
     for kv in drafter._shared_kv.values():
         assert kv[0].shape[2] == 17 and kv[0][0, 0, -1, 0] == 16.0
+
+
+def test_concurrent_callers_are_serialized(tiny_engine):
+    requests = [GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=20, drafter=drafter, num_draft_tokens=2)
+                for drafter in ('none', 'ngram', 'draft', 'mtp')]
+    expected = [tiny_engine.generate(request).token_ids for request in requests]
+    results = [None] * len(requests)
+    statuses = []
+
+    def run(index):
+        results[index] = tiny_engine.generate(requests[index]).token_ids
+        statuses.append(tiny_engine.status())
+
+    workers = [threading.Thread(target=run, args=(index,)) for index in range(len(requests))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert results == expected and len(statuses) == len(requests)
