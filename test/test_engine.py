@@ -317,3 +317,59 @@ def test_concurrent_callers_are_serialized(tiny_engine):
     for worker in workers:
         worker.join(60)
     assert results == expected and len(statuses) == len(requests)
+
+
+def _corrupt_after(proposal, keep):
+    """The proposal with draft keep+1 replaced by a token the target will not pick (when keep < k)."""
+    from gemma_spec_ros.engine.drafters import Proposal
+
+    tokens = proposal.tokens.clone()
+    if keep < tokens.shape[0]:
+        tokens[keep] = (tokens[keep] + 1) % 4000
+    return Proposal(tokens, proposal.draft_probs)
+
+
+def test_draft_model_partial_acceptance_rolls_back(agreeing_engine, reference):
+    # the draft model is the target, so its drafts are right; corrupting draft j makes exactly j of them accepted
+    prompt_ids = ids_of(agreeing_engine, STORY_PROMPT)
+    expected = reference(prompt_ids, LONG)
+    drafter = agreeing_engine._drafters['draft']
+    original = drafter.propose
+    drafter.propose = lambda context, k: _corrupt_after(original(context, k), len(context.tokens) % (k + 1))
+    try:
+        result = agreeing_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=LONG,
+                                                            num_draft_tokens=4))
+    finally:
+        drafter.propose = original
+    assert result.token_ids == expected
+    assert 0.2 < result.stats.acceptance_rate < 0.9
+
+
+def test_mtp_partial_acceptance_cuts_rejected_kv(tiny_engine, reference):
+    # an oracle keeps the first j drafts right (after the assistant ran on the rolled-back K/V)
+    from gemma_spec_ros.engine.drafters import Proposal
+
+    prompt_ids = ids_of(tiny_engine, STORY_PROMPT)
+    expected = reference(prompt_ids, LONG)
+    drafter = tiny_engine._drafters['mtp']
+    original = drafter.propose
+    seen_kv_lengths = []
+
+    def oracle(context, k):
+        proposal = original(context, k)
+        seen_kv_lengths.append((len(context.tokens), drafter._shared_kv['full_attention'][0].shape[2]))
+        done = len(context.tokens) - len(prompt_ids)
+        keep = done % (k + 1)
+        truth = torch.tensor(expected[done:done + k])
+        return _corrupt_after(Proposal(torch.cat([truth[:keep], proposal.tokens[keep:]]), None), keep)
+
+    drafter.propose = oracle
+    try:
+        result = tiny_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=LONG, drafter='mtp',
+                                                        num_draft_tokens=4))
+    finally:
+        drafter.propose = original
+    assert result.token_ids == expected
+    assert 0.2 < result.stats.acceptance_rate < 0.9
+    # the assistant sees full-attention K/V for exactly the tokens before the last one, never rejected drafts
+    assert all(kv_length == num_tokens - 1 for num_tokens, kv_length in seen_kv_lengths)
