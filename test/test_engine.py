@@ -320,7 +320,7 @@ def test_concurrent_callers_are_serialized(tiny_engine):
 
 
 def _corrupt_after(proposal, keep):
-    """The proposal with draft keep+1 replaced by a token the target will not pick (when keep < k)."""
+    """Return the proposal with draft keep+1 replaced by a token the target will not pick (when keep < k)."""
     from gemma_spec_ros.engine.drafters import Proposal
 
     tokens = proposal.tokens.clone()
