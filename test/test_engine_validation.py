@@ -160,3 +160,17 @@ def test_load_engine_config_from_params_file(tiny_models, tmp_path):
     params.write_text('/**:\n  ros__parameters:\n    engine:\n      target_path: x\n      max_draft_tokens: many\n')
     with pytest.raises(ValueError, match='engine.max_draft_tokens must be a int'):
         load_engine_config(str(params))
+
+
+def test_resolve_model_path_search_order(tmp_path, monkeypatch):
+    from gemma_spec_ros.engine.config_file import REPO_ROOT, resolve_model_path
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path('/abs/model') == '/abs/model'
+    assert resolve_model_path('models/tokenizer') == str(REPO_ROOT / 'models' / 'tokenizer')  # dev checkout
+    (tmp_path / 'models' / 'tokenizer').mkdir(parents=True)
+    assert resolve_model_path('models/tokenizer') == str(tmp_path / 'models' / 'tokenizer')  # cwd first
+    prefix = tmp_path / 'install'
+    (prefix / 'share' / 'gemma_spec_ros' / 'models' / 'only-installed').mkdir(parents=True)
+    monkeypatch.setenv('AMENT_PREFIX_PATH', '/nonexistent:' + str(prefix))
+    assert resolve_model_path('models/only-installed') == str(prefix / 'share/gemma_spec_ros/models/only-installed')
