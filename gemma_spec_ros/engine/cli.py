@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--num-draft-tokens', type=int, default=None, help='K; 0 = adaptive')
     parser.add_argument('--device', choices=('auto', 'cpu', 'cuda'), help='default: auto')
     parser.add_argument('--dtype', choices=('auto', 'float32', 'bfloat16', 'float16'), help='default: auto')
+    parser.add_argument('--threads', type=int, default=None,
+                        help='torch CPU threads (engine.num_threads; 0 = torch default). On a busy CPU, 1 is often '
+                             'fastest')
     parser.add_argument('--samples', type=int, default=1, help='number of generations (seeds S, S+1, ...)')
     parser.add_argument('--json', action='store_true', help='print one JSON object per sample and line')
     return parser
@@ -44,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engine_overrides(args) -> dict:
     overrides = {'target_path': args.target, 'drafter': args.drafter, 'device': args.device, 'dtype': args.dtype,
-                 'num_draft_tokens': args.num_draft_tokens}
+                 'num_draft_tokens': args.num_draft_tokens, 'num_threads': args.threads}
     if not args.config:
         overrides['target_path'] = args.target or DEFAULT_TARGET
         for field, default in (('assistant_path', DEFAULT_ASSISTANT), ('draft_model_path', DEFAULT_DRAFT)):
