@@ -47,7 +47,9 @@ class Cell:
     draft_cost_ratio: float | None = None
     predicted_tau: float | None = None
     predicted_speedup: float | None = None
+    tau_cost_speedup: float | None = None  # measured tau / predicted round cost: the model without the i.i.d. part
     efficiency: float | None = None  # speedup_vs_ours_plain / predicted_speedup
+    loop_efficiency: float | None = None  # speedup_vs_ours_plain / (measured tau / predicted round cost)
 
 
 @dataclass
@@ -93,16 +95,20 @@ def fit_alpha(samples: list[Measurement]) -> float | None:
     return accepted / reached if reached else None
 
 
+def round_cost(k: float, drafting_share: float, cost_ratio: float, probe: CostProbe) -> float:
+    """Mean cost of a decode round in 1-token target passes: k * c + v(k + 1) when drafting, 1 when plain."""
+    return drafting_share * (k * cost_ratio + probe.verify_cost_at(k + 1)) + (1.0 - drafting_share)
+
+
 def predict_speedup(alpha: float, k: float, drafting_share: float, cost_ratio: float,
                     probe: CostProbe) -> tuple[float, float]:
     """
     Predict (tau, speedup) per decode round; a share of rounds may find nothing to draft (plain rounds).
 
-    A drafting round yields E(alpha, k) tokens for k * c + v(k + 1) target-step units; a plain round 1 for 1.
+    A drafting round yields E(alpha, k) tokens, a plain round 1; speedup = tokens per round / round_cost.
     """
     tokens = drafting_share * expected_tokens(alpha, k) + (1.0 - drafting_share)
-    cost = drafting_share * (k * cost_ratio + probe.verify_cost_at(k + 1)) + (1.0 - drafting_share)
-    return tokens, tokens / cost
+    return tokens, tokens / round_cost(k, drafting_share, cost_ratio, probe)
 
 
 def _rate(samples: list[Measurement]) -> float:
@@ -152,6 +158,7 @@ def _cell(system: System, category: str, samples: list[Measurement], probe: Cost
             k = _ratio(drafted, decode_passes - paused)
         cell.predicted_tau, cell.predicted_speedup = predict_speedup(cell.alpha, k, share, cell.draft_cost_ratio,
                                                                      probe)
+        cell.tau_cost_speedup = cell.tau / round_cost(k, share, cell.draft_cost_ratio, probe)
     return cell
 
 
@@ -170,6 +177,7 @@ def summarize(systems: list[System], measurements: list[Measurement], categories
         cell.speedup_vs_hf_plain = _ratio(cell.tokens_per_s, hf.tokens_per_s)
         if cell.predicted_speedup:
             cell.efficiency = cell.speedup_vs_ours_plain / cell.predicted_speedup
+            cell.loop_efficiency = cell.speedup_vs_ours_plain / cell.tau_cost_speedup
     failures = sorted({'{}: {}'.format(c.system, ', '.join(c.mismatches)) for c in cells
                        if c.category == ALL and not c.parity})
     summary = Summary(cells, [], failures)
