@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import hashlib
 import shlex
 import statistics
 import sys
@@ -68,6 +69,14 @@ def _parse_list(text: str, kind, what: str) -> list:
         raise ValueError('{} must be a comma-separated list, got {!r}'.format(what, text)) from None
 
 
+def _weights_digest(directory: str) -> str:
+    """Short sha256 over the directory's safetensors files, to tie results to exact weights."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(directory).glob('*.safetensors')):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def run(args, argv: list[str]) -> Path:
     """Run the whole benchmark; return the output directory."""
     import torch
@@ -124,6 +133,9 @@ def run(args, argv: list[str]) -> Path:
         'machine': machine,
         'load_average_end': list(machine_description(settings.threads)['load_average']),
         'settings': dataclasses.asdict(settings) | {'prompts_file': prompts_path, 'quick': args.quick},
+        'models': {role: {'path': path, 'weights_sha256': _weights_digest(path)} for role, path in (
+            ('target', settings.target), ('draft', settings.draft), ('assistant', settings.assistant))
+            if role == 'target' or {'draft': 'draft', 'assistant': 'mtp'}[role] in settings.drafters},
         'prompts': [{'id': p.id, 'category': p.category, 'prompt_tokens': lengths[p.id]} for p in prompts],
         'prompt_tokens_median': statistics.median(lengths.values()),
         'systems': [{'name': s.name, 'family': s.family, 'drafter': s.drafter, 'k': s.k,

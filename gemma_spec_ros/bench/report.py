@@ -81,6 +81,9 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
     settings, machine = document['settings'], document['machine']
     lines = ['# Benchmark run', '',
              'Command: `{}`'.format(document['command']), '',
+             'Models: {}.'.format('; '.join('{} `{}` (weights sha256 {})'.format(role, model['path'],
+                                                                              model['weights_sha256'])
+                                           for role, model in document['models'].items())), '',
              'Machine: {} ({} cores, torch threads {}), flags {}; Python {}, torch {}, transformers {}; '
              'load average at start {}, at end {}.'.format(
                  machine['cpu_model'], machine['cores'], machine['torch_threads'],
