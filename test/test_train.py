@@ -145,3 +145,24 @@ def test_resume_without_checkpoint_is_refused(tiny_corpus, tmp_path, capsys):
     assert main(['target', '--input', str(tiny_corpus), '--shape', '1x32x64', '--steps', '2', '--resume',
                  '--run-dir', str(tmp_path / 'empty'), '--out', str(tmp_path / 'out'), *TINY]) == 2
     assert 'no checkpoint' in capsys.readouterr().err
+
+
+def test_assistant_trains_for_multimodal_target_with_per_layer_inputs(tiny_corpus, tmp_path):
+    """Real Gemma 4 checkpoints load as Gemma4ForConditionalGeneration and use per-layer inputs (PLE)."""
+    from transformers import AutoTokenizer, Gemma4AssistantForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
+
+    from gemma_spec_ros.train.shapes import ModelShape, text_config
+
+    text = text_config(ModelShape(2, 64, 128, sliding_window=8), 4096)
+    text.hidden_size_per_layer_input, text.vocab_size_per_layer_input = 16, 4096
+    torch.manual_seed(0)
+    target = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict(), vision_config=None,
+                                                         audio_config=None))
+    target.save_pretrained(tmp_path / 'target')
+    AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / 'models' / 'tokenizer').save_pretrained(
+        tmp_path / 'target')
+    assert main(['assistant', '--target', str(tmp_path / 'target'), '--input', str(tiny_corpus), '--shape',
+                 '1x32x64', '--steps', '2', '--greedy-windows', '2', '--greedy-prompt-len', '8',
+                 '--out', str(tmp_path / 'assistant'), '--run-dir', str(tmp_path / 'run'), *TINY]) == 0
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / 'assistant')
+    assert assistant.config.get_text_config().hidden_size_per_layer_input == 0

@@ -29,6 +29,7 @@ class RunFigures:
     decode_seconds: float = 0.0
     identical: bool = True            # every output equals plain greedy decoding
     taus: list[float] = field(default_factory=list)
+    cost_ratios: list[float] = field(default_factory=list)   # engine-measured c = drafter pass / target pass
 
     def add(self, stats, identical: bool) -> None:
         self.new_tokens += stats.new_tokens
@@ -38,12 +39,14 @@ class RunFigures:
         self.decode_seconds += stats.wall_time - stats.time_to_first_token
         self.identical &= identical
         self.taus.append(stats.tau)
+        self.cost_ratios.append(stats.draft_cost_ratio)
 
     def summary(self, plain_seconds: float) -> dict:
         return {'tau': round(statistics.fmean(self.taus), 3),
                 'acceptance': round(self.accepted / self.drafted, 3) if self.drafted else 0.0,
                 'tokens_per_s': round(self.new_tokens / self.decode_seconds, 1) if self.decode_seconds else 0.0,
                 'speedup': round(plain_seconds / self.decode_seconds, 3) if self.decode_seconds else 0.0,
+                'draft_cost_ratio': round(statistics.fmean(self.cost_ratios), 3),
                 'identical_to_plain': self.identical}
 
 
