@@ -13,6 +13,7 @@ from dataclasses import dataclass
 DECAY = 0.97          # weight of older rounds in the running estimates
 PROBE_ROUNDS = 3      # speculative rounds per probe while paused
 UNOBSERVED_DECAY = 0.995  # per round, for draft positions the round did not judge
+MIN_EVIDENCE = 12.0       # decayed judged drafts needed before the gate may pause speculation
 PRIOR_ALPHA = 0.5     # acceptance assumed before anything is measured (weight of ~2 drafted tokens)
 
 
@@ -170,7 +171,7 @@ class AdaptiveK:
         k = self.best_k()
         curve = self.target_cost.curve()
         best, plain = self.rate(k, curve), self.rate(0, curve)
-        self.speculating = best is None or plain is None or best > plain
+        self.speculating = best is None or plain is None or best > plain or self._evaluated < MIN_EVIDENCE
         return Decision(k if self.speculating else 0, self.speculating)
 
     def may_speculate_next(self) -> bool:

@@ -49,9 +49,11 @@ def _engine_overrides(args) -> dict:
     overrides = {'target_path': args.target, 'drafter': args.drafter, 'device': args.device, 'dtype': args.dtype,
                  'num_draft_tokens': args.num_draft_tokens, 'num_threads': args.threads}
     if not args.config:
+        # the bundled drafters belong to the bundled target; with --target only --drafter-path adds one
         overrides['target_path'] = args.target or DEFAULT_TARGET
         for field, default in (('assistant_path', DEFAULT_ASSISTANT), ('draft_model_path', DEFAULT_DRAFT)):
-            overrides[field] = default if Path(resolve_model_path(default)).is_dir() else ''
+            bundled = not args.target and Path(resolve_model_path(default)).is_dir()
+            overrides[field] = default if bundled else ''
         overrides['drafter'] = args.drafter or ('mtp' if overrides['assistant_path'] else 'ngram')
     if args.drafter_path:
         drafter = args.drafter or 'mtp'

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from . import models
 from .adaptive import AdaptiveK, TargetCost
 from .drafters import (
+    MIN_DRAFT_CONFIDENCE,
     DraftContext,
     Drafter,
     DraftModelDrafter,
@@ -439,7 +440,8 @@ class Engine:
         proposal = None
         if k > 0:
             try:
-                context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator)
+                context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator,
+                                       0.0 if run.plan.pinned_k else MIN_DRAFT_CONFIDENCE)
                 proposal = run.drafter.propose(context, k)
             except Exception as exc:  # a broken drafter must not fail the request
                 run.fall_back(self._drafters['none'], exc)
