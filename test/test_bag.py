@@ -40,6 +40,8 @@ def run_cli(*args, timeout=300):
 
 
 class NodeProcess:
+    """The node in its own process; one torch thread keeps a shared 2-core machine from oversubscribing."""
+
     def __init__(self, *ros_args):
         self.process = subprocess.Popen(
             [sys.executable, '-m', 'gemma_spec_ros', 'node', '--ros-args', *ros_args], env=ros_env(), cwd=REPO,
@@ -55,7 +57,8 @@ class NodeProcess:
 def tiny_node(tiny_models):
     node = NodeProcess('-p', 'engine.target_path:=' + tiny_models.target,
                        '-p', 'engine.assistant_path:=' + tiny_models.assistant,
-                       '-p', 'engine.draft_model_path:=' + tiny_models.draft, '-p', 'engine.device:=cpu')
+                       '-p', 'engine.draft_model_path:=' + tiny_models.draft, '-p', 'engine.device:=cpu',
+                       '-p', 'engine.num_threads:=1')
     yield node
     code, output = node.stop()
     assert code == 0, output
@@ -115,7 +118,8 @@ def committed_bags():
 def test_replay_committed_bags_on_the_bundled_models():
     bags = committed_bags()
     assert bags, 'no committed bags under test/data'
-    node = NodeProcess('--params-file', str(REPO / 'config' / 'orin.yaml'), '-p', 'engine.device:=cpu')
+    node = NodeProcess('--params-file', str(REPO / 'config' / 'orin.yaml'), '-p', 'engine.device:=cpu',
+                       '-p', 'engine.num_threads:=1')
     try:
         for bag in bags:
             replayed = run_cli('replay', str(bag), timeout=600)

@@ -135,7 +135,8 @@ def test_yaml_runs_the_node_on_cpu_with_client_and_diag_tools():
     env = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST',
                PYTHONUNBUFFERED='1')
     node = subprocess.Popen([sys.executable, '-m', 'gemma_spec_ros', 'node', '--ros-args', '--params-file',
-                             str(CONFIG), '-p', 'engine.device:=cpu'], env=env, stdout=subprocess.PIPE,
+                             str(CONFIG), '-p', 'engine.device:=cpu', '-p', 'engine.num_threads:=1'],
+                            env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         client = subprocess.run([sys.executable, '-m', 'gemma_spec_ros', 'client', 'def plan(robot):',

@@ -15,7 +15,7 @@ def test_demo_streams_reports_and_stops_cleanly_on_ctrl_c():
     env = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST',
                PYTHONUNBUFFERED='1')
     demo = subprocess.Popen([sys.executable, '-m', 'gemma_spec_ros', 'demo', '--params-file', 'config/orin.yaml',
-                             '-p', 'engine.device:=cpu', '--max-new-tokens', '24'],
+                             '-p', 'engine.device:=cpu', '-p', 'engine.num_threads:=1', '--max-new-tokens', '24'],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     deadline = time.monotonic() + 300
