@@ -20,7 +20,7 @@ class Prompt:
 
 @dataclass
 class RunFigures:
-    """Totals over a category's prompts for one (drafter, K)."""
+    """Totals over a category's prompts for one (drafter, K); tau is pooled (all new tokens / all target passes)."""
 
     new_tokens: int = 0
     target_passes: int = 0
@@ -42,7 +42,8 @@ class RunFigures:
         self.cost_ratios.append(stats.draft_cost_ratio)
 
     def summary(self, plain_seconds: float) -> dict:
-        return {'tau': round(statistics.fmean(self.taus), 3),
+        return {'tau': round(self.new_tokens / self.target_passes, 3),     # pooled over prompts
+                'tau_per_prompt': [round(tau, 2) for tau in self.taus],
                 'acceptance': round(self.accepted / self.drafted, 3) if self.drafted else 0.0,
                 'tokens_per_s': round(self.new_tokens / self.decode_seconds, 1) if self.decode_seconds else 0.0,
                 'speedup': round(plain_seconds / self.decode_seconds, 3) if self.decode_seconds else 0.0,
