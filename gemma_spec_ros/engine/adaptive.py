@@ -101,9 +101,15 @@ class AdaptiveK:
         return self._accepted / self._evaluated
 
     def position_alpha(self) -> list[float]:
-        """Return the acceptance at each draft position given all earlier ones were accepted ([K], shrunk to alpha)."""
-        alpha = self.alpha
-        return [(kept + 2 * alpha) / (judged + 2) for kept, judged in zip(self._kept_at, self._judged_at, strict=True)]
+        """
+        Return the acceptance at each draft position given all earlier ones were accepted ([K]).
+
+        With little data, position 1 leans to alpha and later positions to 1 (optimism, so that longer drafts get
+        tried: acceptance after an accepted draft is often higher; a poor position 1 still caps them).
+        """
+        priors = [self.alpha] + [1.0] * (self.max_k - 1)
+        return [(kept + 2 * prior) / (judged + 2)
+                for kept, judged, prior in zip(self._kept_at, self._judged_at, priors, strict=True)]
 
     @property
     def draft_step_seconds(self) -> float | None:

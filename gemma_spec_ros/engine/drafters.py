@@ -16,7 +16,7 @@ class DraftContext:
     last_token: torch.Tensor           # [1] tokens[-1], already on the device
     sampling: SamplingParams
     generator: torch.Generator | None
-    min_confidence: float = 0.0        # model drafters stop at a token they give less probability (0 = never)
+    min_confidence: float = 0.0        # the draft model stops at a token it gives less probability (0 = never)
 
 
 @dataclass
@@ -100,8 +100,9 @@ class NgramDrafter(Drafter):
 
 
 NO_MASKS = {'full_attention': None, 'sliding_attention': None}
-# with adaptive K, model drafters end a round at a token they give less than this probability (as transformers'
-# assisted generation does), so rounds stay short where acceptance is unlikely
+# with adaptive K, the draft model ends a round at a token it gives less than this probability (as transformers'
+# assisted generation does), so rounds stay short where acceptance is unlikely. The MTP assistant drafts all K:
+# measured on the bundled models, its acceptance stays high where its confidence is low
 MIN_DRAFT_CONFIDENCE = 0.4
 
 
@@ -115,21 +116,22 @@ def single_token_masks(token_ids: torch.Tensor) -> dict | None:
     return NO_MASKS if token_ids.shape[1] == 1 else None
 
 
-def _draw(logits: torch.Tensor, context: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+def _draw(logits: torch.Tensor, context: DraftContext,
+          min_confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """
     One draft token from logits [1, vocab]: argmax when greedy (one-hot), else sampled from the processed probs.
 
-    Also tells whether to keep drafting: the drafter's probability of its choice reaches context.min_confidence
-    (checking it costs one host sync per draft token, so it is skipped when min_confidence is 0).
+    Also tells whether to keep drafting: the drafter's probability of its choice reaches min_confidence (checking
+    it costs one host sync per draft token, so it is skipped when min_confidence is 0).
     """
     if context.sampling.greedy:
         token, draft_probs = logits.argmax(dim=-1), None
-        top = torch.softmax(logits.float(), dim=-1).max() if context.min_confidence else None
+        top = torch.softmax(logits.float(), dim=-1).max() if min_confidence else None
     else:
         draft_probs = logits_to_probs(logits, context.sampling)  # [1, vocab]
         token = sample(draft_probs, context.generator)
-        top = draft_probs.max() if context.min_confidence else None
-    return token, draft_probs, top is None or top.item() >= context.min_confidence
+        top = draft_probs.max() if min_confidence else None
+    return token, draft_probs, top is None or top.item() >= min_confidence
 
 
 def _stack(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Proposal:
@@ -171,7 +173,7 @@ class DraftModelDrafter(Drafter):
             logits = self._model(input_ids=feed, position_ids=positions, cache=self._cache, use_cache=True,
                                  logits_to_keep=1, attention_mask=single_token_masks(feed)).logits[:, -1]  # [1, vocab]
             position += count
-            token, draft_probs, confident = _draw(logits, context)
+            token, draft_probs, confident = _draw(logits, context, context.min_confidence)
             drafted.append(token)
             probs.append(draft_probs)
             if not confident:
@@ -234,10 +236,8 @@ class MtpDrafter(Drafter):
         for _ in range(k):
             inputs = torch.cat([self._embed(token.unsqueeze(0)), hidden], dim=-1)  # [1, 1, 2 * hidden]
             out = self._assistant(inputs_embeds=inputs, position_ids=position, shared_kv_states=self._shared_kv)
-            token, draft_probs, confident = _draw(out.logits[:, -1], context)
+            token, draft_probs, _ = _draw(out.logits[:, -1], context)
             hidden = out.last_hidden_state
             drafted.append(token)
             probs.append(draft_probs)
-            if not confident:
-                break
         return _stack(drafted, probs)
