@@ -29,22 +29,25 @@ REQUESTS = [
 ]
 
 
-def ros_env():
-    return dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST',
+BUNDLED_DOMAIN_ID = DOMAIN_ID + 1  # apart from the tiny-model node, which also serves /gemma_spec/generate
+
+
+def ros_env(domain_id=DOMAIN_ID):
+    return dict(os.environ, ROS_DOMAIN_ID=str(domain_id), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST',
                 PYTHONUNBUFFERED='1')
 
 
-def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, '-m', 'gemma_spec_ros', *args], env=ros_env(), capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+def run_cli(*args, timeout=300, domain_id=DOMAIN_ID):
+    return subprocess.run([sys.executable, '-m', 'gemma_spec_ros', *args], env=ros_env(domain_id),
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 class NodeProcess:
     """The node in its own process; one torch thread keeps a shared 2-core machine from oversubscribing."""
 
-    def __init__(self, *ros_args):
+    def __init__(self, *ros_args, domain_id=DOMAIN_ID):
         self.process = subprocess.Popen(
-            [sys.executable, '-m', 'gemma_spec_ros', 'node', '--ros-args', *ros_args], env=ros_env(), cwd=REPO,
+            [sys.executable, '-m', 'gemma_spec_ros', 'node', '--ros-args', *ros_args], env=ros_env(domain_id), cwd=REPO,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def stop(self):
@@ -119,10 +122,10 @@ def test_replay_committed_bags_on_the_bundled_models():
     bags = committed_bags()
     assert bags, 'no committed bags under test/data'
     node = NodeProcess('--params-file', str(REPO / 'config' / 'orin.yaml'), '-p', 'engine.device:=cpu',
-                       '-p', 'engine.num_threads:=1')
+                       '-p', 'engine.num_threads:=1', domain_id=BUNDLED_DOMAIN_ID)
     try:
         for bag in bags:
-            replayed = run_cli('replay', str(bag), timeout=600)
+            replayed = run_cli('replay', str(bag), timeout=600, domain_id=BUNDLED_DOMAIN_ID)
             assert replayed.returncode == 0, '{}:\n{}{}'.format(bag.name, replayed.stdout, replayed.stderr)
             assert ' 0 of ' in replayed.stdout
     finally:
