@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     target = commands.add_parser('target', help='train the target Gemma4ForCausalLM from scratch')
     add_corpus_args(target)
-    add_training_args(target, out='models/gemma4-spec-target', run_dir='runs/target', steps=1200, lr=2e-3)
+    add_training_args(target, out='models/gemma4-spec-target', run_dir='runs/target', steps=1000, lr=2e-3)
     target.add_argument('--tokenizer', default='models/tokenizer', help='tokenizer directory')
     target.add_argument('--shape', default='12x192x768', help='LAYERSxHIDDENxINTERMEDIATE')
     target.add_argument('--sliding-window', type=int, default=128, help='sliding attention window')
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_corpus_args(draft)
     add_training_args(draft, out='models/gemma4-spec-draft', run_dir='runs/draft', steps=600, lr=2e-3)
     draft.add_argument('--target', default='models/gemma4-spec-target', help='teacher (target) model directory')
-    draft.add_argument('--shape', default='2x192x512', help='LAYERSxHIDDENxINTERMEDIATE')
+    draft.add_argument('--shape', default='2x192x768', help='LAYERSxHIDDENxINTERMEDIATE')
     draft.set_defaults(run=draft_command)
 
     assistant = commands.add_parser('assistant', help='train a Gemma4AssistantForCausalLM (MTP) for a target')
