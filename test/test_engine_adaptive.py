@@ -37,6 +37,17 @@ def test_target_cost_interpolates_and_extrapolates():
     assert cost.seconds(1) == 1.0
 
 
+def test_noisy_costs_keep_break_even_tau_at_least_one():
+    cost = TargetCost(9)
+    cost.record(1, 2.0)   # plain pass measured under load
+    cost.record(4, 1.0)   # a longer verify pass measured when the machine was idle
+    assert cost.seconds(4) == pytest.approx(2.0)
+    assert cost.curve()[1:] == sorted(cost.curve()[1:])
+    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=4)
+    controller.record(3, 3, 0.0)
+    assert controller.break_even_tau(3) >= 1.0
+
+
 def test_cheap_accurate_drafter_gets_long_drafts():
     cost = TargetCost(9)
     controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=8)

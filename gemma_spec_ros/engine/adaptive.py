@@ -8,6 +8,7 @@ E(K) / cost(K). When no K >= 1 beats plain decoding (1 token per 1-token target 
 probed again every probe_interval rounds.
 """
 
+import itertools
 from dataclasses import dataclass
 
 DECAY = 0.97          # weight of older rounds in the running estimates
@@ -49,7 +50,9 @@ class TargetCost:
         """Seconds per pass for 0..max tokens: measured, else interpolated, else extrapolated along the last slope."""
         if self._curve is None:
             known = [(n, s) for n, s in enumerate(self._seconds) if s is not None]
-            self._curve = [self._estimate(known, n) if known else None for n in range(len(self._seconds))]
+            estimates = [self._estimate(known, n) for n in range(len(self._seconds))] if known else []
+            # non-decreasing: verifying more tokens never costs less, whatever load noise measured
+            self._curve = list(itertools.accumulate(estimates, max)) or [None] * len(self._seconds)
         return self._curve
 
     @staticmethod
