@@ -345,6 +345,8 @@ def main(argv=None) -> int:
         print('finish_reason: {}'.format(outcome.result.finish_reason))
         if outcome.result.error:
             print('error: {}'.format(outcome.result.error))
+        for warning in outcome.result.warnings:
+            print('warning: {}'.format(warning))
         print(format_stats(outcome.result.stats))
     if outcome.status == 'succeeded' or (outcome.status == 'canceled' and args.cancel_after):
         return 0

