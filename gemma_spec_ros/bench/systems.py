@@ -176,15 +176,22 @@ class TransformersRunner:
         import torch
 
         if self._assistant is not None:
-            # A fresh copy per call: transformers' heuristic schedule writes K back into this config.
+            # transformers reads K from the assistant's own config (and its heuristic schedule writes K back), so
+            # each call gets a fresh copy of ours and the model's original is put back afterwards.
+            original = self._assistant.generation_config
             self._assistant.generation_config = copy.deepcopy(self._assistant_config)
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)
         clock = _FirstTokenClock()
         self._counter.reset()
         start = time.perf_counter()
-        with torch.inference_mode():
-            output = self._target.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                           max_new_tokens=max_new_tokens, streamer=clock, **self._kwargs)
+        try:
+            with torch.inference_mode():
+                output = self._target.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                               do_sample=False, max_new_tokens=max_new_tokens, streamer=clock,
+                                               **self._kwargs)
+        finally:
+            if self._assistant is not None:
+                self._assistant.generation_config = original
         end = time.perf_counter()
         new_ids = output[0, len(prompt_ids):].tolist()
         first = clock.first_token_at or end
