@@ -1,7 +1,7 @@
 """
 Benchmark of the engine against transformers generate and assisted generation.
 
-Run with ``python -m gemma_spec_ros bench [--quick]``; docs/bench.md describes the outputs.
+Run with ``python -m gemma_spec_ros bench [--quick]``; the README describes the outputs.
 """
 
 from gemma_spec_ros.bench.cli import main
