@@ -117,3 +117,16 @@ def tiny_engine(tiny_engine_config):
     from gemma_spec_ros.engine import Engine
 
     return Engine.from_config(tiny_engine_config)
+
+
+@pytest.fixture(scope='module')
+def context(request):
+    """Yield an rclpy context on the test module's own DOMAIN_ID (apart from other modules' nodes), localhost only."""
+    import rclpy
+    from rclpy.context import Context
+
+    os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
+    ros_context = Context()
+    rclpy.init(context=ros_context, domain_id=request.module.DOMAIN_ID)
+    yield ros_context
+    rclpy.try_shutdown(context=ros_context)

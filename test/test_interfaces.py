@@ -3,12 +3,10 @@
 import os
 import threading
 
-import pytest
 import rclpy
 from gemma_spec_msgs.action import Generate
 from gemma_spec_msgs.msg import ChatMessage, GenerateRequest, GenerateResponse, GenerationStats
 from rclpy.action import ActionClient, ActionServer
-from rclpy.context import Context
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.serialization import deserialize_message, serialize_message
 
@@ -23,15 +21,6 @@ def test_messages_round_trip_through_cdr():
                                 stats=GenerationStats(tau=2.5, per_position_acceptance=[0.9, 0.5], drafter='mtp'))
     assert deserialize_message(serialize_message(response), GenerateResponse) == response
     assert Generate.Goal().seed == -1 and GenerateRequest().seed == -1
-
-
-@pytest.fixture
-def context():
-    os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
-    ctx = Context()
-    rclpy.init(context=ctx, domain_id=DOMAIN_ID)
-    yield ctx
-    rclpy.try_shutdown(context=ctx)
 
 
 def test_action_round_trip(context):

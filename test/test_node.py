@@ -6,11 +6,9 @@ import threading
 import time
 
 import pytest
-import rclpy
 from rcl_interfaces.msg import Parameter as ParameterMsg
 from rcl_interfaces.msg import ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
-from rclpy.context import Context
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
@@ -22,15 +20,6 @@ from gemma_spec_ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
 
 DOMAIN_ID = 11 + os.getpid() % 80
 LONG = 400  # max_new_tokens of goals that must still be running a moment later
-
-
-@pytest.fixture(scope='module')
-def context():
-    os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
-    ctx = Context()
-    rclpy.init(context=ctx, domain_id=DOMAIN_ID)
-    yield ctx
-    rclpy.try_shutdown(context=ctx)
 
 
 def tiny_params(tiny_models, **extra):
