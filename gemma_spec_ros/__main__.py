@@ -6,14 +6,14 @@ import sys
 # command -> (module with main(argv) -> int, one-line summary)
 COMMANDS = {
     'generate': ('gemma_spec_ros.engine.cli', 'generate text with the speculative engine (no ROS)'),
-    'node': ('gemma_spec_ros.node', 'run the ROS 2 node (action ~/generate, /diagnostics)'),
-    'client': ('gemma_spec_ros.client', 'send a Generate goal and stream the feedback'),
-    'diag': ('gemma_spec_ros.diag_monitor', "show the node's /diagnostics live"),
-    'record': ('gemma_spec_ros.bag', 'record planner requests and responses to a rosbag2 bag'),
-    'replay': ('gemma_spec_ros.bag', 'replay a recorded bag against the node and compare'),
+    'node': ('gemma_spec_ros.ros.node', 'run the ROS 2 node (action ~/generate, /diagnostics)'),
+    'client': ('gemma_spec_ros.tools.client', 'send a Generate goal and stream the feedback'),
+    'diag': ('gemma_spec_ros.tools.diag_monitor', "show the node's /diagnostics live"),
+    'record': ('gemma_spec_ros.tools.bag', 'record planner requests and responses to a rosbag2 bag'),
+    'replay': ('gemma_spec_ros.tools.bag', 'replay a recorded bag against the node and compare'),
     'train': ('gemma_spec_ros.train.cli', 'train the tokenizer, target, draft model or MTP assistant'),
     'bench': ('gemma_spec_ros.bench', 'benchmark against transformers generate / assisted generation'),
-    'demo': ('gemma_spec_ros.demo', 'start the node and stream a planner-style goal (make run)'),
+    'demo': ('gemma_spec_ros.tools.demo', 'start the node and stream a planner-style goal (make run)'),
 }
 
 

@@ -12,7 +12,7 @@ from gemma_spec_msgs.msg import GenerateResponse
 from rclpy.serialization import deserialize_message, serialize_message
 from rosbags.rosbag2 import Reader, Writer
 
-from gemma_spec_ros.bag import REQUESTS_TOPIC, RESPONSES_TOPIC, read_bag, typestore
+from gemma_spec_ros.tools.bag import REQUESTS_TOPIC, RESPONSES_TOPIC, read_bag, typestore
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / 'test' / 'data'

@@ -11,8 +11,8 @@ from rclpy.context import Context
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 
-from gemma_spec_ros import diagnostics
-from gemma_spec_ros.diagnostics import ERROR, OK, STALE, WARN, FallbackStatusWrapper, FallbackUpdater
+from gemma_spec_ros.ros import diagnostics
+from gemma_spec_ros.ros.diagnostics import ERROR, OK, STALE, WARN, FallbackStatusWrapper, FallbackUpdater
 from gemma_spec_ros.engine.types import EngineStatus, GenerationStats
 
 DOMAIN_ID = 11 + (os.getpid() + 53) % 80

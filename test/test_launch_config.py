@@ -13,7 +13,7 @@ import yaml
 from rclpy.context import Context
 from rclpy.parameter import Parameter
 
-from gemma_spec_ros.node import GemmaSpecNode
+from gemma_spec_ros.ros.node import GemmaSpecNode
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_FILE = REPO / 'launch' / 'orin.launch.py'

@@ -19,7 +19,7 @@ from pathlib import Path
 import rclpy
 from rclpy.signals import SignalHandlerOptions
 
-from gemma_spec_ros.client import GenerateClient, format_stats, make_goal
+from gemma_spec_ros.tools.client import GenerateClient, format_stats, make_goal
 
 NODE_NAME = 'gemma_spec'
 SYSTEM = 'You are the task planner of a mobile manipulator. Answer with short Python code.'

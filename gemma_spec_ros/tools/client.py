@@ -22,7 +22,7 @@ from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
 
-from gemma_spec_ros.diagnostics import level_name
+from gemma_spec_ros.ros.diagnostics import level_name
 
 DEFAULT_ACTION = '/gemma_spec/generate'
 FEEDBACK_QUEUE_DEPTH = 1000

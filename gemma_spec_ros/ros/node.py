@@ -25,7 +25,7 @@ from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
-from gemma_spec_ros import diagnostics
+from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.engine.types import DRAFTERS, CancelToken, EngineConfig, GenerationRequest
 
 NODE_NAME = 'gemma_spec'

@@ -13,7 +13,7 @@ import time
 import rclpy
 from rclpy.signals import SignalHandlerOptions
 
-from gemma_spec_ros.client import BackgroundSpinner, DiagnosticsListener
+from gemma_spec_ros.tools.client import BackgroundSpinner, DiagnosticsListener
 
 
 def format_table(latest, stale_after=5.0):
