@@ -4,10 +4,11 @@ import time
 import pytest
 
 from gemma_spec_ros.bench import main
-from gemma_spec_ros.bench.analysis import expected_tokens, fit_alpha, predict_speedup
+from gemma_spec_ros.bench.analysis import fit_alpha, predict_speedup
 from gemma_spec_ros.bench.harness import Measurement, first_mismatch
 from gemma_spec_ros.bench.probe import CostProbe
 from gemma_spec_ros.bench.prompts import load_prompts, take_per_category
+from gemma_spec_ros.engine.stats import iid_expected_tokens as expected_tokens
 
 EXPECTED_SYSTEMS = {'ours/none', 'ours/ngram/K2', 'ours/ngram/adaptive', 'ours/draft/K2', 'ours/draft/adaptive',
                     'ours/mtp/K2', 'ours/mtp/adaptive', 'hf/none', 'hf/ngram/default', 'hf/ngram/K2',

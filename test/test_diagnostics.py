@@ -11,9 +11,9 @@ from rclpy.context import Context
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 
+from gemma_spec_ros.engine.types import EngineStatus, GenerationStats
 from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.ros.diagnostics import ERROR, OK, STALE, WARN, FallbackStatusWrapper, FallbackUpdater
-from gemma_spec_ros.engine.types import EngineStatus, GenerationStats
 
 DOMAIN_ID = 11 + (os.getpid() + 53) % 80
 

@@ -12,11 +12,12 @@ from rcl_interfaces.srv import SetParameters
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
-from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
 from gemma_spec_ros.engine import Engine
 from gemma_spec_ros.engine import models as engine_models
-from gemma_spec_ros.engine.drafters import Drafter, NoneDrafter
+from gemma_spec_ros.engine.drafters.base import Drafter
+from gemma_spec_ros.engine.drafters.none import NoneDrafter
 from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
+from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
 
 DOMAIN_ID = 11 + os.getpid() % 80
 LONG = 400  # max_new_tokens of goals that must still be running a moment later
@@ -85,7 +86,7 @@ def test_streaming_feedback_matches_result(served):
     generated = [f.tokens_generated for f in outcome.feedback]
     assert generated == sorted(generated) and generated[-1] == result.stats.new_tokens
     assert result.stats.new_tokens == len(result.token_ids) > 0
-    assert result.stats.tau >= 1.0 and result.stats.wall_time > 0 and result.stats.peak_memory_bytes > 0
+    assert result.stats.tau >= 1.0 and result.stats.wall_time > 0 and result.stats.process_peak_rss_bytes > 0
 
 
 def test_chat_messages_and_defaults(served):

@@ -129,3 +129,23 @@ def test_robot_build_command_finds_both_packages(tmp_path):
     listed = subprocess.run([colcon, 'list', '--names-only', '--base-paths', 'src', 'src/gemma_spec_ros/msg'],
                             capture_output=True, text=True, cwd=tmp_path, check=True).stdout.split()
     assert sorted(listed) == ['gemma_spec_msgs', 'gemma_spec_ros']
+
+
+def test_layers_are_a_checked_contract():
+    """The import contracts in setup.cfg: engine <- ros <- tools, the engine free of ROS, the tools free of torch."""
+    lint = subprocess.run([str(Path(sys.executable).parent / 'lint-imports'), '--config', str(REPO / 'setup.cfg')],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert lint.returncode == 0, lint.stdout[-3000:] + lint.stderr[-2000:]
+
+
+def test_tools_import_without_torch():
+    code = ('import sys\n'
+            'import gemma_spec_ros.tools.bag, gemma_spec_ros.tools.client, gemma_spec_ros.tools.diag_monitor\n'
+            'import gemma_spec_ros.tools.demo, gemma_spec_ros.ros.conversions, gemma_spec_ros.ros.goal_queue\n'
+            'heavy = sorted({"torch", "transformers"} & set(sys.modules))\n'
+            'assert not heavy, heavy\n')
+    run = subprocess.run([sys.executable, '-X', 'importtime', '-c', code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    imported = {line.rsplit('|', 1)[-1].strip() for line in run.stderr.splitlines() if line.startswith('import time')}
+    assert 'gemma_spec_ros.tools.client' in imported and not imported & {'torch', 'transformers'}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from gemma_spec_ros.bench.harness import Measurement
 from gemma_spec_ros.bench.probe import CostProbe
 from gemma_spec_ros.bench.systems import System
+from gemma_spec_ros.engine.stats import iid_expected_tokens
 
 ALL = 'all'
 MB = 1024 * 1024
@@ -71,13 +72,6 @@ class Summary:
         return next((c for c in self.cells if c.system == system and c.category == category), None)
 
 
-def expected_tokens(alpha: float, k: float) -> float:
-    """Leviathan's tokens per round with k drafts at i.i.d. acceptance alpha, bonus included."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 def fit_alpha(samples: list[Measurement]) -> float | None:
     """
     Pooled per-position estimate: accepted at position i over rounds that reached position i.
@@ -107,7 +101,7 @@ def predict_speedup(alpha: float, k: float, drafting_share: float, cost_ratio: f
 
     A drafting round yields E(alpha, k) tokens, a plain round 1; speedup = tokens per round / round_cost.
     """
-    tokens = drafting_share * expected_tokens(alpha, k) + (1.0 - drafting_share)
+    tokens = drafting_share * iid_expected_tokens(alpha, k) + (1.0 - drafting_share)
     return tokens, tokens / round_cost(k, drafting_share, cost_ratio, probe)
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from gemma_spec_ros.bench.probe import CostSampler
 from gemma_spec_ros.bench.prompts import Prompt
 from gemma_spec_ros.bench.systems import (
-    DRAFTERS,
     EngineRunner,
     ForwardCounter,
     Outcome,
@@ -21,6 +20,7 @@ from gemma_spec_ros.bench.systems import (
     System,
     TransformersRunner,
 )
+from gemma_spec_ros.engine.drafters import DRAFTERS
 
 WARM_UP_TOKENS = 8
 

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-DRAFTERS = ('none', 'ngram', 'draft', 'mtp')
 # What each drafter is called in transformers' generate.
 HF_DRAFTER_NAMES = {
     'none': 'plain generate',

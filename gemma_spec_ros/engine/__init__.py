@@ -1,23 +1,22 @@
-"""Speculative-decoding engine for Gemma 4 (no ROS imports)."""
+"""
+Speculative-decoding engine for Gemma 4 (no ROS imports).
 
-from .config_file import load_engine_config, resolve_model_path
-from .engine import Engine
-from .types import (
-    DRAFTERS,
-    FINISH_REASONS,
-    CancelToken,
-    DeltaCallback,
-    EngineConfig,
-    EngineStatus,
-    GenerationRequest,
-    GenerationResult,
-    GenerationStats,
-    StreamDelta,
-)
-from .verify import verify
+Names are imported on first use, so ``from gemma_spec_ros.engine.types import ...`` and the torch-free modules
+(types, requests, stats, drafters registry) load without torch.
+"""
 
-__all__ = [
-    'DRAFTERS', 'FINISH_REASONS', 'CancelToken', 'DeltaCallback', 'Engine', 'EngineConfig', 'EngineStatus',
-    'GenerationRequest', 'GenerationResult', 'GenerationStats', 'StreamDelta', 'load_engine_config',
-    'resolve_model_path', 'verify',
-]
+import importlib
+
+_EXPORTS = {
+    'Engine': 'engine', 'verify': 'verify', 'load_engine_config': 'config_file', 'resolve_model_path': 'config_file',
+    'RequestPlan': 'requests', 'DRAFTERS': 'drafters',
+    **{name: 'types' for name in ('FINISH_REASONS', 'CancelToken', 'DeltaCallback', 'EngineConfig', 'EngineStatus',
+                                  'GenerationRequest', 'GenerationResult', 'GenerationStats', 'StreamDelta')},
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError('module {!r} has no attribute {!r}'.format(__name__, name))
+    return getattr(importlib.import_module('.' + _EXPORTS[name], __name__), name)

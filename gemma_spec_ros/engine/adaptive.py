@@ -11,25 +11,13 @@ probed again every probe_interval rounds.
 import itertools
 from dataclasses import dataclass
 
+from .stats import expected_tokens
+
 DECAY = 0.97          # weight of older rounds in the running estimates
 PROBE_ROUNDS = 3      # speculative rounds per probe while paused
 UNOBSERVED_DECAY = 0.995  # per round, for draft positions the round did not judge
 MIN_EVIDENCE = 12.0       # decayed judged drafts needed before the gate may pause speculation
 PRIOR_ALPHA = 0.5     # acceptance assumed before anything is measured (weight of ~2 drafted tokens)
-
-
-def expected_tokens(acceptance: list[float], k: int) -> float:
-    """
-    Return the tokens a round with k drafts emits, bonus token included: 1 + sum_{j<=k} prod_{i<=j} acceptance[i].
-
-    acceptance[i] is the chance that draft i+1 is accepted after all earlier ones were; with the same alpha
-    everywhere this is (1 - alpha^(k+1)) / (1 - alpha).
-    """
-    total, survive = 1.0, 1.0
-    for rate in acceptance[:k]:
-        survive *= rate
-        total += survive
-    return total
 
 
 class TargetCost:

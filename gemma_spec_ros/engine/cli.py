@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 from .config_file import load_engine_config, resolve_model_path
-from .types import DRAFTERS, GenerationRequest, GenerationResult
+from .drafters import DRAFTERS
+from .stats import format_stats
+from .types import DEVICES, DTYPES, GenerationRequest, GenerationResult
 
 DEFAULT_TARGET = 'models/gemma4-spec-target'
 DEFAULT_ASSISTANT = 'models/gemma4-spec-assistant'
@@ -35,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--seed', type=int, default=-1, help='-1 = random; sample i uses seed + i')
     parser.add_argument('--stop', action='append', default=[], help='stop string (repeatable)')
     parser.add_argument('--num-draft-tokens', type=int, default=None, help='K; 0 = adaptive')
-    parser.add_argument('--device', choices=('auto', 'cpu', 'cuda'), help='default: auto')
-    parser.add_argument('--dtype', choices=('auto', 'float32', 'bfloat16', 'float16'), help='default: auto')
+    parser.add_argument('--device', choices=DEVICES, help='default: auto')
+    parser.add_argument('--dtype', choices=DTYPES, help='default: auto')
     parser.add_argument('--threads', type=int, default=None,
                         help='torch CPU threads (engine.num_threads; 0 = torch default). On a busy CPU, 1 is often '
                              'fastest')
@@ -87,13 +89,7 @@ def _request(args, sample: int) -> GenerationRequest:
 
 
 def _print_stats(result: GenerationResult) -> None:
-    stats = result.stats
-    print('\n--- finish={} drafter={} new_tokens={} tau={:.2f} acceptance={:.2f} K_mean={:.2f} c={:.3f}'.format(
-        result.finish_reason, stats.drafter, stats.new_tokens, stats.tau, stats.acceptance_rate,
-        stats.mean_num_draft_tokens, stats.draft_cost_ratio))
-    print('--- ttft={:.3f}s tokens/s={:.1f} itl_p50={:.1f}ms itl_p95={:.1f}ms wall={:.2f}s peak_rss={:.0f}MiB'.format(
-        stats.time_to_first_token, stats.tokens_per_second, stats.inter_token_latency_p50 * 1e3,
-        stats.inter_token_latency_p95 * 1e3, stats.wall_time, stats.peak_memory_bytes / 2**20))
+    print('\n--- finish={}\n{}'.format(result.finish_reason, format_stats(result.stats)))
     for warning in result.warnings:
         print('--- warning: {}'.format(warning))
 

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import yaml
 
-from .types import EngineConfig
+from .drafters import REGISTRY
+from .types import EngineConfig, parameter_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_PATH_FIELDS = ('target_path', 'assistant_path', 'draft_model_path')
+MODEL_PATH_FIELDS = ('target_path',) + tuple(spec.path_field for spec in REGISTRY.values() if spec.path_field)
 
 
 def resolve_model_path(path: str) -> str:
@@ -31,17 +32,29 @@ def resolve_model_path(path: str) -> str:
     return str(Path.cwd() / path)
 
 
-def _engine_params(document: dict, yaml_path: str) -> dict:
-    """Return the ``engine`` group of the first node section that has ros__parameters."""
+def _group(params: dict, group: str) -> dict:
+    """One parameter group, nested (``engine: {drafter: mtp}``) or flattened (``engine.drafter: mtp``)."""
+    nested = params.get(group, {})
+    values = dict(nested) if isinstance(nested, dict) else {}
+    values.update({key[len(group) + 1:]: value for key, value in params.items() if key.startswith(group + '.')})
+    return values
+
+
+def _config_params(document: dict, yaml_path: str) -> dict:
+    """
+    Return the EngineConfig values of the first node section with ros__parameters.
+
+    That is the engine group plus the config fields of other groups (e.g. generation.max_prompt_chars).
+    """
     for section in document.values():
         if isinstance(section, dict) and isinstance(section.get('ros__parameters'), dict):
             params = section['ros__parameters']
-            engine = params.get('engine', {})
-            # also accept flattened keys such as 'engine.target_path'
-            engine = dict(engine) if isinstance(engine, dict) else {}
-            engine.update({key[len('engine.'):]: value for key, value in params.items()
-                           if key.startswith('engine.')})
-            return engine
+            values = _group(params, 'engine')
+            for field in dataclasses.fields(EngineConfig):
+                group = field.metadata['group']
+                if group != 'engine' and field.name in _group(params, group):
+                    values[field.name] = _group(params, group)[field.name]
+            return values
     raise ValueError('{} has no "<node>: ros__parameters:" section'.format(yaml_path))
 
 
@@ -54,7 +67,7 @@ def load_engine_config(yaml_path: str | None, overrides: dict | None = None) -> 
                 document = yaml.safe_load(stream) or {}
         except OSError as exc:
             raise ValueError('cannot read config file {}: {}'.format(yaml_path, exc)) from exc
-        values = _engine_params(document, yaml_path)
+        values = _config_params(document, yaml_path)
     values.update({key: value for key, value in (overrides or {}).items() if value is not None})
     known = {field.name: field for field in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(values) - set(known))
@@ -71,5 +84,5 @@ def load_engine_config(yaml_path: str | None, overrides: dict | None = None) -> 
             if expected is float and isinstance(value, int):
                 values[name] = float(value)
                 continue
-            raise ValueError('engine.{} must be a {}, got {!r}'.format(name, expected.__name__, value))
+            raise ValueError('{} must be a {}, got {!r}'.format(parameter_name(name), expected.__name__, value))
     return EngineConfig(**values)

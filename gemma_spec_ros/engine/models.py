@@ -1,13 +1,16 @@
-"""Loading the target and drafter models from local directories, and checking that they fit together."""
+"""Loading the models from local directories, checking that they fit together, and the target pass."""
 
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .types import DEVICES, DTYPES
+
 TARGET_TYPES = ('gemma4_text', 'gemma4')  # text-only Gemma4ForCausalLM, multimodal Gemma4ForConditionalGeneration
 ASSISTANT_TYPE = 'gemma4_assistant'
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+TORCH_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+NO_MASKS = {'full_attention': None, 'sliding_attention': None}
 
 
 @dataclass(frozen=True)
@@ -22,8 +25,8 @@ def resolve_device(name: str) -> torch.device:
     """auto|cpu|cuda -> torch.device (auto picks cuda when available)."""
     if name == 'auto':
         return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    if name not in ('cpu', 'cuda') and not name.startswith('cuda:'):
-        raise ValueError('engine.device must be auto, cpu or cuda, got {!r}'.format(name))
+    if name not in DEVICES and not name.startswith('cuda:'):
+        raise ValueError('engine.device must be {} or {}, got {!r}'.format(', '.join(DEVICES[:-1]), DEVICES[-1], name))
     if name.startswith('cuda') and not torch.cuda.is_available():
         raise ValueError('engine.device is {!r} but CUDA is not available on this machine'.format(name))
     return torch.device(name)
@@ -33,9 +36,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto|float32|bfloat16|float16 -> torch.dtype (auto: float32 on CPU, bfloat16 on CUDA)."""
     if name == 'auto':
         return torch.bfloat16 if device.type == 'cuda' else torch.float32
-    if name not in DTYPES:
-        raise ValueError('engine.dtype must be auto, float32, bfloat16 or float16, got {!r}'.format(name))
-    return DTYPES[name]
+    if name not in TORCH_DTYPES:
+        raise ValueError('engine.dtype must be one of {}, got {!r}'.format(', '.join(DTYPES), name))
+    return TORCH_DTYPES[name]
 
 
 def check_model_dir(path: str, role: str) -> Path:
@@ -57,15 +60,22 @@ def check_model_dir(path: str, role: str) -> Path:
     return directory
 
 
-def _read_config(directory: Path):
+def _read_config(directory: Path, role: str):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError('cannot read the {} config in {}: {}'.format(role, directory, exc)) from exc
 
 
-def _from_pretrained(model_class, directory: Path, device: torch.device, dtype: torch.dtype):
-    model = model_class.from_pretrained(str(directory), dtype=dtype, use_safetensors=True, trust_remote_code=False,
-                                        local_files_only=True)
+def _from_pretrained(model_class, directory: Path, role: str, device: torch.device, dtype: torch.dtype):
+    try:
+        model = model_class.from_pretrained(str(directory), dtype=dtype, use_safetensors=True,
+                                            trust_remote_code=False, local_files_only=True)
+    except Exception as exc:  # corrupt or truncated weights surface as many error types
+        raise ValueError('cannot load the {} from {}: {}: {}'.format(role, directory, type(exc).__name__, exc)) \
+            from exc
     return model.to(device).eval()
 
 
@@ -74,11 +84,11 @@ def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtyp
     from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     directory = check_model_dir(path, role)
-    config = _read_config(directory)
+    config = _read_config(directory, role)
     if config.model_type == 'gemma4_text':
-        return _from_pretrained(Gemma4ForCausalLM, directory, device, dtype)
+        return _from_pretrained(Gemma4ForCausalLM, directory, role, device, dtype)
     if config.model_type == 'gemma4':
-        return _from_pretrained(Gemma4ForConditionalGeneration, directory, device, dtype)
+        return _from_pretrained(Gemma4ForConditionalGeneration, directory, role, device, dtype)
     raise ValueError('{} at {} is a {!r} model ({}); expected a Gemma 4 language model ({})'.format(
         role, directory, config.model_type, ', '.join(config.architectures or []), ' or '.join(TARGET_TYPES)))
 
@@ -88,11 +98,11 @@ def load_assistant(path: str, device: torch.device, dtype: torch.dtype):
     from transformers import Gemma4AssistantForCausalLM
 
     directory = check_model_dir(path, 'MTP assistant')
-    config = _read_config(directory)
+    config = _read_config(directory, 'MTP assistant')
     if config.model_type != ASSISTANT_TYPE:
         raise ValueError('MTP assistant at {} is a {!r} model; expected {!r} (Gemma4AssistantForCausalLM)'.format(
             directory, config.model_type, ASSISTANT_TYPE))
-    return _from_pretrained(Gemma4AssistantForCausalLM, directory, device, dtype)
+    return _from_pretrained(Gemma4AssistantForCausalLM, directory, 'MTP assistant', device, dtype)
 
 
 def load_tokenizer(path: str):
@@ -170,3 +180,38 @@ def check_assistant_fits(target, assistant, assistant_path: str) -> None:
         if not torch.equal(ordering.long().sort().values, expected):
             raise ValueError('MTP assistant at {} uses ordered embeddings but its token_ordering buffer is not a '
                              'permutation of the vocabulary (unset?)'.format(assistant_path))
+
+
+def single_token_masks(token_ids: torch.Tensor) -> dict | None:
+    """
+    Attention masks for a pass over token_ids [1, q]: none needed for one token, else built by the model.
+
+    A single query may see every cached key: full layers hold only the past, and a rolled-back sliding layer hands
+    out exactly its window. Mask construction is a noticeable share of a small model's decode step.
+    """
+    return NO_MASKS if token_ids.shape[1] == 1 else None
+
+
+def target_pass(target, cache, token_ids: torch.Tensor, start: int, keep_last: int, want_states: bool):
+    """
+    One target pass over token_ids [1, q] at positions start..start+q-1.
+
+    keep_last: logits of the last n positions (0 = all). want_states: also return the last hidden state and the
+    shared K/V that the MTP assistant reads.
+    """
+    positions = torch.arange(start, start + token_ids.shape[1], device=token_ids.device).unsqueeze(0)
+    extra = {'output_hidden_states': -1, 'return_shared_kv_states': True} if want_states else {}
+    return target(input_ids=token_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=keep_last,
+                  attention_mask=single_token_masks(token_ids), **extra)
+
+
+def eos_token_ids(target, tokenizer) -> set[int]:
+    """Return the ids that end generation: generation config EOS, the tokenizer's EOS and Gemma's <end_of_turn>."""
+    eos = target.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    end_of_turn = tokenizer.get_vocab().get('<end_of_turn>')  # Gemma chat turns end here
+    if end_of_turn is not None and '<end_of_turn>' in tokenizer.all_special_tokens:
+        ids.add(end_of_turn)
+    return ids

@@ -1,27 +1,20 @@
 """Logits -> probabilities with temperature / top-k / top-p, applied identically to target and drafters."""
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings; temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0      # 0 = off
-    top_p: float = 0.0  # 0 = off
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from .requests import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Turn logits [n, vocab] into the sampling distribution [n, vocab] (float32) for non-greedy params."""
+    """
+    Turn logits [n, vocab] into the sampling distribution [n, vocab] (float32) for non-greedy params.
+
+    The largest logit is subtracted before dividing by the temperature, so any temperature > 0, however small,
+    gives finite probabilities (a tiny one approaches greedy).
+    """
     assert not params.greedy, 'greedy decoding uses argmax, not probabilities'
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float('-inf'))

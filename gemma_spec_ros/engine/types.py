@@ -1,41 +1,73 @@
-"""Typed requests, results and statistics of the engine. This module is the engine's public contract."""
+"""
+Typed config, requests, results and statistics of the engine: its public contract. Imports no torch.
+
+EngineConfig fields carry their parameter metadata (description, limits or choices, run-time changeable, parameter
+group); the node declares its ROS parameters from it and requests.check_config enforces it.
+"""
 
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-DRAFTERS = ('none', 'mtp', 'draft', 'ngram')
+from .drafters import DRAFTERS
+
+DEVICES = ('auto', 'cpu', 'cuda')
+DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 FINISH_REASONS = ('stop', 'length', 'cancelled', 'error')
+INT32_MAX = 2 ** 31 - 1
+
+
+def _parameter(default, description: str, limits: tuple | None = None, choices: tuple | None = None,
+               runtime: bool = False, group: str = 'engine'):
+    """Make a config field with its parameter metadata: limits (min, max) for numbers, or choices for strings."""
+    metadata = {'description': description, 'limits': limits, 'choices': choices, 'runtime': runtime,
+                'group': group}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class EngineConfig:
-    """How to load and run the engine; mirrors the node's ``engine.*`` parameters."""
+    """How to load and run the engine; the node's engine.* (and generation.* limits) parameters."""
 
-    target_path: str                  # directory with a Gemma 4 target (safetensors + config + tokenizer)
-    drafter: str = 'mtp'              # default drafter: none|mtp|draft|ngram
-    assistant_path: str = ''          # Gemma4AssistantForCausalLM directory (drafter mtp)
-    draft_model_path: str = ''        # smaller Gemma4ForCausalLM directory (drafter draft)
-    device: str = 'auto'              # auto|cpu|cuda
-    dtype: str = 'auto'               # auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)
-    num_draft_tokens: int = 0         # K; 0 = adaptive
-    max_draft_tokens: int = 8         # upper bound for adaptive K
-    ngram_min: int = 1                # smallest n-gram the prompt-lookup drafter matches
-    ngram_max: int = 3                # largest n-gram the prompt-lookup drafter matches
-    profit_gate: bool = True          # pause speculation when no K >= 1 beats plain decoding
-    probe_interval: int = 32          # rounds between probes while speculation is paused
-    max_new_tokens: int = 128         # default when a request says 0
-    max_new_tokens_limit: int = 2048  # largest max_new_tokens a request may ask for
-    num_threads: int = 0              # torch CPU threads; 0 = torch default
+    target_path: str = _parameter('', 'Gemma 4 target directory: absolute, or relative to the working directory, '
+                                  'the repository, or the installed share/gemma_spec_ros')
+    drafter: str = _parameter('mtp', 'default drafter: ' + '|'.join(DRAFTERS) + ' (changeable at run time)',
+                              choices=DRAFTERS, runtime=True)
+    assistant_path: str = _parameter('', 'Gemma4AssistantForCausalLM directory for drafter mtp')
+    draft_model_path: str = _parameter('', 'smaller Gemma4ForCausalLM directory for drafter draft')
+    device: str = _parameter('auto', 'auto|cpu|cuda or cuda:N (auto: cuda when available)')
+    dtype: str = _parameter('auto', 'auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)',
+                            choices=DTYPES)
+    num_draft_tokens: int = _parameter(0, 'K, tokens drafted per round; 0 = adaptive (changeable at run time)',
+                                       limits=(0, 64), runtime=True)
+    max_draft_tokens: int = _parameter(8, 'upper bound for adaptive K', limits=(1, 64))
+    ngram_min: int = _parameter(1, 'smallest n-gram the prompt-lookup drafter matches', limits=(1, 64))
+    ngram_max: int = _parameter(3, 'largest n-gram the prompt-lookup drafter matches', limits=(1, 64))
+    profit_gate: bool = _parameter(True, 'pause speculation while no K >= 1 beats plain decoding')
+    probe_interval: int = _parameter(32, 'verify rounds between probes while speculation is paused',
+                                     limits=(1, INT32_MAX))
+    max_new_tokens: int = _parameter(128, 'tokens generated when a request says 0', limits=(1, INT32_MAX))
+    max_new_tokens_limit: int = _parameter(2048, 'largest max_new_tokens a request may ask for',
+                                           limits=(1, INT32_MAX))
+    num_threads: int = _parameter(0, 'torch CPU threads; 0 = torch default', limits=(0, 1024))
+    max_prompt_chars: int = _parameter(32768, 'longest prompt (all messages together) a request may send',
+                                       limits=(1, INT32_MAX), group='generation')
+    max_stop_strings: int = _parameter(16, 'most stop strings a request may send', limits=(0, 1024),
+                                       group='generation')
+
+
+def parameter_name(field_name: str) -> str:
+    """Return the node parameter of an EngineConfig field, e.g. 'engine.drafter' or 'generation.max_prompt_chars'."""
+    return '{}.{}'.format(EngineConfig.__dataclass_fields__[field_name].metadata['group'], field_name)
 
 
 @dataclass
 class GenerationRequest:
     """One generation; field meanings follow gemma_spec_msgs/action/Generate."""
 
-    prompt: str = ''                                   # raw text prompt
+    prompt: str = ''                                   # raw text prompt (special tokens in it are parsed)
     prompt_ids: list[int] | None = None                # token ids instead of text
-    messages: list[dict[str, str]] | None = None       # chat turns {"role", "content"}
+    messages: list[dict[str, str]] | None = None       # chat turns {"role", "content"}; content is plain text
     max_new_tokens: int = 0                            # 0 = config default
     temperature: float = 0.0                           # 0 = greedy
     top_p: float = 0.0                                 # 0 = off
@@ -77,9 +109,9 @@ class GenerationStats:
     inter_token_latency_p95: float = 0.0
     tokens_per_second: float = 0.0     # decode rate after the first token
     wall_time: float = 0.0
-    peak_memory_bytes: int = 0         # process RSS high-water mark
-    cuda_allocated_bytes: int = 0
-    cuda_reserved_bytes: int = 0
+    process_peak_rss_bytes: int = 0    # process RSS high-water mark since the process started
+    cuda_peak_allocated_bytes: int = 0  # peak CUDA memory allocated during this generation (0 on CPU)
+    cuda_peak_reserved_bytes: int = 0   # peak CUDA memory reserved during this generation (0 on CPU)
 
 
 @dataclass

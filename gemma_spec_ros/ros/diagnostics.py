@@ -13,6 +13,8 @@ from collections import deque
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
 
+from gemma_spec_ros.engine.stats import MIB, percentile, read_process_memory, token_gaps
+
 OK = DiagnosticStatus.OK
 WARN = DiagnosticStatus.WARN
 ERROR = DiagnosticStatus.ERROR
@@ -157,17 +159,6 @@ def level_name(level) -> str:
 
 # ---- the node's figures and tasks (pure functions of a snapshot, testable without spinning) ----
 
-def percentile(values, q):
-    """Return the q-th percentile (0..100) by linear interpolation; 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 class GenerationMetrics:
     """Goal counts and a rolling window of per-goal statistics; thread-safe."""
 
@@ -195,9 +186,7 @@ class GenerationMetrics:
         feedback_times: (monotonic time, tokens) for the start of generation and each feedback message;
         a round of n tokens that arrived g seconds after the previous one adds n gaps of g / n.
         """
-        gaps = []
-        for (t0, _), (t1, tokens) in zip(feedback_times[1:], feedback_times[2:], strict=False):
-            gaps += [(t1 - t0) / tokens] * tokens if tokens else []
+        gaps = token_gaps(feedback_times[1:])
         with self._lock:
             self._counts[outcome] += 1
             if result is None:
@@ -299,23 +288,9 @@ def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inte
     return stat
 
 
-def _read_kib(path, keys):
-    values = {}
-    try:
-        with open(path) as file:
-            for line in file:
-                name, _, rest = line.partition(':')
-                if name in keys:
-                    values[name] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return values
-
-
 def read_memory(device='cpu') -> dict:
     """Process RSS, system MemAvailable (/proc; unified memory on Jetson) and CUDA memory on CUDA, bytes."""
-    memory = _read_kib('/proc/self/status', ('VmRSS', 'VmHWM'))
-    memory.update(_read_kib('/proc/meminfo', ('MemAvailable', 'MemTotal')))
+    memory = read_process_memory()
     if str(device).startswith('cuda'):
         import torch
         if torch.cuda.is_available():
@@ -327,7 +302,7 @@ def read_memory(device='cpu') -> dict:
 def fill_memory_status(stat, memory, rss_budget_mb=0.0, min_mem_available_mb=0.0,
                        cuda_reserved_budget_mb=0.0):
     """Fill the memory task: WARN over the RSS or CUDA budget, or when MemAvailable drops below its floor."""
-    mib = 1024.0 * 1024.0
+    mib = MIB
     stat.summary(OK, 'memory within budget')
     rss = memory.get('VmRSS', 0) / mib
     available = memory.get('MemAvailable', 0) / mib

@@ -22,6 +22,7 @@ from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
 
+from gemma_spec_ros.engine.stats import format_stats
 from gemma_spec_ros.ros.diagnostics import level_name
 
 DEFAULT_ACTION = '/gemma_spec/generate'
@@ -268,17 +269,6 @@ def _wait(future, timeout):
     if not done.wait(timeout):
         return None
     return future.result()
-
-
-def format_stats(stats) -> str:
-    """One-paragraph summary of gemma_spec_msgs/GenerationStats."""
-    return ('tokens {} (prompt {})  tau {:.2f}  acceptance {:.2f}  drafter {}  K {:.1f}  c {:.3f}\n'
-            'ttft {:.3f} s  itl p50 {:.4f} s  p95 {:.4f} s  decode {:.1f} tok/s  wall {:.2f} s  '
-            'peak RSS {:.0f} MiB').format(
-        stats.new_tokens, stats.prompt_tokens, stats.tau, stats.acceptance_rate, stats.drafter or '-',
-        stats.mean_num_draft_tokens, stats.draft_cost_ratio, stats.time_to_first_token,
-        stats.inter_token_latency_p50, stats.inter_token_latency_p95, stats.tokens_per_second, stats.wall_time,
-        stats.peak_memory_bytes / 2 ** 20)
 
 
 def _message(text):

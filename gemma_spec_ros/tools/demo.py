@@ -19,7 +19,8 @@ from pathlib import Path
 import rclpy
 from rclpy.signals import SignalHandlerOptions
 
-from gemma_spec_ros.tools.client import GenerateClient, format_stats, make_goal
+from gemma_spec_ros.engine.stats import format_stats
+from gemma_spec_ros.tools.client import GenerateClient, make_goal
 
 NODE_NAME = 'gemma_spec'
 SYSTEM = 'You are the task planner of a mobile manipulator. Answer with short Python code.'
@@ -64,10 +65,6 @@ class NodeProcess:
             except subprocess.TimeoutExpired:
                 self._process.kill()
         return self._process.wait()
-
-
-def _mib(value):
-    return float(value) if value else 0.0
 
 
 def run_goal(client, label, goal, stream):

@@ -1,0 +1,89 @@
+"""The drafter interface: start a request, propose up to k tokens, observe each target pass."""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingParams, logits_to_probs, sample
+
+# with adaptive K, the draft model ends a round at a token it gives less than this probability (as transformers'
+# assisted generation does), so rounds stay short where acceptance is unlikely
+MIN_DRAFT_CONFIDENCE = 0.4
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read in a round. The last token is emitted but not yet in the target's cache."""
+
+    tokens: list[int]                  # prompt + generated token ids
+    last_token: torch.Tensor           # [1] tokens[-1], already on the device
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    min_confidence: float = 0.0        # the draft model stops at a token it gives less probability (0 = never)
+
+
+@dataclass
+class Proposal:
+    """Proposed tokens and, for sampled proposals, the distributions they were drawn from."""
+
+    tokens: torch.Tensor              # [k] long, on the target device
+    draft_probs: torch.Tensor | None  # [k, vocab] float32; None for deterministic proposals (one-hot)
+
+
+@dataclass
+class LoadContext:
+    """What a drafter may use when it is loaded: the engine config and the loaded target."""
+
+    config: object                    # EngineConfig
+    target: object                    # the target model
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    progress: object                  # Callable[[str], None]
+
+
+class Drafter(ABC):
+    """One way of proposing draft tokens; registered by name in drafters/__init__.py."""
+
+    name = ''
+    needs_target_states = False  # True: target passes must return the last hidden state and shared K/V
+
+    @classmethod
+    def load(cls, context: LoadContext) -> 'Drafter':
+        """Build the drafter for a loaded target; ValueError naming the model and path when it does not fit."""
+        return cls()
+
+    def start(self, prompt_ids: list[int]) -> None:  # noqa: B027 (optional hook)
+        """Begin a request (forget the previous one); called before the target's prefill."""
+
+    @abstractmethod
+    def propose(self, context: DraftContext, k: int) -> Proposal | None:
+        """Up to k tokens that continue context.tokens, or None for a plain round."""
+
+    def observe(self, target_out, num_fed: int, num_kept: int) -> None:  # noqa: B027 (optional hook)
+        """After every target pass: num_fed tokens went in, the first num_kept of them stay in the cache."""
+
+
+def draw(logits: torch.Tensor, context: DraftContext,
+         min_confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """
+    One draft token from logits [1, vocab]: argmax when greedy (one-hot), else sampled from the processed probs.
+
+    Also tells whether to keep drafting: the drafter's probability of its choice reaches min_confidence (checking
+    it costs one host sync per draft token, so it is skipped when min_confidence is 0).
+    """
+    if context.sampling.greedy:
+        token, draft_probs = logits.argmax(dim=-1), None
+        top = torch.softmax(logits.float(), dim=-1).max() if min_confidence else None
+    else:
+        draft_probs = logits_to_probs(logits, context.sampling)  # [1, vocab]
+        token = sample(draft_probs, context.generator)
+        top = draft_probs.max() if min_confidence else None
+    return token, draft_probs, top is None or top.item() >= min_confidence
+
+
+def stack(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Proposal:
+    """One Proposal from per-step tokens [1] and draft probabilities [1, vocab] (or None)."""
+    draft_probs = None if probs[0] is None else torch.cat(probs)  # [k, vocab]
+    return Proposal(torch.cat(tokens), draft_probs)

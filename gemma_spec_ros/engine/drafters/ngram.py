@@ -1,0 +1,59 @@
+"""Prompt lookup: propose what followed the latest earlier occurrence of the context's last n tokens."""
+
+import torch
+
+from .base import DraftContext, Drafter, LoadContext, Proposal
+
+
+class NgramDrafter(Drafter):
+    """
+    Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose what followed.
+
+    Example: tokens [5, 6, 7, 9, 5, 6] with n = 2 match (5, 6) at position 0, so k = 2 proposes [7, 9];
+    tokens [1, 2, 1, 2] with n = 2 match (1, 2) at position 0 and k = 3 proposes [1, 2, 1] (periodic).
+    Longer n-grams are tried first. An incremental index keeps the work per round independent of context length.
+    """
+
+    name = 'ngram'
+
+    def __init__(self, ngram_min: int, ngram_max: int, device: torch.device):
+        assert 1 <= ngram_min <= ngram_max, 'requests.check_config enforces the n-gram sizes'
+        self._sizes = range(ngram_max, ngram_min - 1, -1)
+        self._device = device
+        self._continuation: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it last
+        self._indexed = 0
+
+    @classmethod
+    def load(cls, context: LoadContext) -> 'NgramDrafter':
+        return cls(context.config.ngram_min, context.config.ngram_max, context.device)
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self._continuation.clear()
+        self._indexed = 0
+
+    def propose(self, context: DraftContext, k: int) -> Proposal | None:
+        tokens = context.tokens
+        self._index_until(tokens, len(tokens))
+        for n in self._sizes:
+            if len(tokens) <= n:
+                continue
+            follow = self._continuation.get(tuple(tokens[-n:]))
+            if follow is not None:
+                return Proposal(torch.tensor(self._continue(tokens, follow, k), device=self._device), None)
+        return None
+
+    @staticmethod
+    def _continue(tokens: list[int], follow: int, k: int) -> list[int]:
+        # copy what followed the match; a match just behind the end repeats the pattern periodically
+        draft: list[int] = []
+        for index in range(follow, follow + k):
+            draft.append(tokens[index] if index < len(tokens) else draft[index - len(tokens)])
+        return draft
+
+    def _index_until(self, tokens: list[int], end: int) -> None:
+        # index every n-gram that ends before the last token, pointing at the token that followed it
+        for follow in range(max(self._indexed, 1), end):
+            for n in self._sizes:
+                if follow >= n:
+                    self._continuation[tuple(tokens[follow - n:follow])] = follow
+        self._indexed = max(self._indexed, end)

@@ -1,0 +1,12 @@
+"""Plain autoregressive decoding through the same loop: proposes nothing."""
+
+from .base import DraftContext, Drafter, Proposal
+
+
+class NoneDrafter(Drafter):
+    """Every round is a plain target step."""
+
+    name = 'none'
+
+    def propose(self, context: DraftContext, k: int) -> Proposal | None:
+        return None

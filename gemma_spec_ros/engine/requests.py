@@ -1,0 +1,198 @@
+"""
+Every rule about a config and a request, in one place; request planning turns a request into a RequestPlan.
+
+The node, the CLI and the benchmark go through these functions (via Engine.validate and Engine.from_config); no
+other copy of a rule exists. Imports no torch: the tokenizer is passed in.
+"""
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from .drafters import DRAFTERS, REGISTRY
+from .types import EngineConfig, GenerationRequest, parameter_name
+
+MAX_TEMPERATURE = 2.0
+CHAT_ROLES = ('system', 'user', 'assistant')   # the roles of gemma_spec_msgs/ChatMessage
+_TEMPLATE_ROLE = re.compile(r"""message\[['"]role['"]\]\s*==\s*['"](\w+)['"]""")
+_CONTENT_MARK = '\ue000{}\ue001'                # private-use characters around a message index
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0      # 0 = off
+    top_p: float = 0.0  # 0 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RequestPlan:
+    """A validated request with its prompt tokenized, ready to run."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stops: list[str]
+    seed: int
+    drafter: str
+    pinned_k: int        # > 0: fixed K, no adaptation or gating
+
+
+def check_config(config: EngineConfig) -> None:
+    """Raise ValueError naming the parameter when the config breaks a limit, a choice or a cross-field rule."""
+    for field in dataclasses.fields(EngineConfig):
+        value, meta, name = getattr(config, field.name), field.metadata, parameter_name(field.name)
+        check_parameter(name, value, meta['choices'], meta['limits'])
+    spec = REGISTRY[config.drafter]
+    if spec.path_field and not getattr(config, spec.path_field):
+        raise ValueError('drafter {!r} needs {} (the {} directory)'.format(
+            config.drafter, parameter_name(spec.path_field), spec.role))
+    check_num_draft_tokens(config.num_draft_tokens, config)
+    if config.ngram_min > config.ngram_max:
+        raise ValueError('ngram sizes need 1 <= ngram_min <= ngram_max, got {} and {}'.format(
+            config.ngram_min, config.ngram_max))
+    check_max_new_tokens(config.max_new_tokens, config)
+
+
+def check_parameter(name: str, value, choices: tuple | None, limits: tuple | None) -> None:
+    """Check one parameter: a string among its choices, a number within its limits (min, max)."""
+    if choices is not None and value not in choices:
+        unknown = 'unknown drafter {!r}: '.format(value) if name == parameter_name('drafter') else ''
+        raise ValueError('{}{} must be one of {}, got {!r}'.format(unknown, name, '|'.join(choices), value))
+    if limits is not None and not limits[0] <= value <= limits[1]:
+        raise ValueError('{} must be between {} and {}, got {}'.format(name, limits[0], limits[1], value))
+
+
+def check_num_draft_tokens(k: int, config: EngineConfig) -> None:
+    if not 0 <= k <= config.max_draft_tokens:
+        raise ValueError('num_draft_tokens must be between 0 (adaptive) and max_draft_tokens={}, got {}'.format(
+            config.max_draft_tokens, k))
+
+
+def check_max_new_tokens(max_new_tokens: int, config: EngineConfig) -> None:
+    if not 1 <= max_new_tokens <= config.max_new_tokens_limit:
+        raise ValueError('max_new_tokens must be between 1 and {} ({}), got {}'.format(
+            config.max_new_tokens_limit, parameter_name('max_new_tokens_limit'), max_new_tokens))
+
+
+def check_drafter(name: str, loaded) -> None:
+    """Raise ValueError when drafter name is unknown or its model was not loaded."""
+    if name not in DRAFTERS:
+        raise ValueError('unknown drafter {!r}; choose one of {}'.format(name, ', '.join(DRAFTERS)))
+    if name not in loaded:
+        raise ValueError('drafter {!r} is not loaded: set {} to its model directory'.format(
+            name, parameter_name(REGISTRY[name].path_field)))
+
+
+def check_sampling(request: GenerationRequest) -> SamplingParams:
+    """Return the request's sampling settings, or raise ValueError naming the field and its range."""
+    temperature = float(request.temperature)
+    if not math.isfinite(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise ValueError('temperature must be a finite number in [0, {:g}] (0 = greedy), got {}'.format(
+            MAX_TEMPERATURE, request.temperature))
+    top_p = float(request.top_p)
+    if top_p != 0.0 and not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise ValueError('top_p must be in (0, 1] when set (0 = off), got {}'.format(request.top_p))
+    if request.top_k < 0:
+        raise ValueError('top_k must be >= 0 (0 = off), got {}'.format(request.top_k))
+    return SamplingParams(temperature, int(request.top_k), top_p)
+
+
+def chat_roles(tokenizer) -> tuple[str, ...]:
+    """Return the roles a chat message may have: the interface's roles plus any role the chat template names."""
+    named = _TEMPLATE_ROLE.findall(getattr(tokenizer, 'chat_template', None) or '')
+    return CHAT_ROLES + tuple(sorted(set(named) - set(CHAT_ROLES)))
+
+
+def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """
+    Render chat messages with the chat template; message content is encoded as plain text.
+
+    Special tokens typed in a message (e.g. '<end_of_turn>') stay text and cannot open or close turns: the
+    template is rendered around placeholders, its own pieces are tokenized with special tokens and each content
+    piece with split_special_tokens.
+    """
+    for message in messages:
+        if not isinstance(message, dict) or 'role' not in message or 'content' not in message:
+            raise ValueError('each chat message needs "role" and "content", got {!r}'.format(message))
+    if not getattr(tokenizer, 'chat_template', None):
+        raise ValueError('the target tokenizer has no chat template; send a prompt instead of messages')
+    roles = chat_roles(tokenizer)
+    for index, message in enumerate(messages):
+        if message['role'] not in roles:
+            raise ValueError('messages[{}].role must be one of {}, got {!r}'.format(
+                index, ', '.join(roles), message['role']))
+        if not str(message['content']).strip():
+            raise ValueError('messages[{}].content must not be empty'.format(index))
+
+    def render(chat):
+        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+    marked = render([dict(m, content=_CONTENT_MARK.format(i)) for i, m in enumerate(messages)])
+    trims = ' x ' not in render([{'role': 'user', 'content': ' x '}])
+    ids: list[int] = []
+    rest = marked
+    for index, message in enumerate(messages):
+        piece, _, rest = rest.partition(_CONTENT_MARK.format(index))
+        content = str(message['content'])
+        ids += tokenizer(piece, add_special_tokens=False).input_ids if piece else []
+        ids += tokenizer(content.strip() if trims else content, add_special_tokens=False,
+                         split_special_tokens=True).input_ids
+    return ids + (tokenizer(rest, add_special_tokens=False).input_ids if rest else [])
+
+
+def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: EngineConfig) -> list[int]:
+    """Tokenize the request's input (prompt_ids, else messages, else prompt) within the size limits."""
+    if request.prompt_ids:
+        ids = [int(token) for token in request.prompt_ids]
+        if any(not 0 <= token < vocab_size for token in ids):
+            raise ValueError('prompt_ids must be token ids in [0, {})'.format(vocab_size))
+        return ids
+    characters = sum(len(str(m.get('content', ''))) for m in request.messages if isinstance(m, dict)) \
+        if request.messages else len(request.prompt)
+    if characters > config.max_prompt_chars:
+        raise ValueError('prompt has {} characters, more than {} = {}'.format(
+            characters, parameter_name('max_prompt_chars'), config.max_prompt_chars))
+    if request.messages:
+        return encode_messages(tokenizer, request.messages)
+    if request.prompt:
+        return tokenizer(request.prompt).input_ids
+    raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
+
+
+def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context_limit: int, config: EngineConfig,
+                 loaded_drafters, default_drafter: str, default_k: int) -> RequestPlan:
+    """Validate a request and tokenize its prompt; ValueError with a planner-readable message on bad input."""
+    if len(request.stop) > config.max_stop_strings:
+        raise ValueError('request has {} stop strings, more than {} = {}'.format(
+            len(request.stop), parameter_name('max_stop_strings'), config.max_stop_strings))
+    if any(not stop for stop in request.stop):
+        raise ValueError('stop strings must not be empty')
+    sampling = check_sampling(request)
+    if request.seed < -1:
+        raise ValueError('seed must be >= 0, or -1 for a random seed, got {}'.format(request.seed))
+    drafter = request.drafter or default_drafter
+    check_drafter(drafter, loaded_drafters)
+    check_num_draft_tokens(request.num_draft_tokens, config)
+    ids = prompt_ids(request, tokenizer, vocab_size, config)
+    max_new = request.max_new_tokens or config.max_new_tokens
+    if request.max_new_tokens:
+        check_max_new_tokens(request.max_new_tokens, config)
+    if len(ids) + max_new > context_limit:
+        raise ValueError('prompt ({} tokens) + max_new_tokens ({}) exceeds the model context of {} tokens; '
+                         'shorten the prompt or lower max_new_tokens'.format(len(ids), max_new, context_limit))
+    pinned = request.num_draft_tokens or default_k
+    seed = request.seed if request.seed >= 0 else int.from_bytes(os.urandom(4), 'little')
+    if request.seed >= 0 and not sampling.greedy and not pinned:
+        # adaptive K follows measured timings, which would change the random draws: pin K so that the same
+        # seed reproduces the same output
+        pinned = max(1, config.max_draft_tokens // 2)
+    return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned)
