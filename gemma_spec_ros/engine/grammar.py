@@ -10,6 +10,7 @@ One `ConstraintCompiler` per tokenizer compiles and caches grammars by (kind, te
 `GrammarConstraint` (an xgrammar matcher that advances along accepted tokens and rolls back drafts).
 """
 
+import functools
 import json
 import re
 import threading
@@ -66,9 +67,13 @@ def mask_probs(probs: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Unpack xgrammar's int32 bitmask [n, ceil(vocab / 32)] (bit j of word i: token 32 i + j) -> [n, vocab] bool."""
     words = bitmask.to(device) if device is not None else bitmask
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words.unsqueeze(-1) >> shifts) & 1                                  # [n, words, 32]
+    bits = (words.unsqueeze(-1) >> _bit_shifts(words.device)) & 1               # [n, words, 32]
     return bits.bool().reshape(words.shape[0], -1)[:, :vocab_size]
+
+
+@functools.cache
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
 
 
 class ConstraintCompiler:
