@@ -66,7 +66,8 @@ def mask_probs(probs: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Unpack xgrammar's int32 bitmask [n, ceil(vocab / 32)] (bit j of word i: token 32 i + j) -> [n, vocab] bool."""
-    words = bitmask.to(device) if device is not None else bitmask
+    # host to device from pageable memory: staged at once, so the CPU buffer may be refilled; no stream sync
+    words = bitmask.to(device, non_blocking=True) if device is not None else bitmask
     bits = (words.unsqueeze(-1) >> _bit_shifts(words.device)) & 1               # [n, words, 32]
     return bits.bool().reshape(words.shape[0], -1)[:, :vocab_size]
 
@@ -95,10 +96,6 @@ class ConstraintCompiler:
         self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        return list(self._stop_ids)
 
     def constraint(self, json_schema: str = '', grammar: str = '') -> 'GrammarConstraint | None':
         """Return a fresh per-request constraint, or None when both are empty; ValueError names the bad field."""
@@ -278,7 +275,9 @@ def _check_json_schema(text: str) -> None:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
-        raise ValueError('{}: {} at {}'.format(JSON_SCHEMA, exc.message, exc.json_path)) from exc
+        path = ''.join('[{}]'.format(part) if isinstance(part, int) else '.{}'.format(part)
+                       for part in exc.absolute_path)
+        raise ValueError('{}: {} at ${}'.format(JSON_SCHEMA, exc.message, path)) from exc
     unsupported = _unsupported_keyword(schema, '$')
     if unsupported:
         raise ValueError('{}: {} is not enforced by the grammar engine; remove it'.format(JSON_SCHEMA, unsupported))
