@@ -34,6 +34,8 @@ ROSDEP_KEYS = {
     'tqdm': 'python3-tqdm',
     'matplotlib': 'python3-matplotlib',
     'rosbags': 'python3-rosbags-pip',
+    'xgrammar': 'python3-xgrammar-pip',
+    'jsonschema': 'python3-jsonschema',
 }
 
 

@@ -1,0 +1,311 @@
+"""
+Constrained decoding: a JSON Schema or an EBNF grammar turned into token masks with xgrammar.
+
+Masks are bool tensors [n, vocab] (True = allowed) over the model's vocabulary. The constrained distribution of a
+step is the target's distribution with disallowed tokens masked out and renormalised; applied to the target before
+the unchanged `verify()`, a forbidden draft token has target probability 0 and is always rejected, so speculation
+stays lossless. EOS ids are the grammar's stop tokens: allowed exactly where the grammar accepts termination.
+
+One `ConstraintCompiler` per tokenizer compiles and caches grammars by (kind, text); each request gets its own
+`GrammarConstraint` (an xgrammar matcher that advances along accepted tokens and rolls back drafts).
+"""
+
+import functools
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import jsonschema
+import torch
+import xgrammar
+
+JSON_SCHEMA = 'json_schema'
+GRAMMAR = 'grammar'
+CACHE_SIZE = 64            # compiled grammars kept (least recently used dropped)
+MAX_JSON_WHITESPACE = 16   # whitespace characters allowed between JSON elements: room for indentation, no endless runs
+# JSON Schema keywords xgrammar 0.2.8 would silently ignore (measured): refused, so that every output validates.
+# oneOf is compiled as anyOf: output matching several alternatives is possible, so keep alternatives disjoint
+_IGNORED_KEYWORDS = ('not', 'if', 'then', 'else', 'dependencies', 'dependentRequired', 'dependentSchemas',
+                     'contains', 'minContains', 'maxContains')
+_SUBSCHEMA_KEYWORDS = ('items', 'additionalItems', 'additionalProperties', 'unevaluatedItems',
+                       'unevaluatedProperties', 'propertyNames')
+_SUBSCHEMA_LIST_KEYWORDS = ('anyOf', 'oneOf', 'allOf', 'prefixItems', 'items')
+_SUBSCHEMA_MAP_KEYWORDS = ('properties', 'patternProperties', '$defs', 'definitions')
+_LIBRARY_PREFIX = re.compile(r'^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?')
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """
+    Logits [n, vocab] with disallowed tokens at -inf (allowed [n, vocab] bool); a new tensor.
+
+    Argmax of the result is the constrained greedy token; `logits_to_probs` of it is the constrained sampling
+    distribution (the constraint applies before temperature, top-k and top-p, as in vLLM). A row that allows
+    nothing becomes all -inf: the grammar never asks for that, see `GrammarConstraint`.
+    """
+    assert logits.shape == allowed.shape, (tuple(logits.shape), tuple(allowed.shape))
+    return logits.masked_fill(~allowed, float('-inf'))
+
+
+def mask_probs(probs: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """
+    Probabilities [n, vocab] restricted to allowed [n, vocab] bool and renormalised (float32, a new tensor).
+
+    A row whose allowed tokens all have probability 0 (top-k / top-p or underflow removed them) becomes uniform
+    over its allowed tokens, so the output still follows the grammar. A row that allows nothing becomes all zeros,
+    which `torch.multinomial` refuses: an error, never a forbidden token.
+    """
+    assert probs.shape == allowed.shape, (tuple(probs.shape), tuple(allowed.shape))
+    masked = probs.float() * allowed
+    mass = masked.sum(dim=-1, keepdim=True)                                     # [n, 1]
+    uniform = allowed.float() / allowed.sum(dim=-1, keepdim=True).clamp(min=1)  # [n, vocab]
+    return torch.where(mass > 0, masked / mass.clamp(min=1e-30), uniform)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Unpack xgrammar's int32 bitmask [n, ceil(vocab / 32)] (bit j of word i: token 32 i + j) -> [n, vocab] bool."""
+    # host to device from pageable memory: staged at once, so the CPU buffer may be refilled; no stream sync
+    words = bitmask.to(device, non_blocking=True) if device is not None else bitmask
+    bits = (words.unsqueeze(-1) >> _bit_shifts(words.device)) & 1               # [n, words, 32]
+    return bits.bool().reshape(words.shape[0], -1)[:, :vocab_size]
+
+
+@functools.cache
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
+
+
+class ConstraintCompiler:
+    """
+    Compiles JSON Schemas and EBNF grammars for one tokenizer and model vocabulary, cached by (kind, text).
+
+    vocab_size is the model's (the logits' width): ids the tokenizer lacks (padding rows) are never allowed, and
+    neither are special tokens other than the stop tokens. Thread-safe.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], threads: int = 1,
+                 cache_size: int = CACHE_SIZE):
+        self._stop_ids = sorted(set(stop_token_ids))
+        if not self._stop_ids:
+            raise ValueError('a constraint needs at least one stop (EOS) token id')
+        self.vocab_size = vocab_size
+        self._info = _tokenizer_info(tokenizer, vocab_size, self._stop_ids)
+        self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def constraint(self, json_schema: str = '', grammar: str = '') -> 'GrammarConstraint | None':
+        """Return a fresh per-request constraint, or None when both are empty; ValueError names the bad field."""
+        if json_schema and grammar:
+            raise ValueError('set at most one of json_schema and grammar')
+        if not (json_schema or grammar):
+            return None
+        kind, text = (JSON_SCHEMA, json_schema) if json_schema else (GRAMMAR, grammar)
+        return GrammarConstraint(self.compile(kind, text), self.vocab_size, self._stop_ids)
+
+    def compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
+        """Return the compiled grammar for kind 'json_schema' or 'grammar' (EBNF, root rule `root`); cached."""
+        key = (kind, text)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        compiled = self._compile(kind, text)  # outside the lock: a slow schema does not block cached ones
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
+        if kind == JSON_SCHEMA:
+            _check_json_schema(text)
+            compile_text = lambda: self._compiler.compile_json_schema(  # noqa: E731
+                text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=True)
+        elif kind == GRAMMAR:
+            compile_text = lambda: self._compiler.compile_grammar(text)  # noqa: E731
+        else:
+            raise ValueError('unknown constraint kind {!r}; use {!r} or {!r}'.format(kind, JSON_SCHEMA, GRAMMAR))
+        try:
+            return compile_text()
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError('{}: {}'.format(kind, _library_message(exc))) from exc
+
+
+class GrammarConstraint:
+    """
+    One request's position in its grammar: masks for the next token(s), advanced by the accepted tokens.
+
+    Before termination a mask always allows something (at least a stop token once the grammar is complete).
+    Drafts are explored with `masks_along` or `lookahead` and rolled back; only `accept` moves the position.
+    """
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int]):
+        self.vocab_size = vocab_size
+        self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
+        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # [rows, words] int32, CPU; grows
+
+    @property
+    def completed(self) -> bool:
+        """The accepted tokens form a complete string of the grammar (with or without the stop token)."""
+        return self._matcher.is_completed()
+
+    @property
+    def can_terminate(self) -> bool:
+        """A stop (EOS) token is allowed next."""
+        return self._matcher.is_completed() and not self._matcher.is_terminated()
+
+    @property
+    def terminated(self) -> bool:
+        """A stop token was accepted: nothing may follow."""
+        return self._matcher.is_terminated()
+
+    def reset(self) -> None:
+        """Back to the start of the grammar (a new request with the same grammar)."""
+        self._matcher.reset()
+
+    def next_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Return the allowed tokens [1, vocab] bool for the next token (the first one after prefill)."""
+        self._fill(0)
+        return unpack_bitmask(self._bitmask[:1], self.vocab_size, device)
+
+    def masks_along(self, draft_tokens: Sequence[int] | torch.Tensor,
+                    device: torch.device | str | None = None) -> tuple[torch.Tensor, int]:
+        """
+        Masks [k + 1, vocab] bool for every verify position of k drafts, and how many drafts the grammar allows.
+
+        Row i is the mask for the token after draft i - 1 (row 0: after the accepted tokens; row k: the bonus
+        position). Past the first refused draft (or a stop token) the rows repeat the last mask: verify rejects
+        that draft, so they are never used, but they stay valid distributions. The matcher is left where it was.
+        """
+        draft = draft_tokens.tolist() if isinstance(draft_tokens, torch.Tensor) else list(draft_tokens)
+        rows = len(draft) + 1
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = xgrammar.allocate_token_bitmask(rows, self.vocab_size)
+        self._fill(0)
+        allowed, filled = 0, 1
+        for token in draft:
+            if not self._matcher.accept_token(token):
+                break
+            allowed += 1
+            if self._matcher.is_terminated():  # a stop token: nothing may follow
+                break
+            self._fill(allowed)
+            filled += 1
+        self._matcher.rollback(allowed)
+        self._bitmask[filled:rows] = self._bitmask[filled - 1]
+        return unpack_bitmask(self._bitmask[:rows], self.vocab_size, device), allowed
+
+    def allowed_prefix_len(self, tokens: Sequence[int] | torch.Tensor) -> int:
+        """How many leading tokens the grammar allows from here (the n-gram drafter cuts its proposal there)."""
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+        allowed = 0
+        for token in tokens:
+            if not self._advance(token):
+                break
+            allowed += 1
+        self._matcher.rollback(allowed)
+        return allowed
+
+    @contextmanager
+    def lookahead(self) -> Iterator['Lookahead']:
+        """Explore a draft token by token (model drafters); everything pushed is rolled back on exit."""
+        look = Lookahead(self)
+        try:
+            yield look
+        finally:
+            self._matcher.rollback(look.pushed)
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """Advance by emitted tokens (accepted drafts + recovered or bonus token, cut at EOS / max_new_tokens)."""
+        for token in tokens:
+            ok = self._matcher.accept_token(int(token))
+            assert ok, 'token {} violates the grammar: it was emitted without the mask'.format(token)
+
+    def _advance(self, token: int) -> bool:
+        # False (nothing changes) when the grammar refuses the token or has terminated
+        return not self._matcher.is_terminated() and self._matcher.accept_token(int(token))
+
+    def _fill(self, row: int) -> None:
+        assert not self._matcher.is_terminated(), 'no token may follow a stop token'
+        self._matcher.fill_next_token_bitmask(self._bitmask, row)
+
+
+class Lookahead:
+    """A drafter's view of the grammar during one round (see `GrammarConstraint.lookahead`)."""
+
+    def __init__(self, constraint: GrammarConstraint):
+        self._constraint = constraint
+        self.pushed = 0
+
+    def mask(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Return the allowed tokens [1, vocab] bool after the tokens pushed so far."""
+        return self._constraint.next_mask(device)
+
+    def push(self, token: int) -> bool:
+        """Advance by a drafted token drawn under `mask()`; False when it was a stop token (the draft ends there)."""
+        ok = self._constraint._advance(token)
+        assert ok, 'draft token {} violates the grammar: it was drawn without the mask'.format(token)
+        self.pushed += 1
+        return not self._constraint.terminated
+
+
+def _tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]) -> xgrammar.TokenizerInfo:
+    """Describe the vocabulary to xgrammar, with special tokens blanked so that grammars never allow them."""
+    detected = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+    special = set(tokenizer.all_special_ids)
+    special.update(index for index, token in tokenizer.added_tokens_decoder.items() if token.special)
+    encoded = [''] * vocab_size  # xgrammar treats empty tokens (and padding rows) as special: never allowed
+    for token, index in tokenizer.get_vocab().items():
+        if index < vocab_size and index not in special:
+            encoded[index] = token
+    return xgrammar.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=stop_ids,
+                                  add_prefix_space=detected.add_prefix_space)
+
+
+def _check_json_schema(text: str) -> None:
+    """ValueError naming the field when text is not JSON or not a valid JSON Schema (with the schema path)."""
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError('{}: not valid JSON: {}'.format(JSON_SCHEMA, exc)) from exc
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        path = ''.join('[{}]'.format(part) if isinstance(part, int) else '.{}'.format(part)
+                       for part in exc.absolute_path)
+        raise ValueError('{}: {} at ${}'.format(JSON_SCHEMA, exc.message, path)) from exc
+    unsupported = _unsupported_keyword(schema, '$')
+    if unsupported:
+        raise ValueError('{}: {} is not enforced by the grammar engine; remove it'.format(JSON_SCHEMA, unsupported))
+
+
+def _unsupported_keyword(schema, path: str) -> str:
+    """Describe the first keyword xgrammar would ignore ("'not' at $.properties.x"), or return ''."""
+    if not isinstance(schema, dict):
+        return ''
+    for keyword in _IGNORED_KEYWORDS:
+        if keyword in schema:
+            return '{!r} at {}'.format(keyword, path)
+    if schema.get('uniqueItems') is True:
+        return "'uniqueItems' at {}".format(path)
+    if isinstance(schema.get('allOf'), list) and len(schema['allOf']) > 1:
+        return "'allOf' with more than one schema at {}".format(path)
+    children = [('{}.{}'.format(path, key), schema[key]) for key in _SUBSCHEMA_KEYWORDS if key in schema]
+    children += [('{}.{}[{}]'.format(path, key, index), child) for key in _SUBSCHEMA_LIST_KEYWORDS
+                 if isinstance(schema.get(key), list) for index, child in enumerate(schema[key])]
+    children += [('{}.{}.{}'.format(path, key, name), child) for key in _SUBSCHEMA_MAP_KEYWORDS
+                 if isinstance(schema.get(key), dict) for name, child in schema[key].items()]
+    for child_path, child in children:
+        found = _unsupported_keyword(child, child_path)
+        if found:
+            return found
+    return ''
+
+
+def _library_message(exc: Exception) -> str:
+    """Return xgrammar's message without its log prefix ('[12:00:00] /project/cpp/file.cc:42: ')."""
+    return _LIBRARY_PREFIX.sub('', str(exc).strip())
