@@ -7,6 +7,7 @@ class (demo, record/replay and tests use it): goals can be sent from several thr
 """
 
 import argparse
+import copy
 import sys
 import threading
 import time
@@ -44,6 +45,11 @@ class Outcome:
     cancel_time: float = 0.0          # seconds after sending when the cancel was requested (0 = never)
 
     @property
+    def busy(self) -> bool:
+        """The node was full: the goal ended at once with finish_reason 'busy' (retry later)."""
+        return self.status == 'aborted' and self.result.finish_reason == 'busy'
+
+    @property
     def first_feedback_latency(self) -> float:
         return self.feedback_times[0] if self.feedback_times else 0.0
 
@@ -58,14 +64,14 @@ class Outcome:
 
 
 def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0.0, top_k=0, stop=(),
-              seed=-1, drafter='', num_draft_tokens=0) -> Generate.Goal:
+              seed=-1, drafter='', num_draft_tokens=0, client_id='') -> Generate.Goal:
     """Build a Generate goal; messages are (role, content) pairs or dicts."""
     chat = [ChatMessage(role=m['role'], content=m['content']) if isinstance(m, dict)
             else ChatMessage(role=m[0], content=m[1]) for m in messages]
     return Generate.Goal(prompt=prompt, messages=chat, max_new_tokens=int(max_new_tokens),
                          temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                          stop=list(stop), seed=int(seed), drafter=drafter,
-                         num_draft_tokens=int(num_draft_tokens))
+                         num_draft_tokens=int(num_draft_tokens), client_id=client_id)
 
 
 class BackgroundSpinner:
@@ -180,7 +186,14 @@ class GenerateClient:
 
     def send(self, goal, on_feedback=None, cancel_after_tokens=0, cancel_after_seconds=0.0,
              timeout=600.0) -> Outcome:
-        """Send one goal and wait for its result; optionally cancel after N tokens or seconds."""
+        """
+        Send one goal and wait for its result; optionally cancel after N tokens or seconds.
+
+        A goal without client_id is sent as this client's node name (fair admission between clients).
+        """
+        if not goal.client_id:
+            goal = copy.copy(goal)
+            goal.client_id = self._node.get_fully_qualified_name()
         outcome = Outcome()
         lock = threading.Lock()
         state = {'handle': None, 'cancel': False}
