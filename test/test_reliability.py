@@ -199,6 +199,16 @@ def test_killed_client_goal_is_aborted(context, tiny_models):
         node.destroy_node()
 
 
+def test_goal_timeout_ends_a_goal_with_its_partial_text(context, tiny_models):
+    params = tiny_params(tiny_models, **{'queue.goal_timeout': 1.0})
+    with serving(context, 'gemma_spec_timeout', params, engine_factory=slow_engine) as (node, client):
+        outcome = client.send(make_goal('Count slowly: one', max_new_tokens=900, drafter='none'))
+    result = outcome.result
+    assert outcome.status == 'aborted' and result.finish_reason == 'timeout'
+    assert 'goal exceeded queue.goal_timeout = 1 s' in result.error
+    assert result.text == outcome.streamed_text and 0 < result.stats.new_tokens < 900
+
+
 def truncated_copy(source, destination):
     """Copy a model directory and cut its safetensors file in half (a corrupt download)."""
     shutil.copytree(source, destination)
