@@ -35,7 +35,7 @@ FEEDBACK_QUEUE_DEPTH = 1000  # KEEP_LAST depth for feedback: one message per rou
 CANCEL_STATE_TIMEOUT = 2.0   # seconds to wait for rclpy to mark a cancelled goal CANCELING
 EXECUTOR_THREADS = QUEUE_MAX_LENGTH_LIMIT + 6  # every admitted goal's execute callback holds a thread
 SUPERVISE_PERIOD = 0.25  # seconds between checks for goals past queue.goal_timeout or without a receiver
-OUTCOMES = {'busy': 'busy', 'timeout': 'timed out'}  # node finish_reason -> diagnostics outcome of aborted goals
+ABORT_OUTCOMES = {'busy': 'busy', 'timeout': 'timed out'}  # finish_reason -> diagnostics outcome
 
 __all__ = ['GemmaSpecNode', 'QUEUE_MAX_LENGTH_LIMIT', 'main']
 
@@ -219,7 +219,7 @@ class GemmaSpecNode(Node):
                 'cancelled' if job.preempted or engine_finish == 'cancelled' else 'error')
             result = result_to_msg(job.result, error=job.error, finish_reason=finish_reason)
             goal_handle.abort()
-            outcome = 'orphaned' if job.error == ORPHANED_REASON else OUTCOMES.get(finish_reason, 'aborted')
+            outcome = 'orphaned' if job.error == ORPHANED_REASON else ABORT_OUTCOMES.get(finish_reason, 'aborted')
             if outcome != 'busy':
                 self.get_logger().warning('goal {} aborted: {}'.format(_short_id(goal_handle), job.error))
         else:
