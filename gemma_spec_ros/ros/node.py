@@ -34,6 +34,7 @@ NODE_NAME = 'gemma_spec'
 FEEDBACK_QUEUE_DEPTH = 1000  # KEEP_LAST depth for feedback: one message per round; a slower reader loses the oldest
 CANCEL_STATE_TIMEOUT = 2.0   # seconds to wait for rclpy to mark a cancelled goal CANCELING
 EXECUTOR_THREADS = QUEUE_MAX_LENGTH_LIMIT + 6  # every admitted goal's execute callback holds a thread
+RESULT_TIMEOUT = 60.0  # seconds a finished goal's result is kept (rclpy: 900); bounds what busy goals hold
 SUPERVISE_PERIOD = 0.25  # seconds between checks for goals past queue.goal_timeout or without a receiver
 ABORT_OUTCOMES = {'busy': 'busy', 'timeout': 'timed out'}  # finish_reason -> diagnostics outcome
 
@@ -66,7 +67,8 @@ class GemmaSpecNode(Node):
             cancel_callback=self.cancel_callback,
             handle_accepted_callback=self.handle_accepted_callback,
             callback_group=ReentrantCallbackGroup(),
-            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH))
+            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH),
+            result_timeout=RESULT_TIMEOUT)
         action = self.resolve_action_name()
         self._receiver_topics = (action + '/_action/feedback', action + '/_action/status')
         self.create_timer(SUPERVISE_PERIOD, self._supervise, callback_group=MutuallyExclusiveCallbackGroup())
