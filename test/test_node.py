@@ -12,11 +12,11 @@ from rcl_interfaces.srv import SetParameters
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
-from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
 from gemma_spec_ros.engine import Engine
 from gemma_spec_ros.engine import models as engine_models
 from gemma_spec_ros.engine.drafters import Drafter, NoneDrafter
 from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
+from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
 
 DOMAIN_ID = 11 + os.getpid() % 80
 LONG = 400  # max_new_tokens of goals that must still be running a moment later

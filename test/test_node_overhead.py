@@ -16,10 +16,10 @@ from rclpy.context import Context
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
-from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
-from gemma_spec_ros.ros.diagnostics import percentile
 from gemma_spec_ros.engine import Engine, GenerationRequest
+from gemma_spec_ros.ros.diagnostics import percentile
 from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
+from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
 
 REPO = Path(__file__).resolve().parents[1]
 DOMAIN_ID = 11 + (os.getpid() + 5) % 80

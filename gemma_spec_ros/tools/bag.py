@@ -24,8 +24,8 @@ from rclpy.signals import SignalHandlerOptions
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
-from gemma_spec_ros.tools.client import GenerateClient, make_goal
 from gemma_spec_ros.ros.node import stats_to_msg
+from gemma_spec_ros.tools.client import GenerateClient, make_goal
 
 REQUESTS_TOPIC = '/gemma_spec/requests'
 RESPONSES_TOPIC = '/gemma_spec/responses'
