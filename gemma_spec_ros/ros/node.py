@@ -25,8 +25,8 @@ from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
-from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.engine.types import DRAFTERS, CancelToken, EngineConfig, GenerationRequest
+from gemma_spec_ros.ros import diagnostics
 
 NODE_NAME = 'gemma_spec'
 QUEUE_MAX_LENGTH_LIMIT = 16
@@ -176,6 +176,7 @@ class GemmaSpecNode(Node):
         self._updater.add('engine', self._engine_task)
         self._updater.add('generation', self._generation_task)
         self._updater.add('memory', self._memory_task)
+        self._updater.add(diagnostics.PeriodStatus(self._updater.period))
         self.add_on_set_parameters_callback(self._on_set_parameters)
 
         self._action_server = ActionServer(
