@@ -4,6 +4,7 @@
 # found ($GEMMA_SPEC_ROS2_PYTHON, else ../shared/ros2-python, else /work/shared/ros2-python): launch, ros2cli and
 # diagnostic_updater from its wheels, its composition_interfaces next to gemma_spec_msgs, and gemma_spec_ros
 # itself built with colcon --symlink-install into build/ws, so `ros2 launch gemma_spec_ros ...` works as on a robot.
+# GEMMA_SPEC_ROS2_PYTHON=none sets up without them.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -11,7 +12,9 @@ venv="$root/.venv"
 stamp="$venv/.gemma_spec_setup"
 
 wheelhouse=""
-if [[ -n "${GEMMA_SPEC_ROS2_PYTHON:-}" ]]; then
+if [[ "${GEMMA_SPEC_ROS2_PYTHON:-}" == none ]]; then
+  :  # explicitly without the tools, as on a machine outside this setup
+elif [[ -n "${GEMMA_SPEC_ROS2_PYTHON:-}" ]]; then
   [[ -d "$GEMMA_SPEC_ROS2_PYTHON/wheels" ]] \
     || { echo "setup: GEMMA_SPEC_ROS2_PYTHON=$GEMMA_SPEC_ROS2_PYTHON has no wheels/ folder" >&2; exit 1; }
   wheelhouse="$(cd "$GEMMA_SPEC_ROS2_PYTHON" && pwd)"

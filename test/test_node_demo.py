@@ -7,6 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+from conftest import NO_DIAGNOSTIC_UPDATER
+
+pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
+
 REPO = Path(__file__).resolve().parents[1]
 DOMAIN_ID = 11 + (os.getpid() + 17) % 80
 

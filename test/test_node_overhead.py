@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import NO_DIAGNOSTIC_UPDATER
+
+pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
+
 import rclpy
 import yaml
 from rclpy.context import Context
