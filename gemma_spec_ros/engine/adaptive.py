@@ -236,6 +236,7 @@ class AdaptiveK:
         self._probe_left = 0                         # probe rounds still to run while paused
         self._probed = False                         # a probe just finished: re-evaluate the gate
         self._pending: Decision | None = None        # the last decision, to account its exploration cost
+        self._curves: list[list[float] | None] = [None, None]  # cached position_alpha per state
 
     # ------------------------------------------------------------------------------------------ estimates
     @property
@@ -245,7 +246,9 @@ class AdaptiveK:
     def position_alpha(self, state: int | None = None) -> list[float]:
         """Return the acceptance at each draft position given all earlier ones were accepted ([K]), for a state."""
         state = self._state if state is None else state
-        return self._recent[state].rates(self._long[state].rates(self._pooled.rates()))
+        if self._curves[state] is None:
+            self._curves[state] = self._recent[state].rates(self._long[state].rates(self._pooled.rates()))
+        return self._curves[state]
 
     @property
     def draft_step_seconds(self) -> float | None:
@@ -270,12 +273,24 @@ class AdaptiveK:
             return None
         return expected_tokens(rates if rates is not None else self.position_alpha(), k) / cost
 
+    def _choices(self, rates: list[float], shape: list[float | None]) -> list[tuple] | None:
+        """Return (rate, K, expected tokens, chance all K are accepted, cost) for K = 1..max_k (None: unmeasured)."""
+        if self._draft_step is None or shape[1] is None:
+            return None
+        choices, tokens, survive = [], 1.0, 1.0
+        for k in range(1, self.max_k + 1):
+            survive *= rates[k - 1]
+            tokens += survive
+            cost = k * self._draft_step + shape[k + 1] + self._overhead
+            choices.append((tokens / cost, k, tokens, survive, cost))
+        return choices
+
     def _best(self, rates: list[float], shape: list[float | None]) -> tuple[int, float | None]:
         """Return the K >= 1 with the highest expected rate and that rate (max_k // 2, None before measurements)."""
-        scored = [(self.rate(k, shape, rates), k) for k in range(1, self.max_k + 1)]
-        if any(rate is None for rate, _ in scored):
+        choices = self._choices(rates, shape)
+        if choices is None:
             return max(1, self.max_k // 2), None
-        rate, k = max(scored)
+        rate, k, *_ = max(choices)
         return k, rate
 
     def best_k(self) -> int:
@@ -292,14 +307,11 @@ class AdaptiveK:
 
     def _policy_rate(self, curves: list[list[float]], shape: list[float | None]) -> float | None:
         """Long-run tokens per load-free second of the best K in each state, the states weighted as they occur."""
-        tokens, costs, full = [], [], []
-        for curve in curves:
-            k, _ = self._best(curve, shape)
-            tokens.append(expected_tokens(curve, k))
-            costs.append(self._round_cost(k, shape))
-            full.append(math.prod(curve[:k]))  # the chance the round accepts all drafts: next state AFTER_FULL
-        if any(cost is None for cost in costs):
+        best = [self._choices(curve, shape) for curve in curves]
+        if any(choices is None for choices in best):
             return None
+        # per state: the best K's tokens, chance that all its drafts are accepted (next state AFTER_FULL), cost
+        _, _, tokens, full, costs = zip(*(max(choices) for choices in best), strict=True)
         share_full = full[AFTER_MISS] / (1 - full[AFTER_FULL] + full[AFTER_MISS])  # stationary two-state chain
         weights = (1 - share_full, share_full)
         return sum(w * t for w, t in zip(weights, tokens, strict=True)) / sum(
@@ -345,7 +357,7 @@ class AdaptiveK:
             if decision is not None and not decision.speculating:
                 for counts in self._recent:  # paused: old evidence fades, so that probes soon decide
                     counts.fade()
-            self._state = AFTER_MISS
+            self._state, self._curves = AFTER_MISS, [None, None]
             return
         if decision is not None and decision.exploring:
             self._count_exploration(decision, num_drafted)
@@ -356,6 +368,7 @@ class AdaptiveK:
         self._long[self._state].add(num_drafted, num_accepted)
         self._long[1 - self._state].fade()
         self._pooled.add(num_drafted, num_accepted)
+        self._curves = [None, None]
         self._state = AFTER_FULL if num_accepted == num_drafted else AFTER_MISS
         self._accepted = DECAY * self._accepted + num_accepted
         self._evaluated = DECAY * self._evaluated + min(num_drafted, num_accepted + 1)
