@@ -161,9 +161,19 @@ def test_scripted_mixed_prompt_gate_reacts_within_a_few_rounds():
     assert first_pause - 150 <= 10                                       # code -> prose: paused within 10 rounds
     assert not any(d.speculating for d in result.decisions[first_pause:300])  # stays paused (probes aside)
     resumed = next(i for i in range(300, 450) if result.decisions[i].speculating)
-    assert resumed - 300 <= 16 + PROBE_ROUNDS + 2
+    assert resumed - 300 <= 2 * (16 + PROBE_ROUNDS)                      # prose -> code: within two probes
     assert all(d.speculating for d in result.decisions[resumed:])
     assert result.flips(1) == 2                                          # one pause, one resume
+
+
+def test_new_request_lets_a_paused_gate_probe_at_once():
+    controller, cost = new_controller(probe_interval=32)
+    replay(controller, cost, [0] * 20, c=0.3)
+    assert not controller.speculating and not controller.may_speculate_next()
+    controller.start()
+    assert controller.may_speculate_next()
+    decision = controller.decide()
+    assert decision.num_draft_tokens > 0 and decision.exploring and not decision.speculating
 
 
 @pytest.mark.parametrize('seed', [1, 2, 3])

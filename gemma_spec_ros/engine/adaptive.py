@@ -232,7 +232,7 @@ class AdaptiveK:
         self._cutoff = 0.0
         self._cutoff_k = 0                           # the K the cut-off was calibrated for
         self._rounds = 0                             # speculative rounds recorded
-        self._paused_rounds = 0
+        self._paused_rounds = 0                      # plain rounds since the gate paused or last probed
         self._probe_left = 0                         # probe rounds still to run while paused
         self._probed = False                         # a probe just finished: re-evaluate the gate
         self._pending: Decision | None = None        # the last decision, to account its exploration cost
@@ -442,8 +442,9 @@ class AdaptiveK:
             self._probed = False
             if band is None or band[1] <= 1 + RESUME_MARGIN:
                 self._paused_rounds += 1
-                if self._paused_rounds % self.probe_interval:
+                if self._paused_rounds < self.probe_interval:
                     return Decision(0, False)
+                self._paused_rounds = 0
                 self._probe_left = PROBE_ROUNDS - 1
                 self._probed = True
                 return Decision(self.best_k(), False, exploring=True)
@@ -456,6 +457,12 @@ class AdaptiveK:
             self._paused_rounds = 0
             return Decision(0, False)
         return self._speculate()
+
+    def start(self) -> None:
+        """Note that a new request begins (optional): its text may differ, so a paused gate probes at once."""
+        self._state, self._curves = AFTER_MISS, [None, None]
+        if not self.speculating and not self._probe_left:
+            self._paused_rounds = self.probe_interval - 1
 
     def _speculate(self) -> Decision:
         """Return the best K (now and then K + 1, to measure the next position) with the calibrated cut-off."""
@@ -499,4 +506,4 @@ class AdaptiveK:
         """Tell whether the next round may draft (False only when decide() will surely run it plain)."""
         if not self.profit_gate or self.speculating or self._probe_left or self._probed:
             return True
-        return not self.target_cost.measured(1) or (self._paused_rounds + 1) % self.probe_interval == 0
+        return not self.target_cost.measured(1) or self._paused_rounds + 1 >= self.probe_interval
