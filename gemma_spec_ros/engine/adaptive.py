@@ -112,8 +112,7 @@ class TargetCost:
     def relative(self) -> list[float | None]:
         """Load-free seconds per pass for 0..max tokens: measured, else interpolated, else extrapolated."""
         if self._relative is None:
-            known = [(n, s) for n, s in enumerate(self._shape) if s is not None]
-            estimates = [_estimate(known, n) for n in range(len(self._shape))] if known else []
+            estimates = _fill(self._shape) if any(s is not None for s in self._shape) else []
             # non-decreasing: verifying more tokens never costs less, whatever load noise measured
             self._relative = list(itertools.accumulate(estimates, max)) or [None] * len(self._shape)
         return self._relative
@@ -131,16 +130,24 @@ class TargetCost:
         return num_tokens < len(self._shape) and self._shape[num_tokens] is not None
 
 
-def _estimate(known: list[tuple[int, float]], num_tokens: int) -> float:
-    below = [(n, s) for n, s in known if n <= num_tokens]
-    above = [(n, s) for n, s in known if n >= num_tokens]
-    if below and above:
-        (n0, s0), (n1, s1) = below[-1], above[0]
-        return s0 if n0 == n1 else s0 + (s1 - s0) * (num_tokens - n0) / (n1 - n0)
-    if len(known) >= 2 and below:
-        (n0, s0), (n1, s1) = known[-2], known[-1]
-        return s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (num_tokens - n1)
-    return (below[-1] if below else above[0])[1]
+def _fill(shape: list[float | None]) -> list[float]:
+    """Every size's shape: measured, else interpolated between neighbours, else extrapolated (last slope, or flat)."""
+    known = [(n, s) for n, s in enumerate(shape) if s is not None]
+    filled, above = [], 0  # known[above] is the first measured size >= n
+    for n in range(len(shape)):
+        while above < len(known) and known[above][0] < n:
+            above += 1
+        if above < len(known) and (known[above][0] == n or above == 0):
+            filled.append(known[above][1])
+        elif above < len(known):
+            (n0, s0), (n1, s1) = known[above - 1], known[above]
+            filled.append(s0 + (s1 - s0) * (n - n0) / (n1 - n0))
+        elif len(known) >= 2:
+            (n0, s0), (n1, s1) = known[-2], known[-1]
+            filled.append(s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (n - n1))
+        else:
+            filled.append(known[-1][1])
+    return filled
 
 
 class PositionCounts:
