@@ -212,8 +212,6 @@ class _Round:
     confidences: list[float] | None  # [num_drafted] drafter probability of each draft
 
 
-
-
 class AdaptiveK:
     """Per-drafter controller: acceptance per position and state, drafter step cost, cut-off; shared target cost."""
 
