@@ -1,178 +1,502 @@
 """
-Adaptive draft length and profit gate, from online measurements.
+Adaptive draft length, confidence cut-off and profit gate, from online measurements (pure: no torch).
 
-Expected tokens per round with K drafts at acceptance alpha (Leviathan et al.): E(K) = (1 - alpha^(K+1)) / (1 - alpha);
-with measured per-position acceptance a_i it is 1 + sum_j prod_{i<=j} a_i, which equals that formula when all a_i are
-the same. A round costs K drafter steps plus one target pass over K + 1 tokens, both measured; K is chosen to maximize
-E(K) / cost(K). When no K >= 1 beats plain decoding (1 token per 1-token target pass), speculation pauses and is
-probed again every probe_interval rounds.
+A round with K drafts emits E(K) = 1 + sum_{j<=K} a_1 * ... * a_j tokens, where a_i is the MEASURED acceptance of
+draft i given that drafts 1..i-1 were accepted. Acceptance is not i.i.d.: it comes in runs (a loop, a copied span),
+so the a_i are kept separately for rounds that follow a fully accepted round and rounds that follow a miss, and K
+is chosen for the state the next round starts in. A round costs K drafter steps, one target pass over K + 1 tokens
+and (when the loop measures it) the loop's own per-round work. K maximizes E(K) / cost(K).
+
+Costs are kept in load-free units: the target cost curve is a shape times a load factor that follows the latest
+pass, so that plain decoding measured under one load is never compared with verify passes measured under another
+(on a shared machine that made the gate flip).
+
+The profit gate judges the policy's long-run rate (both states, weighted by how often each occurs) against plain
+decoding. It pauses when even an optimistic reading of the acceptance (one standard error up) loses, and resumes
+when probes show a clear gain; the band between keeps a steady gain from flipping the gate. A CUSUM test on the
+accepted counts notices when the text changes character (code to prose) and rebuilds the recent estimates from the
+rounds since the change, so the gate reacts within a few rounds. While paused, old evidence fades with every plain
+round, so probes soon decide.
+
+Exploration is bounded and counted: now and then one round drafts K + 1 to measure the next position, while
+paused a few probe rounds run every probe_interval rounds, and with drafter confidences a share of rounds drafts
+without cut-off to keep calibrating it.
 """
 
 import itertools
+import math
+from collections import deque
 from dataclasses import dataclass
 
 from .stats import expected_tokens
 
-DECAY = 0.97          # weight of older rounds in the running estimates
-PROBE_ROUNDS = 3      # speculative rounds per probe while paused
-UNOBSERVED_DECAY = 0.995  # per round, for draft positions the round did not judge
-MIN_EVIDENCE = 12.0       # decayed judged drafts needed before the gate may pause speculation
-PRIOR_ALPHA = 0.5     # acceptance assumed before anything is measured (weight of ~2 drafted tokens)
+DECAY = 0.98              # per round, weight of older rounds in the recent acceptance and draft-cost estimates
+LONG_DECAY = 0.995        # per round, the long-run acceptance that recent estimates shrink toward (and fall back
+                          # to at positions not judged lately)
+PRIOR_ALPHA = 0.5         # acceptance assumed before anything is measured
+PRIOR_WEIGHT = 2.0        # rounds' worth of weight of the prior of each position
+AFTER_MISS, AFTER_FULL = 0, 1  # acceptance states: the previous round had a rejected draft (or was plain) / had none
+LOAD_DECAY = 0.7          # per target pass, weight of the older load factor (load moves fast)
+SHAPE_DECAY = 0.8         # per pair of adjacent passes of different sizes, weight of the older cost shape
+PROBE_ROUNDS = 3          # speculative rounds per probe while paused
+PAUSE_Z = 1.0             # pause only when the acceptance this many standard errors up still loses
+MIN_EVIDENCE = 8.0        # recent judged rounds at position 1 needed before the gate may pause
+RESUME_MARGIN = 0.03      # resume only when the expected gain over plain decoding exceeds this
+CUSUM_SLACK = 0.5         # CUSUM drift allowance, in standard deviations of a round's accepted count
+CUSUM_ALARM = 6.0         # CUSUM alarm level: the acceptance changed
+CHANGE_KEEP = 0.1         # on a change, the weight left to the long-run counts (so stale priors give way)
+CUSUM_MIN_STD = 0.5       # floor of a round's standard deviation (keeps rare misses of a good drafter quiet)
+HISTORY = 16              # recent rounds kept to rebuild the estimates after a change
+MAX_RATE = 0.999          # acceptance readings are capped below 1 (a run never lasts forever)
+EXPLORE_EVERY = 16        # speculative rounds between explorations of K + 1
+EXPLORE_Z = 2.0           # explore K + 1 when its acceptance this many standard errors up would beat the best K
+EXPLORE_MAX_LOSS = 0.25   # never explore a K expected to be this much slower than the best
+CUTOFFS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)  # confidence cut-offs calibrated against drafting all K
+CUTOFF_ROUNDS = 64        # recent uncut rounds replayed to calibrate the cut-off
+CUTOFF_MIN_ROUNDS = 32    # uncut rounds needed before a cut-off may be chosen
+CUTOFF_MIN_GAIN = 0.03    # a cut-off must beat the best uncut K by this much in replay
+CUTOFF_EXPLORE_EVERY = 8  # with a cut-off in use, every so many rounds draft uncut to keep calibrating
 
 
 class TargetCost:
-    """Measured seconds of a target pass as a function of the number of tokens it verifies (1 = plain decoding)."""
+    """
+    Measured seconds of a target pass as a function of the number of tokens it verifies (1 = plain decoding).
+
+    Kept as shape(n) * load. The shape of a size is learned only against the pass just before it (of another
+    size, so under the same load); the load factor follows every pass. A first pass of a new size sets its shape
+    at the current load.
+    """
 
     def __init__(self, max_tokens: int):
-        self._seconds: list[float | None] = [None] * (max_tokens + 1)  # index = tokens per pass
-        self._curve: list[float | None] | None = None                  # cached estimates
+        self._shape: list[float | None] = [None] * (max_tokens + 1)  # index = tokens per pass; seconds at load 1
+        self._load = 1.0
+        self._relative: list[float | None] | None = None            # cached shape estimates for every size
+        self._previous: tuple[int, float] | None = None            # (tokens, seconds) of the latest pass
+        self.last_seconds: float | None = None                     # the latest recorded pass
 
     def record(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens >= len(self._seconds):
+        if num_tokens >= len(self._shape) or seconds <= 0:
             return
-        old = self._seconds[num_tokens]
-        self._seconds[num_tokens] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
-        self._curve = None
+        known = self._shape[num_tokens]
+        if known is None:
+            self._shape[num_tokens] = seconds / self._load
+        else:
+            if self._previous is not None and self._previous[0] != num_tokens:
+                before, before_seconds = self._previous
+                before_shape = self._shape[before]
+                assert before_shape is not None  # every recorded size has a shape
+                paired = before_shape * seconds / before_seconds
+                self._shape[num_tokens] = known * (paired / known) ** (1 - SHAPE_DECAY)
+            self._load = LOAD_DECAY * self._load + (1 - LOAD_DECAY) * seconds / self._shape[num_tokens]
+        self._previous = (num_tokens, seconds)
+        self.last_seconds = seconds
+        self._relative = None
+
+    @property
+    def load(self) -> float:
+        """Seconds now per load-free second (1.0 at the first measurement)."""
+        return self._load
+
+    def relative(self) -> list[float | None]:
+        """Load-free seconds per pass for 0..max tokens: measured, else interpolated, else extrapolated."""
+        if self._relative is None:
+            estimates = _fill(self._shape) if any(s is not None for s in self._shape) else []
+            # non-decreasing: verifying more tokens never costs less, whatever load noise measured
+            self._relative = list(itertools.accumulate(estimates, max)) or [None] * len(self._shape)
+        return self._relative
 
     def curve(self) -> list[float | None]:
-        """Seconds per pass for 0..max tokens: measured, else interpolated, else extrapolated along the last slope."""
-        if self._curve is None:
-            known = [(n, s) for n, s in enumerate(self._seconds) if s is not None]
-            estimates = [self._estimate(known, n) for n in range(len(self._seconds))] if known else []
-            # non-decreasing: verifying more tokens never costs less, whatever load noise measured
-            self._curve = list(itertools.accumulate(estimates, max)) or [None] * len(self._seconds)
-        return self._curve
-
-    @staticmethod
-    def _estimate(known: list[tuple[int, float]], num_tokens: int) -> float:
-        below = [(n, s) for n, s in known if n <= num_tokens]
-        above = [(n, s) for n, s in known if n >= num_tokens]
-        if below and above:
-            (n0, s0), (n1, s1) = below[-1], above[0]
-            return s0 if n0 == n1 else s0 + (s1 - s0) * (num_tokens - n0) / (n1 - n0)
-        if len(known) >= 2 and below:
-            (n0, s0), (n1, s1) = known[-2], known[-1]
-            return s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (num_tokens - n1)
-        return (below[-1] if below else above[0])[1]
+        """Seconds per pass now for 0..max tokens (None before any measurement)."""
+        return [None if s is None else s * self._load for s in self.relative()]
 
     def seconds(self, num_tokens: int) -> float | None:
-        """Estimated seconds of a pass verifying num_tokens tokens (None before any measurement)."""
-        return self.curve()[num_tokens]
+        """Estimated seconds of a pass verifying num_tokens tokens now (None before any measurement)."""
+        shape = self.relative()[num_tokens]
+        return None if shape is None else shape * self._load
 
     def measured(self, num_tokens: int) -> bool:
-        return num_tokens < len(self._seconds) and self._seconds[num_tokens] is not None
+        return num_tokens < len(self._shape) and self._shape[num_tokens] is not None
+
+
+def _fill(shape: list[float | None]) -> list[float]:
+    """Every size's shape: measured, else interpolated between neighbours, else extrapolated (last slope, or flat)."""
+    known = [(n, s) for n, s in enumerate(shape) if s is not None]
+    filled, above = [], 0  # known[above] is the first measured size >= n
+    for n in range(len(shape)):
+        while above < len(known) and known[above][0] < n:
+            above += 1
+        if above < len(known) and (known[above][0] == n or above == 0):
+            filled.append(known[above][1])
+        elif above < len(known):
+            (n0, s0), (n1, s1) = known[above - 1], known[above]
+            filled.append(s0 + (s1 - s0) * (n - n0) / (n1 - n0))
+        elif len(known) >= 2:
+            (n0, s0), (n1, s1) = known[-2], known[-1]
+            filled.append(s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (n - n1))
+        else:
+            filled.append(known[-1][1])
+    return filled
+
+
+class PositionCounts:
+    """Decayed per-position counts: judged[i] rounds reached draft i+1 (all earlier accepted), kept[i] accepted it."""
+
+    def __init__(self, max_k: int, decay: float):
+        self.decay = decay
+        self.judged = [0.0] * max_k  # [K]
+        self.kept = [0.0] * max_k    # [K]
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        reached = min(num_drafted, num_accepted + 1)
+        for position in range(len(self.judged)):
+            self.judged[position] = self.decay * self.judged[position] + (position < reached)
+            self.kept[position] = self.decay * self.kept[position] + (position < num_accepted)
+
+    def fade(self, factor: float | None = None) -> None:
+        """Age the counts by one round that judged nothing here (or scale them by factor)."""
+        factor = self.decay if factor is None else factor
+        self.judged = [factor * judged for judged in self.judged]
+        self.kept = [factor * kept for kept in self.kept]
+
+    def rates(self, priors: list[float] | None = None) -> list[float]:
+        """Return the acceptance per position, shrunk toward priors (default: the previous position's rate)."""
+        rates = []
+        for position, (kept, judged) in enumerate(zip(self.kept, self.judged, strict=True)):
+            prior = priors[position] if priors else (rates[-1] if rates else PRIOR_ALPHA)
+            rates.append((kept + PRIOR_WEIGHT * prior) / (judged + PRIOR_WEIGHT))
+        return rates
+
+    def error(self, position: int, rate: float) -> float:
+        """Return the standard error of a position's rate, from its evidence."""
+        return math.sqrt(rate * (1 - rate) / (self.judged[position] + PRIOR_WEIGHT))
 
 
 @dataclass
 class Decision:
-    num_draft_tokens: int     # K for the next round; 0 = plain round
-    speculating: bool         # False while the profit gate pauses speculation
+    num_draft_tokens: int        # K for the next round; 0 = plain round
+    speculating: bool            # False while the profit gate pauses speculation
+    min_confidence: float = 0.0  # the drafter ends the round at a draft it gives less probability (0 = never)
+    exploring: bool = False      # an exploration or probe round (its expected loss is counted)
+
+
+@dataclass
+class ExplorationCost:
+    """What exploration cost, in rounds and in expected seconds lost against the best known choice."""
+
+    explore_rounds: int = 0       # rounds drafting K + 1 or uncut, to measure what is not measured
+    probe_rounds: int = 0         # speculative rounds while paused
+    lost_seconds: float = 0.0     # expected extra seconds of those rounds for the same tokens
+    total_seconds: float = 0.0    # measured seconds of all recorded rounds (drafting + target pass)
+
+    @property
+    def share(self) -> float:
+        return self.lost_seconds / self.total_seconds if self.total_seconds > 0 else 0.0
+
+
+@dataclass
+class _Round:
+    num_drafted: int
+    num_accepted: int
+    confidences: list[float] | None  # [num_drafted] drafter probability of each draft
 
 
 class AdaptiveK:
-    """Per-drafter controller: running acceptance and drafter step cost, shared target cost curve."""
+    """Per-drafter controller: acceptance per position and state, drafter step cost, cut-off; shared target cost."""
 
     def __init__(self, max_k: int, target_cost: TargetCost, profit_gate: bool, probe_interval: int):
         self.max_k = max_k
         self.target_cost = target_cost
         self.profit_gate = profit_gate
         self.probe_interval = max(1, probe_interval)
-        self._accepted = PRIOR_ALPHA * 2   # decayed accepted drafts
-        self._evaluated = 2.0              # decayed drafts the target judged (accepted + first rejected)
-        self._kept_at = [0.0] * max_k      # [K] decayed accepts at draft position i
-        self._judged_at = [0.0] * max_k    # [K] decayed rounds that judged position i (all before it accepted)
-        self._draft_step: float | None = None  # seconds per drafted token
         self.speculating = True
-        self._paused_rounds = 0
-        self._probe_left = 0              # probe rounds still to run while paused
-        self._probed = False              # a probe just finished: re-evaluate the gate
+        self.exploration = ExplorationCost()
+        self._pooled = PositionCounts(max_k, LONG_DECAY)                     # all rounds: prior of the states
+        self._long = [PositionCounts(max_k, LONG_DECAY) for _ in range(2)]   # [AFTER_MISS, AFTER_FULL]
+        self._recent = [PositionCounts(max_k, DECAY) for _ in range(2)]
+        self._state = AFTER_MISS                     # the state the next round starts in
+        self._accepted = PRIOR_ALPHA * PRIOR_WEIGHT  # decayed accepted drafts
+        self._evaluated = PRIOR_WEIGHT               # decayed drafts the target judged (accepted + first rejected)
+        self._draft_step: float | None = None        # load-free seconds per drafted token
+        self._overhead = 0.0                         # load-free seconds per round outside drafting and target pass
+        self._history: deque[tuple[int, int, int]] = deque(maxlen=HISTORY)  # (state, drafted, accepted)
+        self._cusum_up = self._cusum_down = 0.0
+        self._since_up = self._since_down = 0        # rounds since each CUSUM side last stood at zero
+        self._uncut: deque[_Round] = deque(maxlen=CUTOFF_ROUNDS)   # rounds drafted without cut-off, with confidences
+        self._cutoff = 0.0
+        self._cutoff_k = 0                           # the K the cut-off was calibrated for
+        self._rounds = 0                             # speculative rounds recorded
+        self._paused_rounds = 0                      # plain rounds since the gate paused or last probed
+        self._probe_left = 0                         # probe rounds still to run while paused
+        self._probed = False                         # a probe just finished: re-evaluate the gate
+        self._pending: Decision | None = None        # the last decision, to account its exploration cost
+        self._curves: list[list[float] | None] = [None, None]  # cached position_alpha per state
 
+    # ------------------------------------------------------------------------------------------ estimates
     @property
     def alpha(self) -> float:
         return self._accepted / self._evaluated
 
-    def position_alpha(self) -> list[float]:
-        """
-        Return the acceptance at each draft position given all earlier ones were accepted ([K]).
-
-        With little data, position 1 leans to alpha and later positions to 1 (optimism, so that longer drafts get
-        tried: acceptance after an accepted draft is often higher; a poor position 1 still caps them).
-        """
-        priors = [self.alpha] + [1.0] * (self.max_k - 1)
-        return [(kept + 2 * prior) / (judged + 2)
-                for kept, judged, prior in zip(self._kept_at, self._judged_at, priors, strict=True)]
+    def position_alpha(self, state: int | None = None) -> list[float]:
+        """Return the acceptance at each draft position given all earlier ones were accepted ([K]), for a state."""
+        state = self._state if state is None else state
+        if self._curves[state] is None:
+            self._curves[state] = self._recent[state].rates(self._long[state].rates(self._pooled.rates()))
+        return self._curves[state]
 
     @property
     def draft_step_seconds(self) -> float | None:
-        return self._draft_step
+        """Seconds per drafted token at the current load (None before the first speculative round)."""
+        return None if self._draft_step is None else self._draft_step * self.target_cost.load
 
-    def record(self, num_drafted: int, num_accepted: int, draft_seconds: float) -> None:
-        """One speculative round: num_accepted of num_drafted drafts kept; drafting took draft_seconds."""
-        if num_drafted == 0:
-            return
-        evaluated = num_accepted + (1 if num_accepted < num_drafted else 0)
-        self._accepted = DECAY * self._accepted + num_accepted
-        self._evaluated = DECAY * self._evaluated + evaluated
-        for position in range(self.max_k):
-            # judged positions forget with DECAY; unobserved ones (beyond the drafts) only slowly, so that what
-            # was learned about them holds K steady, and decays enough to be explored again eventually
-            if position < min(evaluated, num_drafted):
-                self._judged_at[position] = DECAY * self._judged_at[position] + 1
-                self._kept_at[position] = DECAY * self._kept_at[position] + (position < num_accepted)
-            else:
-                self._judged_at[position] *= UNOBSERVED_DECAY
-                self._kept_at[position] *= UNOBSERVED_DECAY
-        step = draft_seconds / num_drafted
-        self._draft_step = step if self._draft_step is None else DECAY * self._draft_step + (1 - DECAY) * step
+    @property
+    def cutoff(self) -> float:
+        """The calibrated confidence cut-off (0 = draft all K)."""
+        return self._cutoff
 
-    def rate(self, k: int, curve: list[float | None] | None = None) -> float | None:
-        """Return expected tokens per second with k drafts (k = 0: plain decoding), or None before measurements."""
-        verify = (curve or self.target_cost.curve())[k + 1]
+    def _round_cost(self, k: int, shape: list[float | None]) -> float | None:
+        verify = shape[k + 1]
         if verify is None or (k and self._draft_step is None):
             return None
-        return expected_tokens(self.position_alpha(), k) / (k * (self._draft_step or 0.0) + verify)
+        return k * (self._draft_step or 0.0) + verify + self._overhead
+
+    def rate(self, k: int, curve: list[float | None] | None = None, rates: list[float] | None = None) -> float | None:
+        """Return expected tokens per load-free second with k drafts (k = 0: plain), or None before measurements."""
+        cost = self._round_cost(k, curve or self.target_cost.relative())
+        if cost is None:
+            return None
+        return expected_tokens(rates if rates is not None else self.position_alpha(), k) / cost
+
+    def _choices(self, rates: list[float], shape: list[float | None]) -> list[tuple] | None:
+        """Return (rate, K, expected tokens, chance all K are accepted, cost) for K = 1..max_k (None: unmeasured)."""
+        if self._draft_step is None or shape[1] is None:
+            return None
+        choices, tokens, survive = [], 1.0, 1.0
+        for k in range(1, self.max_k + 1):
+            survive *= rates[k - 1]
+            tokens += survive
+            cost = k * self._draft_step + shape[k + 1] + self._overhead
+            choices.append((tokens / cost, k, tokens, survive, cost))
+        return choices
+
+    def _best(self, rates: list[float], shape: list[float | None]) -> tuple[int, float | None]:
+        """Return the K >= 1 with the highest expected rate and that rate (max_k // 2, None before measurements)."""
+        choices = self._choices(rates, shape)
+        if choices is None:
+            return max(1, self.max_k // 2), None
+        rate, k, *_ = max(choices)
+        return k, rate
 
     def best_k(self) -> int:
-        """Return the K >= 1 with the highest expected rate (max_k // 2 before measurements)."""
-        curve = self.target_cost.curve()
-        rates = [(self.rate(k, curve), k) for k in range(1, self.max_k + 1)]
-        if any(rate is None for rate, _ in rates):
-            return max(1, self.max_k // 2)
-        return max(rates)[1]
+        """Return the K >= 1 with the highest expected rate in the current state (max_k // 2 before measurements)."""
+        return self._best(self.position_alpha(), self.target_cost.relative())[0]
 
     def break_even_tau(self, k: int) -> float:
         """Tokens per round a round with k drafts needs to match plain decoding: cost(k) / cost(plain)."""
-        curve = self.target_cost.curve()
-        plain, verify = curve[1], curve[k + 1]
-        if plain is None or verify is None:
+        shape = self.target_cost.relative()
+        plain, cost = self._round_cost(0, shape), self._round_cost(k, shape)
+        if plain is None or cost is None:
             return 1.0
-        return (k * (self._draft_step or 0.0) + verify) / plain
+        return cost / plain
 
+    def _policy_rate(self, curves: list[list[float]], shape: list[float | None]) -> float | None:
+        """Long-run tokens per load-free second of the best K in each state, the states weighted as they occur."""
+        best = [self._choices(curve, shape) for curve in curves]
+        if any(choices is None for choices in best):
+            return None
+        # per state: the best K's tokens, chance that all its drafts are accepted (next state AFTER_FULL), cost
+        _, _, tokens, full, costs = zip(*(max(choices) for choices in best), strict=True)
+        share_full = full[AFTER_MISS] / (1 - full[AFTER_FULL] + full[AFTER_MISS])  # stationary two-state chain
+        weights = (1 - share_full, share_full)
+        return sum(w * t for w, t in zip(weights, tokens, strict=True)) / sum(
+            w * c for w, c in zip(weights, costs, strict=True))
+
+    def gain_band(self) -> tuple[float, float, float] | None:
+        """
+        Return the long-run speedup over plain decoding as (low, point, high).
+
+        Low and high read the first draft position's acceptance one standard error down and up: every round judges
+        it, and it caps all later positions (whose sparse evidence would otherwise make the band useless).
+        """
+        shape = self.target_cost.relative()
+        plain = self.rate(0, shape)
+        curves = [self.position_alpha(state) for state in (AFTER_MISS, AFTER_FULL)]
+        errors = [self._recent[state].error(0, curve[0]) for state, curve in enumerate(curves)]
+        readings = [self._policy_rate([[min(MAX_RATE, max(0.0, curve[0] + sign * PAUSE_Z * error))] + curve[1:]
+                                       for curve, error in zip(curves, errors, strict=True)], shape)
+                    for sign in (-1, 0, 1)]
+        if plain is None or any(rate is None for rate in readings):
+            return None
+        low, point, high = (rate / plain for rate in readings)
+        return low, point, high
+
+    # ------------------------------------------------------------------------------------------ recording
+    def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, *,
+               confidences: list[float] | None = None, round_seconds: float | None = None) -> None:
+        """
+        Record one round: num_accepted of num_drafted drafts kept; drafting took draft_seconds.
+
+        Call it after the round's TargetCost.record, for plain rounds too (num_drafted 0).
+        Optional: confidences, the drafter's probability of each draft ([num_drafted]), calibrate the cut-off;
+        round_seconds, the round's whole wall time, measures the loop's own per-round work.
+        """
+        decision, self._pending = self._pending, None
+        target_seconds = self.target_cost.last_seconds or 0.0
+        load = self.target_cost.load
+        self.exploration.total_seconds += draft_seconds + target_seconds
+        if round_seconds is not None:
+            overhead = max(0.0, round_seconds - draft_seconds - target_seconds) / load
+            self._overhead = DECAY * self._overhead + (1 - DECAY) * overhead
+        if num_drafted == 0:
+            if decision is not None and not decision.speculating:
+                for counts in self._recent:  # paused: old evidence fades, so that probes soon decide
+                    counts.fade()
+            self._state, self._curves = AFTER_MISS, [None, None]
+            return
+        if decision is not None and decision.exploring:
+            self._count_exploration(decision, num_drafted)
+        self._detect_change(num_drafted, num_accepted)
+        self._rounds += 1
+        self._history.append((self._state, num_drafted, num_accepted))
+        self._add(self._state, num_drafted, num_accepted)
+        self._long[self._state].add(num_drafted, num_accepted)
+        self._long[1 - self._state].fade()
+        self._pooled.add(num_drafted, num_accepted)
+        self._curves = [None, None]
+        self._state = AFTER_FULL if num_accepted == num_drafted else AFTER_MISS
+        self._accepted = DECAY * self._accepted + num_accepted
+        self._evaluated = DECAY * self._evaluated + min(num_drafted, num_accepted + 1)
+        step = draft_seconds / num_drafted / load
+        self._draft_step = step if self._draft_step is None else DECAY * self._draft_step + (1 - DECAY) * step
+        cutoff = decision.min_confidence if decision is not None else 0.0
+        if confidences is not None and cutoff == 0.0 and len(confidences) == num_drafted:
+            self._uncut.append(_Round(num_drafted, num_accepted, list(confidences)))
+
+    def _add(self, state: int, num_drafted: int, num_accepted: int) -> None:
+        self._recent[state].add(num_drafted, num_accepted)
+        self._recent[1 - state].fade()
+
+    def _count_exploration(self, decision: Decision, num_drafted: int) -> None:
+        """Add the expected extra seconds of an exploration or probe round against the choice it displaced."""
+        shape = self.target_cost.relative()
+        rates = self.position_alpha()
+        cost = self._round_cost(num_drafted, shape)
+        if decision.speculating:
+            self.exploration.explore_rounds += 1
+            reference = self._best(rates, shape)[1]
+        else:
+            self.exploration.probe_rounds += 1
+            reference = self.rate(0, shape, rates)
+        if cost is None or reference is None:
+            return
+        lost = cost - expected_tokens(rates, num_drafted) / reference
+        self.exploration.lost_seconds += max(0.0, lost) * self.target_cost.load
+
+    def _detect_change(self, num_drafted: int, num_accepted: int) -> None:
+        """Two-sided CUSUM on the accepted count against the current estimates; on alarm, rebuild from the change."""
+        survive, mean, second = 1.0, 0.0, 0.0
+        for j, rate in enumerate(self.position_alpha()[:num_drafted], start=1):
+            survive *= rate        # P(accepted >= j)
+            mean += survive
+            second += (2 * j - 1) * survive
+        deviation = (num_accepted - mean) / max(CUSUM_MIN_STD, math.sqrt(max(0.0, second - mean * mean)))
+        self._cusum_up = max(0.0, self._cusum_up + deviation - CUSUM_SLACK)
+        self._cusum_down = max(0.0, self._cusum_down - deviation - CUSUM_SLACK)
+        self._since_up = self._since_up + 1 if self._cusum_up else 0
+        self._since_down = self._since_down + 1 if self._cusum_down else 0
+        if max(self._cusum_up, self._cusum_down) < CUSUM_ALARM:
+            return
+        since = self._since_up if self._cusum_up >= CUSUM_ALARM else self._since_down
+        changed = list(self._history)[len(self._history) - min(since - 1, len(self._history)):]
+        self._recent = [PositionCounts(self.max_k, DECAY) for _ in range(2)]
+        for state, drafted, accepted in changed:
+            self._add(state, drafted, accepted)
+        for counts in (self._pooled, *self._long):
+            counts.fade(CHANGE_KEEP)
+        self._cusum_up = self._cusum_down = 0.0
+        self._since_up = self._since_down = 0
+
+    # ------------------------------------------------------------------------------------------ deciding
     def decide(self) -> Decision:
-        """K for the next round, applying the profit gate and periodic probes."""
+        """K (and cut-off) for the next round, applying the profit gate, probes and bounded exploration."""
+        self._pending = self._decide()
+        return self._pending
+
+    def _decide(self) -> Decision:
         if not self.target_cost.measured(1):
             return Decision(0, self.speculating)  # measure plain decoding once first
         if not self.profit_gate:
-            return Decision(self.best_k(), True)
+            self.speculating = True
+            return self._speculate()
         if self._probe_left > 0:
             self._probe_left -= 1
-            return Decision(self.best_k(), False)
-        if not self.speculating and not self._probed:
-            self._paused_rounds += 1
-            if self._paused_rounds % self.probe_interval:
-                return Decision(0, False)  # paused: no estimates needed
-            self._probe_left = PROBE_ROUNDS - 1
-            self._probed = True
-            return Decision(self.best_k(), False)
-        self._probed = False
-        k = self.best_k()
-        curve = self.target_cost.curve()
-        best, plain = self.rate(k, curve), self.rate(0, curve)
-        self.speculating = best is None or plain is None or best > plain or self._evaluated < MIN_EVIDENCE
-        return Decision(k if self.speculating else 0, self.speculating)
+            return Decision(self.best_k(), False, exploring=True)
+        if not self.speculating:
+            band = self.gain_band() if self._probed else None
+            self._probed = False
+            if band is None or band[1] <= 1 + RESUME_MARGIN:
+                self._paused_rounds += 1
+                if self._paused_rounds < self.probe_interval:
+                    return Decision(0, False)
+                self._paused_rounds = 0
+                self._probe_left = PROBE_ROUNDS - 1
+                self._probed = True
+                return Decision(self.best_k(), False, exploring=True)
+            self.speculating = True
+            return self._speculate()
+        band = self.gain_band()
+        evidence = sum(counts.judged[0] for counts in self._recent)
+        if band is not None and band[2] < 1.0 and evidence >= MIN_EVIDENCE:
+            self.speculating = False
+            self._paused_rounds = 0
+            return Decision(0, False)
+        return self._speculate()
+
+    def start(self) -> None:
+        """Note that a new request begins (optional): its text may differ, so a paused gate probes at once."""
+        self._state, self._curves = AFTER_MISS, [None, None]
+        if not self.speculating and not self._probe_left:
+            self._paused_rounds = self.probe_interval - 1
+
+    def _speculate(self) -> Decision:
+        """Return the best K (now and then K + 1, to measure the next position) with the calibrated cut-off."""
+        shape = self.target_cost.relative()
+        rates = self.position_alpha()
+        k, best = self._best(rates, shape)
+        if k != self._cutoff_k or self._rounds % CUTOFF_EXPLORE_EVERY == 0:  # replay is not free: not every round
+            self._cutoff, self._cutoff_k = self._calibrate_cutoff(k, shape), k
+        if self._cutoff > 0 and self._rounds % CUTOFF_EXPLORE_EVERY == CUTOFF_EXPLORE_EVERY - 1:
+            return Decision(k, True, 0.0, exploring=True)
+        if best is not None and k < self.max_k and self._rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            # upper confidence bound on the next position: rarely judged positions get tried, measured ones not
+            error = self._recent[self._state].error(k, rates[k])
+            hopeful = rates[:k] + [min(MAX_RATE, rates[k] + EXPLORE_Z * error)] + rates[k + 1:]
+            longer, optimistic = self.rate(k + 1, shape, rates), self.rate(k + 1, shape, hopeful)
+            if longer is not None and optimistic > best and longer >= (1 - EXPLORE_MAX_LOSS) * best:
+                return Decision(k + 1, True, self._cutoff, exploring=True)
+        return Decision(k, True, self._cutoff)
+
+    def _calibrate_cutoff(self, k: int, shape: list[float | None]) -> float:
+        """Replay recent uncut rounds of at least k drafts under each cut-off; keep one only if it clearly pays."""
+        rounds = [r for r in self._uncut if r.num_drafted >= k]
+        if len(rounds) < CUTOFF_MIN_ROUNDS or self._draft_step is None:
+            return 0.0
+
+        def replay_rate(cap: int, cutoff: float) -> float:
+            tokens = seconds = 0.0
+            for r in rounds:
+                low = next((i for i, c in enumerate(r.confidences[:cap]) if c < cutoff), cap - 1)
+                drafted = min(cap, low + 1)  # the low-confidence draft itself is still proposed
+                tokens += min(r.num_accepted, drafted) + 1
+                seconds += self._round_cost(drafted, shape) or 0.0
+            return tokens / seconds
+
+        # against the best uncut K up to k: a cut-off that only shortens drafts at random is no better than that
+        uncut = max(replay_rate(cap, 0.0) for cap in range(1, k + 1))
+        gain, cutoff = max((replay_rate(k, c) / uncut, c) for c in CUTOFFS)
+        return cutoff if gain > 1 + CUTOFF_MIN_GAIN else 0.0
 
     def may_speculate_next(self) -> bool:
         """Tell whether the next round may draft (False only when decide() will surely run it plain)."""
         if not self.profit_gate or self.speculating or self._probe_left or self._probed:
             return True
-        return not self.target_cost.measured(1) or (self._paused_rounds + 1) % self.probe_interval == 0
+        return not self.target_cost.measured(1) or self._paused_rounds + 1 >= self.probe_interval

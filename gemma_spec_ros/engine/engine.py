@@ -9,9 +9,9 @@ import torch
 from transformers import DynamicCache
 
 from . import models, requests
-from .adaptive import AdaptiveK, TargetCost
+from .adaptive import AdaptiveK, Decision, TargetCost
 from .drafters import REGISTRY, drafter_class
-from .drafters.base import MIN_DRAFT_CONFIDENCE, DraftContext, Drafter, LoadContext
+from .drafters.base import DraftContext, Drafter, LoadContext
 from .requests import RequestPlan, SamplingParams
 from .sampling import logits_to_probs, sample
 from .stats import RoundTally, generation_stats
@@ -222,6 +222,9 @@ class Engine:
     def _prefill(self, run: _Run) -> list[int]:
         """Start the drafter, run the prompt through the target in one pass and pick the first token."""
         self._guard(run, lambda: run.drafter.start(run.tokens))
+        if run.controller is not None and not run.plan.pinned_k:
+            with self._measure_lock:
+                run.controller.start()  # a new text: a gate paused on the previous one probes at once
         prompt = torch.tensor([run.tokens], device=self._device)
         out = models.target_pass(self._target, run.cache, prompt, 0, 1, run.drafter.needs_target_states)
         run.cache.crop(0)
@@ -236,13 +239,13 @@ class Engine:
         """One round: draft K tokens, verify them in one target pass, roll back the rejected ones, measure."""
         round_start = run.stopwatch.mark()
         budget = min(run.plan.max_new_tokens - len(run.generated), self._context_limit - len(run.tokens)) - 1
-        k, paused = self._choose_k(run.plan, run.controller)
-        k = min(k, budget)
-        run.tally.paused_rounds += paused
+        decision = self._decide(run.plan, run.controller)
+        k = min(decision.num_draft_tokens, budget)
+        run.tally.paused_rounds += not decision.speculating and decision.num_draft_tokens == 0
         proposal = None
         if k > 0:
             context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator,
-                                   0.0 if run.plan.pinned_k else MIN_DRAFT_CONFIDENCE)
+                                   decision.min_confidence)
             proposal = self._guard(run, lambda: run.drafter.propose(context, k))
         num_drafted = 0 if proposal is None else proposal.tokens.shape[0]
         drafted_at = run.stopwatch.mark()
@@ -272,7 +275,8 @@ class Engine:
         with self._measure_lock:
             self._target_cost.record(num_drafted + 1, run.stopwatch.seconds(drafted_at, verified_at))
             if run.controller is not None:
-                run.controller.record(num_drafted, accepted, run.stopwatch.seconds(round_start, drafted_at))
+                run.controller.record(num_drafted, accepted, run.stopwatch.seconds(round_start, drafted_at),
+                                      round_seconds=run.stopwatch.seconds(round_start, verified_at))
         run.tally.add_round(num_drafted, accepted, time.perf_counter())
         run.last_token = next_token
         return row[1:1 + accepted] + row[-1:]  # accepted drafts + recovered or bonus token
@@ -314,15 +318,14 @@ class Engine:
             return logits.argmax(dim=-1)
         return sample(logits_to_probs(logits, sampling), generator)
 
-    def _choose_k(self, plan: RequestPlan, controller: AdaptiveK | None) -> tuple[int, bool]:
-        """K for the next round and whether the profit gate paused speculation for it."""
+    def _decide(self, plan: RequestPlan, controller: AdaptiveK | None) -> Decision:
+        """K (and the drafter's confidence cut-off) for the next round; a pinned K is drafted in full."""
         if controller is None:
-            return 0, False
+            return Decision(0, False)
         if plan.pinned_k:
-            return plan.pinned_k, False
+            return Decision(plan.pinned_k, True)
         with self._measure_lock:
-            decision = controller.decide()
-        return decision.num_draft_tokens, not decision.speculating and decision.num_draft_tokens == 0
+            return controller.decide()
 
     def _cut(self, new_tokens: list[int], num_generated: int, max_new: int) -> tuple[list[int], str]:
         """Truncate a round's tokens at EOS (kept) or at max_new_tokens; returns (tokens, finish reason or '')."""

@@ -7,10 +7,6 @@ import torch
 
 from ..sampling import SamplingParams, logits_to_probs, sample
 
-# with adaptive K, the draft model ends a round at a token it gives less than this probability (as transformers'
-# assisted generation does), so rounds stay short where acceptance is unlikely
-MIN_DRAFT_CONFIDENCE = 0.4
-
 
 @dataclass
 class DraftContext:
@@ -20,7 +16,8 @@ class DraftContext:
     last_token: torch.Tensor           # [1] tokens[-1], already on the device
     sampling: SamplingParams
     generator: torch.Generator | None
-    min_confidence: float = 0.0        # the draft model stops at a token it gives less probability (0 = never)
+    min_confidence: float = 0.0        # the draft model stops at a token it gives less probability (0 = never);
+                                       # the adaptive controller calibrates it per drafter
 
 
 @dataclass
