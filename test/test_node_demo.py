@@ -31,6 +31,6 @@ def test_demo_streams_reports_and_stops_cleanly_on_ctrl_c():
             demo.kill()
     output = ''.join(lines) + rest
     assert demo.returncode == 0, output
-    for expected in ('--params-file', 'node ready', '=== speculative', 'tau', 'ttft', 'peak RSS',
+    for expected in ('--params-file', 'node ready', '=== speculative', 'tau', 'ttft', 'peak RSS', 'action plan',
                      'identical tokens: True', '/diagnostics', 'MemAvailable', 'Ctrl-C: stopping the node'):
         assert expected in output, expected
