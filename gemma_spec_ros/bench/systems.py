@@ -56,24 +56,26 @@ class Outcome:
     paused_rounds: int = 0         # rounds our profit gate ran plain
     drafter_used: str = 'none'
     warnings: list[str] = field(default_factory=list)
+    structure_complete: bool = False  # the output completed the request's json_schema (constrained runs)
 
 
 Runner = Callable[[list[int], int], Outcome]
 
 
 class EngineRunner:
-    """Greedy generation with our engine, one drafter and K per request."""
+    """Greedy generation with our engine, one drafter and K per request (and a JSON Schema when given)."""
 
-    def __init__(self, engine, drafter: str, k: int):
+    def __init__(self, engine, drafter: str, k: int, json_schema: str = ''):
         self._engine = engine
         self._drafter = drafter
         self._k = k
+        self._json_schema = json_schema
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
         from gemma_spec_ros.engine.types import GenerationRequest
 
         request = GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=0.0,
-                                    drafter=self._drafter, num_draft_tokens=self._k)
+                                    drafter=self._drafter, num_draft_tokens=self._k, json_schema=self._json_schema)
         first_token_at: list[float] = []
 
         def on_delta(delta) -> None:
@@ -90,7 +92,8 @@ class EngineRunner:
             target_passes=stats.target_passes, drafted_tokens=stats.drafted_tokens,
             accepted_tokens=stats.accepted_tokens, per_position_acceptance=list(stats.per_position_acceptance),
             mean_num_draft_tokens=stats.mean_num_draft_tokens, draft_cost_ratio=stats.draft_cost_ratio,
-            paused_rounds=stats.paused_rounds, drafter_used=stats.drafter, warnings=list(result.warnings))
+            paused_rounds=stats.paused_rounds, drafter_used=stats.drafter, warnings=list(result.warnings),
+            structure_complete=result.structure_complete)
 
 
 class ForwardCounter:
