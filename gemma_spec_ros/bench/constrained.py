@@ -7,10 +7,12 @@ and without the schema, greedy, interleaved in a shuffled order per prompt and r
 repeats of sums over the prompts):
 
 - tau: decode tokens per decode target pass (bonus token included), without and with the schema;
-- tok/s: decode tokens per second;
-- round ms: decode seconds per target pass. At the same tau the time per token scales with it, so the overhead at
-  the same tau is round ms with / round ms without - 1 (goal <= 10%), and per token (round difference) / tau;
-- grammar us/token: host time inside the grammar matcher (masks, draft lookahead, accept; the first token's mask
+- tok/s: decode tokens per second (wall clock);
+- round ms: decode CPU seconds of the generating thread per target pass (the engine runs on that one thread with
+  one torch thread, and other processes' load does not count, unlike wall time on shared cores). At the same tau
+  the time per token scales with it, so the overhead at the same tau is round ms with / round ms without - 1 (goal
+  <= 10%), and per token (round difference) / tau;
+- grammar us/token: CPU time inside the grammar matcher (masks, draft lookahead, accept; the first token's mask
   included) per decode token, timed around its calls: the part of the overhead the grammar engine adds.
 """
 
@@ -57,7 +59,8 @@ class Sample:
     new_tokens: int
     target_passes: int
     decode_s: float
-    grammar_s: float            # host seconds inside the grammar matcher
+    decode_cpu_s: float
+    grammar_s: float            # CPU seconds inside the grammar matcher
     structure_complete: bool
 
 
@@ -66,9 +69,10 @@ class Side:
     """One system without or with the schema: medians over repeats."""
 
     tau: float
-    tokens_per_s: float
-    round_ms: float             # decode seconds per decode target pass
-    grammar_us_per_token: float
+    tokens_per_s: float         # wall clock
+    round_ms: float             # decode CPU seconds per decode target pass
+    round_wall_ms: float
+    grammar_us_per_token: float  # CPU
     complete: float             # share of outputs that completed the schema
 
 
@@ -85,7 +89,7 @@ class Cell:
 
 
 class GrammarClock:
-    """Adds up the host seconds spent in the grammar matcher's calls while `timing()` is active."""
+    """Adds up the CPU seconds spent in the grammar matcher's calls while `timing()` is active (this thread)."""
 
     def __init__(self):
         self.seconds = 0.0
@@ -104,11 +108,11 @@ class GrammarClock:
     def _timed(self, method):
         @functools.wraps(method)
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds += time.thread_time() - start
         return timed
 
 
@@ -153,8 +157,8 @@ def measure(engine, settings: Settings, spec: ConstrainedSpec, prompts: list[Pro
                     clock.seconds = 0.0
                     outcome = runners[name, constrained](encoded[prompt.id], settings.max_new_tokens)
                     samples.append(Sample(name, constrained, prompt.id, repeat, len(outcome.token_ids),
-                                          outcome.target_passes, outcome.decode_s, clock.seconds,
-                                          outcome.structure_complete))
+                                          outcome.target_passes, outcome.decode_s, outcome.decode_cpu_s,
+                                          clock.seconds, outcome.structure_complete))
                     on_step(name)
     return samples
 
@@ -170,11 +174,12 @@ def side(samples: list[Sample]) -> Side:
         chosen = [s for s in samples if s.repeat == repeat]
         tokens = sum(max(0, s.new_tokens - 1) for s in chosen)
         passes = sum(max(0, s.target_passes - 1) for s in chosen)
-        seconds = sum(s.decode_s for s in chosen)
-        per_repeat.append((_ratio(tokens, passes), _ratio(tokens, seconds), 1e3 * _ratio(seconds, passes),
-                           1e6 * _ratio(sum(s.grammar_s for s in chosen), tokens)))
-    tau, rate, round_ms, grammar = (statistics.median(values) for values in zip(*per_repeat, strict=True))
-    return Side(tau, rate, round_ms, grammar, sum(s.structure_complete for s in samples) / len(samples))
+        seconds, cpu_seconds = sum(s.decode_s for s in chosen), sum(s.decode_cpu_s for s in chosen)
+        per_repeat.append((_ratio(tokens, passes), _ratio(tokens, seconds), 1e3 * _ratio(cpu_seconds, passes),
+                           1e3 * _ratio(seconds, passes), 1e6 * _ratio(sum(s.grammar_s for s in chosen), tokens)))
+    tau, rate, round_ms, round_wall_ms, grammar = (statistics.median(v) for v in zip(*per_repeat, strict=True))
+    return Side(tau, rate, round_ms, round_wall_ms, grammar,
+                sum(s.structure_complete for s in samples) / len(samples))
 
 
 def summarize(settings: Settings, samples: list[Sample]) -> list[Cell]:
@@ -201,13 +206,14 @@ def markdown(document: dict, cells: list[Cell]) -> str:
              'Settings: {} prompts of `{}`, max_new_tokens {}, repeats {}, greedy, fixed K; every system ran with '
              'and without the JSON Schema, interleaved in a shuffled order per prompt and repeat.'.format(
                  len(document['prompts']), document['spec'], settings['max_new_tokens'], settings['repeats']), '',
-             'tau: decode tokens per decode target pass. Round: decode seconds per target pass; at the same tau the '
-             'time per token scales with it, so overhead = round with / round without - 1 (goal <= {:.0f}%), per '
-             'token = round difference / tau. Grammar: host time in the matcher per decode token. Complete: share of '
-             'constrained outputs that completed the schema (the others reached max_new_tokens).'.format(
-                 100 * GOAL_OVERHEAD), '',
-             '| System | K | tau without → with | tok/s without → with | round ms without → with | overhead at same '
-             'tau | overhead us/token | grammar us/token | complete | goal |',
+             'tau: decode tokens per decode target pass. tok/s: wall clock. Round: decode CPU ms of the generating '
+             "thread per target pass (other processes' load does not count); at the same tau the time per token "
+             'scales with it, so overhead = round with / round without - 1 (goal <= {:.0f}%), per token = round '
+             'difference / tau. Grammar: CPU time in the matcher per decode token. Complete: share of constrained '
+             'outputs that completed the schema (the others reached max_new_tokens).'.format(100 * GOAL_OVERHEAD),
+             '',
+             '| System | K | tau without → with | tok/s without → with | round CPU ms without → with | overhead at '
+             'same tau | overhead us/token | grammar us/token | complete | goal |',
              '|---|---|---|---|---|---|---|---|---|---|']
     for cell in cells:
         u, c = cell.unconstrained, cell.constrained

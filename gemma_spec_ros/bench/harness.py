@@ -80,6 +80,7 @@ class Measurement:
     first_mismatch: int            # first differing position, -1 when identical
     token_ids: list[int] = field(repr=False, default_factory=list)
     structure_complete: bool = False  # the output completed the request's json_schema (constrained runs)
+    decode_cpu_s: float = 0.0      # our engine: CPU seconds of the generating thread over decode_s
 
 
 @dataclass
