@@ -28,7 +28,7 @@ setup(
         ('share/ament_index/resource_index/packages', ['resource/' + package_name]),
         (share, ['package.xml']),
         (os.path.join(share, 'launch'), glob('launch/*.launch.py')),
-        (os.path.join(share, 'config'), glob('config/*.yaml')),
+        (os.path.join(share, 'config'), glob('config/*.yaml') + glob('config/*.xml')),
         (os.path.join(share, 'bench'), ['bench/prompts.jsonl', 'bench/constrained.json']),
     ] + model_data_files(),
     install_requires=['setuptools'],

@@ -11,7 +11,7 @@ from rclpy.context import Context
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 
-from gemma_spec_ros.engine.types import EngineStatus, GenerationStats
+from gemma_spec_ros.engine.types import DisabledDrafter, EngineStatus, GenerationStats
 from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.ros.diagnostics import ERROR, OK, STALE, WARN, FallbackStatusWrapper, FallbackUpdater
 
@@ -117,11 +117,24 @@ def test_engine_task_levels():
     assert ok.level == OK and values(ok)['speculation'] == 'on' and values(ok)['K'] == '3'
     paused = diagnostics.fill_engine_status(FallbackStatusWrapper(), 'ready', '',
                                             EngineStatus(drafter='mtp', speculating=False), metrics)
-    assert paused.level == WARN and 'paused by the profit gate' in paused.message
+    assert paused.level == OK and 'paused by the profit gate' in paused.message   # normal operation
     assert values(paused)['speculation'] == 'paused'
     plain = diagnostics.fill_engine_status(FallbackStatusWrapper(), 'ready', '', EngineStatus(drafter='none'),
                                            metrics)
     assert plain.level == OK and values(plain)['speculation'] == 'off'
+
+
+def test_disabled_drafter_is_an_error_naming_role_path_and_cause():
+    broken = DisabledDrafter('mtp', 'MTP assistant', '/models/assistant', 'safetensors header: incomplete metadata')
+    status = EngineStatus(drafter='mtp', disabled_drafters=[broken])
+    stat = diagnostics.fill_engine_status(FallbackStatusWrapper(), 'ready', '', status,
+                                          diagnostics.GenerationMetrics())
+    assert stat.level == ERROR
+    for part in ("drafter 'mtp' disabled", 'MTP assistant', '/models/assistant', 'incomplete metadata',
+                 'run plain decoding'):
+        assert part in stat.message, part
+    assert values(stat)['speculation'] == 'off (drafter disabled)'
+    assert values(stat)['disabled drafter mtp'] == 'MTP assistant /models/assistant: ' + broken.cause
 
 
 def test_generation_task_window_and_latency_budget():
@@ -129,15 +142,28 @@ def test_generation_task_window_and_latency_budget():
     metrics.record('succeeded', result(ttft=0.1), [(0.0, 0), (0.1, 1), (0.3, 2), (0.4, 1)])
     metrics.record('succeeded', result(ttft=0.3, new_tokens=20, passes=5))
     metrics.record('cancelled', result(ttft=0.2, new_tokens=10, passes=10))  # pushes the first out
-    metrics.count('rejected')
+    metrics.record('busy')
     snap = metrics.snapshot()
     assert snap['goals_in_window'] == 2 and snap['succeeded'] == 2 and snap['cancelled'] == 1
     assert snap['tau'] == pytest.approx(30 / 15) and snap['acceptance_rate'] == pytest.approx(10 / 16)
     assert snap['ttft_p50'] == pytest.approx(0.25)
     ok = diagnostics.fill_generation_status(FallbackStatusWrapper(), metrics, 0, False, ttft_budget=1.0)
-    assert ok.level == OK and ok.message == 'idle' and values(ok)['goals rejected'] == '1'
+    assert ok.level == OK and ok.message == 'idle' and values(ok)['goals busy'] == '1'
     slow = diagnostics.fill_generation_status(FallbackStatusWrapper(), metrics, 2, True, ttft_budget=0.25)
     assert slow.level == WARN and 'time to first token p95' in slow.message
+    busy = diagnostics.fill_generation_status(FallbackStatusWrapper(), metrics, 2, True, queue_limit=4)
+    assert busy.message == 'generating, 2 of 4 waiting' and values(busy)['queue limit'] == '4'
+
+
+def test_time_to_first_token_counts_the_queue_wait():
+    metrics = diagnostics.GenerationMetrics()
+    # accepted at 10.0, started after 2 s in the queue, first token 0.05 s later (engine ttft 0.05 s)
+    metrics.record('succeeded', result(ttft=0.05), [(12.0, 0), (12.05, 1), (12.1, 1)], accepted_at=10.0)
+    snap = metrics.snapshot()
+    assert snap['queue_wait_p95'] == pytest.approx(2.0) and snap['ttft_p95'] == pytest.approx(2.05)
+    stat = diagnostics.fill_generation_status(FallbackStatusWrapper(), metrics, 0, False, ttft_budget=1.0)
+    assert stat.level == WARN and 'queue wait p95 2.000 s' in stat.message
+    assert values(stat)['queue wait p50 (s)'] == '2.0000' and values(stat)['time to first token p95 (s)'] == '2.0500'
 
 
 def test_inter_token_gaps_from_feedback_times():

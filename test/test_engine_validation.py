@@ -175,3 +175,32 @@ def test_resolve_model_path_search_order(tmp_path, monkeypatch):
     (prefix / 'share' / 'gemma_spec_ros' / 'models' / 'only-installed').mkdir(parents=True)
     monkeypatch.setenv('AMENT_PREFIX_PATH', '/nonexistent:' + str(prefix))
     assert resolve_model_path('models/only-installed') == str(prefix / 'share/gemma_spec_ros/models/only-installed')
+
+
+F32_MAX, F32_TINY = 3.4028234663852886e38, 1.401298464324817e-45   # float32 extremes a goal can carry
+INT64_MIN, INT64_MAX, UINT32_MAX = -2 ** 63, 2 ** 63 - 1, 2 ** 32 - 1
+EXTREMES = {
+    'max_new_tokens': [0, 1, 2048, 2049, 2 ** 31 - 1, UINT32_MAX, -1, INT64_MIN],
+    'temperature': [0.0, -0.0, 5e-324, F32_TINY, 1.1754943508222875e-38, 1e-30, 2.0, 2.0000002384185791, F32_MAX,
+                    -F32_TINY, -F32_MAX, 1.7976931348623157e308],
+    'top_p': [0.0, 5e-324, F32_TINY, 1e-30, 0.999999940395, 1.0, 1.0000001192092896, F32_MAX, -F32_TINY, -F32_MAX],
+    'top_k': [0, 1, 1023, 1024, 1025, UINT32_MAX, INT64_MAX, -1, INT64_MIN],
+    'seed': [-1, 0, 1, INT64_MAX, 2 ** 64 - 1, 2 ** 64, -2, INT64_MIN],
+    'num_draft_tokens': [0, 1, 8, 9, 64, UINT32_MAX, -1, INT64_MIN],
+}
+
+
+@pytest.mark.parametrize('name', list(EXTREMES))
+def test_extreme_numeric_values_never_reach_an_internal_error(tiny_engine, name):
+    """Every extreme finite value of every numeric field either generates or is refused naming the field."""
+    for value in EXTREMES[name]:
+        fields = dict(prompt='robot, move', max_new_tokens=3, temperature=0.7, seed=5, drafter='draft')
+        fields[name] = value
+        request = GenerationRequest(**fields)
+        try:
+            plan = tiny_engine.validate(request)
+        except ValueError as error:
+            assert name in str(error), (value, str(error))
+            continue
+        result = tiny_engine.generate(plan)
+        assert result.finish_reason in ('stop', 'length') and 1 <= len(result.token_ids) <= plan.max_new_tokens, value

@@ -2,27 +2,133 @@
 
 import threading
 
-from gemma_spec_ros.ros.goal_queue import PREEMPTED_REASON, SHUTDOWN_REASON, GoalQueue
+from gemma_spec_ros.ros.goal_queue import (
+    LISTENER_GRACE,
+    ORPHANED_REASON,
+    PREEMPTED_REASON,
+    SHUTDOWN_REASON,
+    GoalQueue,
+)
 
 
-def accept(queue, key):
-    assert queue.admit() == ''
-    return queue.register(key)
+def accept(queue, key, client='', **kwargs):
+    job = queue.register(key, client=client, **kwargs)
+    assert job.admitted and not job.done.is_set()
+    return job
 
 
 def test_fifo_order_and_busy_admission():
     queue = GoalQueue(max_waiting=1)
     queue.set_ready()
     first, second = accept(queue, b'1'), accept(queue, b'2')
-    refusal = queue.admit()
-    assert refusal.startswith('busy') and 'queue.max_length 1' in refusal
+    busy = queue.register(b'3')
+    assert busy.done.is_set() and not busy.admitted and busy.finish_reason == 'busy'
+    assert busy.error.startswith('busy: 2 of 2 slots taken') and 'queue.max_length 1' in busy.error
+    queue.release(b'3')
     queue.enqueue(first)
     queue.enqueue(second)
     assert queue.take() is first and queue.depth() == (1, True)
     queue.finished(first)
     queue.release(b'1')
-    assert first.done.is_set() and queue.admit() == ''   # the finished goal freed its slot
+    assert first.done.is_set() and accept(queue, b'4')   # the finished goal freed its slot
     assert queue.take() is second
+
+
+def test_invalid_goal_takes_no_slot():
+    queue = GoalQueue(max_waiting=0)
+    queue.set_ready()
+    bad = queue.register(b'x', invalid='temperature must be ...')
+    assert bad.done.is_set() and bad.error == 'temperature must be ...' and not bad.admitted
+    accept(queue, b'1')
+
+
+def test_busy_clients_claim_free_slots_in_turn():
+    queue = GoalQueue(max_waiting=0, fair_claim=5.0)
+    queue.set_ready()
+    accept(queue, b'a1', 'a', now=0.0)
+    assert queue.register(b'b1', client='b', now=0.1).finish_reason == 'busy'
+    assert queue.register(b'c1', client='c', now=0.2).finish_reason == 'busy'
+    queue.release(b'a1')                                   # a's goal finished: one slot free
+    again = queue.register(b'a2', client='a', now=0.3)     # a comes straight back, behind b and c's claims
+    assert again.finish_reason == 'busy' and 'held for 2 client(s) refused earlier' in again.error
+    assert queue.register(b'c2', client='c', now=0.4).finish_reason == 'busy'   # b claimed first
+    accept(queue, b'b2', 'b', now=0.5)
+    queue.release(b'b2')
+    accept(queue, b'c3', 'c', now=0.6)
+    queue.release(b'c3')
+    accept(queue, b'a3', 'a', now=0.7)
+    queue.release(b'a3')
+    assert queue.register(b'b3', client='b', now=0.8).admitted   # no claims left: first come
+
+
+def test_claims_expire():
+    queue = GoalQueue(max_waiting=1, fair_claim=1.0)
+    queue.set_ready()
+    accept(queue, b'1', 'a', now=0.0)
+    accept(queue, b'2', 'a', now=0.0)
+    assert queue.register(b'3', client='b', now=0.1).finish_reason == 'busy'
+    queue.release(b'2')
+    assert queue.register(b'4', client='a', now=0.2).finish_reason == 'busy'   # b's claim holds the slot
+    assert accept(queue, b'5', 'a', now=1.5)                                   # b did not come back in time
+
+
+def test_first_come_without_fair_claim():
+    queue = GoalQueue(max_waiting=0, fair_claim=0.0)
+    queue.set_ready()
+    accept(queue, b'1', 'a', now=0.0)
+    assert queue.register(b'2', client='b', now=0.1).finish_reason == 'busy'
+    queue.release(b'1')
+    assert accept(queue, b'3', 'a', now=0.2)
+
+
+def test_waiting_goals_run_round_robin_by_client():
+    queue = GoalQueue(max_waiting=4)
+    queue.set_ready()
+    jobs = [accept(queue, key, client) for key, client in
+            ((b'a1', 'a'), (b'a2', 'a'), (b'a3', 'a'), (b'b1', 'b'), (b'c1', 'c'))]
+    for job in jobs:
+        queue.enqueue(job)
+    order = []
+    while queue.depth()[0]:
+        job = queue.take()
+        order.append(job.key)
+        queue.finished(job)
+    assert order == [b'a1', b'b1', b'c1', b'a2', b'a3']
+
+
+def test_goal_timeout_ends_waiting_and_running_goals():
+    queue = GoalQueue()
+    queue.set_ready()
+    running, waiting = accept(queue, b'1', now=0.0), accept(queue, b'2', now=5.0)
+    queue.enqueue(running)
+    queue.enqueue(waiting)
+    assert queue.take() is running
+    assert queue.expire(10.0, now=12.0) == [running]
+    assert running.cancel.cancelled and running.finish_reason == 'timeout' and not running.done.is_set()
+    assert 'queue.goal_timeout = 10 s' in running.error and 'partial text kept' in running.error
+    assert queue.expire(10.0, now=16.0) == [waiting]
+    assert waiting.done.is_set() and waiting.finish_reason == 'timeout' and 'never started' in waiting.error
+    assert queue.expire(10.0, now=30.0) == []   # each goal ends once
+
+
+def test_goal_without_receivers_is_dropped():
+    queue = GoalQueue()
+    queue.set_ready()
+    mine = accept(queue, b'1', listeners={b'me'}, now=0.0)
+    late = accept(queue, b'2', listeners=set(), now=0.0)   # its client's subscription was not yet discovered
+    shared = accept(queue, b'3', listeners={b'me', b'other'}, now=0.0)
+    assert queue.drop_orphans({b'me', b'late'}, now=1.0) == []      # within the grace: receivers are collected
+    queue.enqueue(mine)
+    assert queue.take() is mine
+    after = LISTENER_GRACE + 1.0
+    assert queue.drop_orphans({b'other', b'newcomer'}, now=after) == [mine, late]
+    assert mine.cancel.cancelled and mine.error == ORPHANED_REASON and mine.finish_reason == 'cancelled'
+    assert not shared.cancel.cancelled    # another client present at acceptance is still there
+    assert queue.drop_orphans(set(), now=after) == [shared]
+    unknown = accept(queue, b'4', now=after)
+    assert queue.drop_orphans(set(), now=after + 1.0) == []
+    assert queue.drop_orphans(set(), now=after + LISTENER_GRACE + 1.0) == []   # never had a receiver: left alone
+    assert not unknown.cancel.cancelled
 
 
 def test_goals_wait_while_the_engine_loads():
@@ -54,7 +160,6 @@ def test_engine_failure_ends_waiting_and_new_goals():
 def test_cancel_before_the_goal_is_registered():
     queue = GoalQueue()
     queue.set_ready()
-    assert queue.admit() == ''
     queue.cancel(b'x')                      # the cancel overtook handle_accepted
     job = queue.register(b'x')
     assert job.client_cancelled and job.cancel.cancelled
@@ -98,7 +203,8 @@ def test_shutdown_ends_everything_and_refuses_new_goals():
     queue.shutdown()
     assert waiting.done.is_set() and waiting.error == SHUTDOWN_REASON
     assert running.cancel.cancelled and running.error == SHUTDOWN_REASON
-    assert queue.admit() == SHUTDOWN_REASON and queue.take() is None
+    late = queue.register(b'3')
+    assert late.done.is_set() and late.error == SHUTDOWN_REASON and queue.take() is None
     assert not queue.wait_until_released(0.05)   # both execute callbacks still hold their slots
     queue.release(b'1')
     queue.release(b'2')

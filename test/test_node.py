@@ -179,7 +179,7 @@ def test_bad_goal_does_not_wait_behind_a_running_goal(served):
     assert box['outcome'].status == 'succeeded'
 
 
-def test_queue_fifo_and_busy_rejection(served):
+def test_queue_fifo_and_busy_goals(served):
     node, client = served
     node.set_parameters([Parameter('queue.max_length', value=1)])
     planners = [GenerateClient('/gemma_spec_t/generate', 'planner_%d' % i, context=node.context) for i in range(3)]
@@ -199,9 +199,11 @@ def test_queue_fifo_and_busy_rejection(served):
             planner.close()
     statuses = sorted(o.status for o in outcomes[1:])
     assert outcomes[0].status == 'succeeded'
-    assert statuses == ['rejected', 'rejected', 'succeeded'], statuses
+    assert statuses == ['aborted', 'aborted', 'succeeded'], statuses
     queued = next(o for o in outcomes[1:] if o.status == 'succeeded')
-    assert not any(o.accepted for o in outcomes[1:] if o.status == 'rejected')
+    for busy in (o for o in outcomes[1:] if o.status == 'aborted'):
+        assert busy.accepted and busy.busy and not busy.feedback
+        assert busy.result.error.startswith('busy: 2 of 2 slots taken') and 'queue.max_length 1' in busy.result.error
     assert queued.first_feedback_latency > 0 and queued.result.stats.new_tokens > 0
 
 
@@ -287,8 +289,9 @@ def test_diagnostics_content(served):
     assert engine[2]['target model'] == 'target' and engine[2]['drafter'] == 'ngram'
     assert float(engine[2]['tau (lifetime)']) >= 1.0
     for key in ('decode tokens/s', 'time to first token p50 (s)', 'time to first token p95 (s)',
-                'inter-token latency p50 (s)', 'inter-token latency p95 (s)', 'queue depth', 'goals succeeded',
-                'goals aborted', 'goals cancelled', 'goals rejected'):
+                'inter-token latency p50 (s)', 'inter-token latency p95 (s)', 'queue depth', 'queue limit',
+                'queue wait p50 (s)', 'queue wait p95 (s)', 'goals succeeded', 'goals aborted', 'goals cancelled',
+                'goals busy', 'goals timed out', 'goals orphaned'):
         assert key in generation[2], key
     assert int(generation[2]['goals succeeded']) >= 1 and float(generation[2]['decode tokens/s']) > 0
     assert float(memory[2]['process RSS (MiB)']) > 10 and float(memory[2]['MemAvailable (MiB)']) > 0

@@ -19,6 +19,7 @@ ROSDEP_KEYS = {
     'gemma_spec_msgs': 'gemma_spec_msgs',
     'builtin_interfaces': 'builtin_interfaces',
     'action_msgs': 'action_msgs',
+    'unique_identifier_msgs': 'unique_identifier_msgs',
     'rcl_interfaces': 'rcl_interfaces',
     'diagnostic_msgs': 'diagnostic_msgs',
     'diagnostic_updater': 'diagnostic_updater',

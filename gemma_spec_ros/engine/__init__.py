@@ -10,8 +10,9 @@ import importlib
 _EXPORTS = {
     'Engine': 'engine', 'verify': 'verify', 'load_engine_config': 'config_file', 'resolve_model_path': 'config_file',
     'RequestPlan': 'requests', 'DRAFTERS': 'drafters',
-    **{name: 'types' for name in ('FINISH_REASONS', 'CancelToken', 'DeltaCallback', 'EngineConfig', 'EngineStatus',
-                                  'GenerationRequest', 'GenerationResult', 'GenerationStats', 'StreamDelta')},
+    **{name: 'types' for name in ('FINISH_REASONS', 'CancelToken', 'DeltaCallback', 'DisabledDrafter', 'EngineConfig',
+                                  'EngineStatus', 'GenerationRequest', 'GenerationResult', 'GenerationStats',
+                                  'StreamDelta')},
 }
 __all__ = sorted(_EXPORTS)
 

@@ -20,6 +20,7 @@ from .stream import IncrementalDetokenizer, StopStrings
 from .types import (
     CancelToken,
     DeltaCallback,
+    DisabledDrafter,
     EngineConfig,
     EngineStatus,
     GenerationRequest,
@@ -78,12 +79,12 @@ class Engine:
     """A loaded target plus drafters serving many generate calls, one at a time (thread-safe)."""
 
     def __init__(self, config: EngineConfig, target, tokenizer, drafters: dict[str, Drafter], device, dtype,
-                 drafter_errors: dict[str, str] | None = None):
+                 drafter_errors: dict[str, DisabledDrafter] | None = None):
         self.config = config
         self._target = target
         self._tokenizer = tokenizer
         self._drafters = drafters
-        self.drafter_errors = dict(drafter_errors or {})  # drafter -> why it failed to load (disabled)
+        self.drafter_errors = dict(drafter_errors or {})  # drafter -> why its model failed to load (disabled)
         self._device = device
         self._dtype = dtype
         self._lock = threading.Lock()          # one generation at a time
@@ -127,8 +128,8 @@ class Engine:
             except ValueError as exc:
                 if not tolerate_drafter_errors:
                     raise
-                errors[name] = str(exc)
-                say('drafter {!r} disabled: {}'.format(name, exc))
+                errors[name] = DisabledDrafter(name, spec.role, getattr(config, spec.path_field), str(exc))
+                say(errors[name].describe())
         engine = cls(config, target, tokenizer, drafters, device, dtype, errors)
         say('engine ready: drafters {}'.format(', '.join(sorted(drafters))))
         return engine
@@ -164,7 +165,8 @@ class Engine:
                 target_id=Path(self.config.target_path).name, drafter=name, drafter_id=Path(path).name if path else '',
                 device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
                 tau_lifetime=lifetime['tokens'] / lifetime['passes'] if lifetime['passes'] else 0.0,
-                acceptance_rate_lifetime=lifetime['accepted'] / lifetime['drafted'] if lifetime['drafted'] else 0.0)
+                acceptance_rate_lifetime=lifetime['accepted'] / lifetime['drafted'] if lifetime['drafted'] else 0.0,
+                disabled_drafters=list(self.drafter_errors.values()))
             controller = self._controllers.get(name)
             if controller is not None:
                 k = self._default_k or controller.best_k()
@@ -206,8 +208,7 @@ class Engine:
         if plan.compiled_grammar is not None:
             run.constraint = self._constraints.matcher(plan.compiled_grammar)
         if plan.drafter in self.drafter_errors:
-            run.warnings.append('drafter {!r} is disabled ({}); ran plain decoding'.format(
-                plan.drafter, self.drafter_errors[plan.drafter]))
+            run.warnings.append('{}; ran plain decoding'.format(self.drafter_errors[plan.drafter].describe()))
         else:
             run.drafter, run.controller = self._drafters[plan.drafter], self._controllers.get(plan.drafter)
         new_tokens = self._prefill(run)

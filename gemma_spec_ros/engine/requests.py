@@ -15,6 +15,7 @@ from .drafters import DRAFTERS, REGISTRY
 from .types import EngineConfig, GenerationRequest, parameter_name
 
 MAX_TEMPERATURE = 2.0
+INT64_MAX = 2 ** 63 - 1
 CHAT_ROLES = ('system', 'user', 'assistant')   # the roles of gemma_spec_msgs/ChatMessage
 _TEMPLATE_ROLE = re.compile(r"""message\[['"]role['"]\]\s*==\s*['"](\w+)['"]""")
 _CONTENT_MARK = '\ue000{}\ue001'                # private-use characters around a message index
@@ -160,8 +161,9 @@ def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: E
     characters = sum(len(str(m.get('content', ''))) for m in request.messages if isinstance(m, dict)) \
         if request.messages else len(request.prompt)
     if characters > config.max_prompt_chars:
-        raise ValueError('prompt has {} characters, more than {} = {}'.format(
-            characters, parameter_name('max_prompt_chars'), config.max_prompt_chars))
+        raise ValueError('{} {} characters, more than {} = {}'.format(
+            'messages have' if request.messages else 'prompt has', characters, parameter_name('max_prompt_chars'),
+            config.max_prompt_chars))
     if request.messages:
         return encode_messages(tokenizer, request.messages)
     if request.prompt:
@@ -182,8 +184,9 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
     if any(not stop for stop in request.stop):
         raise ValueError('stop strings must not be empty')
     sampling = check_sampling(request)
-    if request.seed < -1:
-        raise ValueError('seed must be >= 0, or -1 for a random seed, got {}'.format(request.seed))
+    if not -1 <= request.seed <= INT64_MAX:
+        raise ValueError('seed must be between 0 and {} (int64), or -1 for a random seed, got {}'.format(
+            INT64_MAX, request.seed))
     drafter = request.drafter or default_drafter
     check_drafter(drafter, loaded_drafters)
     check_num_draft_tokens(request.num_draft_tokens, config)

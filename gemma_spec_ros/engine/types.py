@@ -13,7 +13,9 @@ from .drafters import DRAFTERS
 
 DEVICES = ('auto', 'cpu', 'cuda')
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
-FINISH_REASONS = ('stop', 'length', 'cancelled', 'error')
+# the engine ends with stop, length or cancelled; the node adds error, busy (queue full) and timeout
+# (queue.goal_timeout)
+FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
 INT32_MAX = 2 ** 31 - 1
 
 
@@ -143,6 +145,19 @@ class CancelToken:
 DeltaCallback = Callable[[StreamDelta], None]
 
 
+@dataclass(frozen=True)
+class DisabledDrafter:
+    """A drafter whose model failed to load; requests for it run plain decoding with a warning."""
+
+    name: str    # drafter name, e.g. 'mtp'
+    role: str    # what its model is, e.g. 'MTP assistant'
+    path: str    # the model directory that failed
+    cause: str   # the load error
+
+    def describe(self) -> str:
+        return 'drafter {!r} disabled ({} {}): {}'.format(self.name, self.role, self.path, self.cause)
+
+
 @dataclass
 class EngineStatus:
     """A snapshot of the engine for diagnostics; safe to read from another thread."""
@@ -158,3 +173,4 @@ class EngineStatus:
     speculating: bool = False          # False while the profit gate has paused speculation
     tau_lifetime: float = 0.0
     acceptance_rate_lifetime: float = 0.0
+    disabled_drafters: list[DisabledDrafter] = field(default_factory=list)  # drafters that failed to load

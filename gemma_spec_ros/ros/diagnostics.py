@@ -162,7 +162,8 @@ def level_name(level) -> str:
 class GenerationMetrics:
     """Goal counts and a rolling window of per-goal statistics; thread-safe."""
 
-    OUTCOMES = ('succeeded', 'aborted', 'cancelled', 'rejected')
+    # aborted: invalid goals, engine errors, preemption and shutdown; busy, timed out and orphaned are aborted too
+    OUTCOMES = ('succeeded', 'aborted', 'cancelled', 'busy', 'timed out', 'orphaned')
 
     def __init__(self, window=32):
         self._lock = threading.Lock()
@@ -179,12 +180,14 @@ class GenerationMetrics:
         with self._lock:
             self._counts[outcome] += 1
 
-    def record(self, outcome, result=None, feedback_times=()):
+    def record(self, outcome, result=None, feedback_times=(), accepted_at=None):
         """
         Count a finished goal; keep its statistics when it generated tokens.
 
         feedback_times: (monotonic time, tokens) for the start of generation and each feedback message;
         a round of n tokens that arrived g seconds after the previous one adds n gaps of g / n.
+        accepted_at: monotonic time the goal was accepted; queue wait and time to first token are measured from it
+        (else time to first token is the engine's, from the start of generation).
         """
         gaps = token_gaps(feedback_times[1:])
         with self._lock:
@@ -196,10 +199,12 @@ class GenerationMetrics:
                 self._last_warning = result.warnings[-1]
             stats = result.stats
             if stats.new_tokens > 0:
+                from_acceptance = accepted_at is not None and len(feedback_times) > 1
                 self._window.append({
                     'tau': stats.tau, 'target_passes': stats.target_passes,
                     'drafted': stats.drafted_tokens, 'accepted': stats.accepted_tokens,
-                    'ttft': stats.time_to_first_token,
+                    'ttft': feedback_times[1][0] - accepted_at if from_acceptance else stats.time_to_first_token,
+                    'queue_wait': feedback_times[0][0] - accepted_at if from_acceptance else 0.0,
                     'decode_tokens': max(0, stats.new_tokens - 1),
                     'decode_time': (stats.new_tokens - 1) / stats.tokens_per_second
                     if stats.tokens_per_second > 0 else 0.0,
@@ -215,17 +220,24 @@ class GenerationMetrics:
         decode_time = sum(g['decode_time'] for g in window)
         gaps = [gap for g in window for gap in g['gaps']]
         ttfts = [g['ttft'] for g in window]
+        waits = [g['queue_wait'] for g in window]
         snap.update(
             tau=sum(g['tau'] * g['target_passes'] for g in window) / passes if passes else 0.0,
             acceptance_rate=sum(g['accepted'] for g in window) / drafted if drafted else 0.0,
             tokens_per_second=sum(g['decode_tokens'] for g in window) / decode_time if decode_time else 0.0,
             ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),
+            queue_wait_p50=percentile(waits, 50), queue_wait_p95=percentile(waits, 95),
             itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
         return snap
 
 
 def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0):
-    """Fill the engine task: ERROR when the models are not loaded, WARN while the profit gate pauses speculation."""
+    """
+    Fill the engine task: ERROR when the models or a drafter's model failed to load, OK while serving.
+
+    A disabled drafter is ERROR although the node serves without it (an operator must fix the model); speculation
+    paused by the profit gate is normal operation and stays OK.
+    """
     stat.add('state', str(state))
     if state == 'failed':
         stat.summary(ERROR, error or 'models not loaded')
@@ -237,16 +249,22 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0)
         stat.summary(WARN, error or 'not serving')
         return stat
     snap = metrics.snapshot()
+    disabled = {d.name: d for d in status.disabled_drafters}
     if status.drafter == 'none':
         speculation = 'off'
+        stat.summary(OK, 'ready, plain decoding')
+    elif status.drafter in disabled:
+        speculation = 'off (drafter disabled)'
         stat.summary(OK, 'ready, plain decoding')
     elif status.speculating:
         speculation = 'on'
         stat.summary(OK, 'ready, speculating with {} (K={})'.format(status.drafter, status.num_draft_tokens))
     else:
         speculation = 'paused'
-        stat.summary(WARN, 'speculation paused by the profit gate: drafter {} does not beat plain decoding '
+        stat.summary(OK, 'ready; speculation paused by the profit gate: drafter {} does not beat plain decoding '
                      '(break-even tau {:.2f})'.format(status.drafter, status.break_even_tau))
+    for drafter in disabled.values():
+        stat.mergeSummary(ERROR, '{}; goals asking for it run plain decoding'.format(drafter.describe()))
     for key, value in (
             ('target model', status.target_id), ('drafter', status.drafter),
             ('drafter model', status.drafter_id or '-'), ('device', status.device), ('dtype', status.dtype),
@@ -259,24 +277,35 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0)
             ('acceptance rate (lifetime)', '{:.3f}'.format(status.acceptance_rate_lifetime)),
             ('drafter fallbacks', snap['drafter_fallbacks'])):
         stat.add(key, str(value))
+    for drafter in disabled.values():
+        stat.add('disabled drafter ' + drafter.name, '{} {}: {}'.format(drafter.role, drafter.path, drafter.cause))
     if snap['last_warning']:
         stat.add('last warning', str(snap['last_warning']))
     return stat
 
 
-def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inter_token_latency_budget=0.0):
-    """Fill the generation task: throughput, latency percentiles, queue and counts; WARN over a latency budget."""
+def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inter_token_latency_budget=0.0,
+                           queue_limit=None):
+    """
+    Fill the generation task: throughput, latency percentiles, queue and counts; WARN over a latency budget.
+
+    Time to first token is measured from the goal's acceptance, queue wait included, as the planner waits.
+    """
     snap = metrics.snapshot()
-    stat.summary(OK, 'generating, {} waiting'.format(queued) if running else 'idle')
+    limit = '' if queue_limit is None else ' of {}'.format(queue_limit)
+    stat.summary(OK, 'generating, {}{} waiting'.format(queued, limit) if running else 'idle')
     if ttft_budget > 0 and snap['goals_in_window'] and snap['ttft_p95'] > ttft_budget:
-        stat.mergeSummary(WARN, 'time to first token p95 {:.3f} s over budget {:.3f} s'.format(
-            snap['ttft_p95'], ttft_budget))
+        stat.mergeSummary(WARN, 'time to first token p95 {:.3f} s (queue wait p95 {:.3f} s) over budget {:.3f} s'
+                          .format(snap['ttft_p95'], snap['queue_wait_p95'], ttft_budget))
     if inter_token_latency_budget > 0 and snap['itl_p95'] > inter_token_latency_budget:
         stat.mergeSummary(WARN, 'inter-token latency p95 {:.3f} s over budget {:.3f} s'.format(
             snap['itl_p95'], inter_token_latency_budget))
     for key, value in (
-            ('queue depth', queued), ('running', running),
+            ('queue depth', queued), ('queue limit', '-' if queue_limit is None else queue_limit),
+            ('running', running),
             ('decode tokens/s', '{:.2f}'.format(snap['tokens_per_second'])),
+            ('queue wait p50 (s)', '{:.4f}'.format(snap['queue_wait_p50'])),
+            ('queue wait p95 (s)', '{:.4f}'.format(snap['queue_wait_p95'])),
             ('time to first token p50 (s)', '{:.4f}'.format(snap['ttft_p50'])),
             ('time to first token p95 (s)', '{:.4f}'.format(snap['ttft_p95'])),
             ('inter-token latency p50 (s)', '{:.4f}'.format(snap['itl_p50'])),

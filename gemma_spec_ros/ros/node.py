@@ -3,7 +3,9 @@ ROS 2 node ``gemma_spec``: the action ``~/generate`` and /diagnostics around the
 
 The node only adapts ROS to the engine: parameters come from the engine config (parameters.py), goals go through
 a ROS-free queue (goal_queue.py) to one worker thread, messages are converted in conversions.py, and failures end
-goals with the reason in ``result.error``.
+goals with the reason in ``result.error``. Every goal is accepted: a full queue ends it at once as busy. A timer
+ends goals past queue.goal_timeout and goals whose every possible receiver (the action's feedback and status
+subscribers at acceptance) left the ROS graph.
 """
 
 import signal
@@ -15,8 +17,8 @@ import traceback
 import rclpy
 from gemma_spec_msgs.action import Generate
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.action import ActionServer, CancelResponse, GoalResponse
-from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.action import ActionServer, CancelResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile
@@ -25,13 +27,16 @@ from rclpy.utilities import remove_ros_args
 
 from gemma_spec_ros.ros import diagnostics, parameters
 from gemma_spec_ros.ros.conversions import delta_to_feedback, goal_to_request, result_to_msg
-from gemma_spec_ros.ros.goal_queue import GoalQueue, Job
+from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
 from gemma_spec_ros.ros.parameters import QUEUE_MAX_LENGTH_LIMIT
 
 NODE_NAME = 'gemma_spec'
 FEEDBACK_QUEUE_DEPTH = 1000  # KEEP_LAST depth for feedback: one message per round; a slower reader loses the oldest
 CANCEL_STATE_TIMEOUT = 2.0   # seconds to wait for rclpy to mark a cancelled goal CANCELING
 EXECUTOR_THREADS = QUEUE_MAX_LENGTH_LIMIT + 6  # every admitted goal's execute callback holds a thread
+RESULT_TIMEOUT = 60.0  # seconds a finished goal's result is kept (rclpy: 900); bounds what busy goals hold
+SUPERVISE_PERIOD = 0.25  # seconds between checks for goals past queue.goal_timeout or without a receiver
+ABORT_OUTCOMES = {'busy': 'busy', 'timeout': 'timed out'}  # finish_reason -> diagnostics outcome
 
 __all__ = ['GemmaSpecNode', 'QUEUE_MAX_LENGTH_LIMIT', 'main']
 
@@ -43,7 +48,8 @@ class GemmaSpecNode(Node):
         super().__init__(node_name, **kwargs)
         self._engine_factory = engine_factory
         parameters.declare(self)
-        self._queue = GoalQueue(self._param('queue.max_length'), self._param('queue.policy'))
+        self._queue = GoalQueue(self._param('queue.max_length'), self._param('queue.policy'),
+                                self._param('queue.fair_claim'))
         self._engine = None
         self._metrics = diagnostics.GenerationMetrics(self._param('diagnostics.window'))
         self._load_started = time.monotonic()
@@ -58,11 +64,14 @@ class GemmaSpecNode(Node):
         self._action_server = ActionServer(
             self, Generate, '~/generate',
             execute_callback=self.execute_callback,
-            goal_callback=self.goal_callback,
             cancel_callback=self.cancel_callback,
             handle_accepted_callback=self.handle_accepted_callback,
             callback_group=ReentrantCallbackGroup(),
-            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH))
+            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH),
+            result_timeout=RESULT_TIMEOUT)
+        action = self.resolve_action_name()
+        self._receiver_topics = (action + '/_action/feedback', action + '/_action/status')
+        self.create_timer(SUPERVISE_PERIOD, self._supervise, callback_group=MutuallyExclusiveCallbackGroup())
         self._worker = threading.Thread(target=self._work, name='gemma_spec_worker', daemon=True)
         self._worker.start()
         threading.Thread(target=self._load_engine, name='gemma_spec_loader', daemon=True).start()
@@ -109,6 +118,8 @@ class GemmaSpecNode(Node):
                 self._queue.max_waiting = parameter.value
             elif parameter.name == 'queue.policy':
                 self._queue.policy = parameter.value
+            elif parameter.name == 'queue.fair_claim':
+                self._queue.fair_claim = parameter.value
         return SetParametersResult(successful=True)
 
     def engine_config(self):
@@ -134,8 +145,8 @@ class GemmaSpecNode(Node):
             logger.error(reason)
             self._queue.set_failed(reason)
             return
-        for name, reason in getattr(engine, 'drafter_errors', {}).items():
-            logger.error('drafter {!r} disabled, goals asking for it run plain decoding: {}'.format(name, reason))
+        for disabled in getattr(engine, 'drafter_errors', {}).values():
+            logger.error('{}; goals asking for it run plain decoding'.format(disabled.describe()))
         self._engine = engine
         if self._queue.set_ready():
             logger.info('ready in {:.1f} s: action {}'.format(
@@ -143,17 +154,15 @@ class GemmaSpecNode(Node):
 
     # ---- action callbacks --------------------------------------------------------------------
 
-    def goal_callback(self, goal_request):
-        """Accept unless busy: the running goal plus queue.max_length waiting ones (fifo)."""
-        refusal = self._queue.admit()
-        if refusal:
-            self._metrics.count('rejected')
-            self.get_logger().warning('goal rejected: {}'.format(refusal))
-            return GoalResponse.REJECT
-        return GoalResponse.ACCEPT
-
     def handle_accepted_callback(self, goal_handle):
-        self._queue.register(_key(goal_handle), goal_handle)
+        """Validate the goal (when the engine is ready) and admit it; an invalid or busy goal ends at once."""
+        request, plan, invalid = self._plan(goal_handle.request)
+        job = self._queue.register(_key(goal_handle), goal_handle, goal_handle.request.client_id,
+                                   self._receivers(), invalid=invalid)
+        job.request, job.plan = request, plan
+        if job.finish_reason == 'busy':
+            self.get_logger().info('goal {} of client {!r}: {}'.format(
+                _short_id(goal_handle), job.client, job.error))
         goal_handle.execute()
 
     def cancel_callback(self, goal_handle):
@@ -165,22 +174,34 @@ class GemmaSpecNode(Node):
         key = _key(goal_handle)
         job = self._queue.job(key)
         try:
-            self._plan(job, goal_handle.request)
-            if not job.done.is_set():
-                self._queue.enqueue(job)
+            self._queue.enqueue(job)
             job.done.wait()
             return self._complete(job, goal_handle)
         finally:
             self._queue.release(key)
 
-    def _plan(self, job: Job, goal) -> None:
-        """Validate the goal now when the engine is ready, so that a bad goal never waits in the queue."""
+    def _plan(self, goal):
+        """(request, plan, error): validated now when the engine is ready, so that a bad goal never waits."""
         try:
-            job.request = goal_to_request(goal)
-            if self._engine is not None:
-                job.plan = self._engine.validate(job.request)
+            request = goal_to_request(goal)
+            return request, self._engine.validate(request) if self._engine is not None else None, ''
         except ValueError as error:
-            job.finish(str(error))
+            return None, None, str(error)
+
+    def _receivers(self) -> set:
+        """Graph endpoints that may receive goal results now: the action's feedback and status subscribers."""
+        if not self._param('queue.abort_orphaned_goals'):
+            return set()
+        return {bytes(info.endpoint_gid) for topic in self._receiver_topics
+                for info in self.get_subscriptions_info_by_topic(topic)}
+
+    def _supervise(self):
+        """End goals past queue.goal_timeout and goals nobody can receive any more (they end within a round)."""
+        timeout = self._param('queue.goal_timeout')
+        if timeout > 0:
+            self._queue.expire(timeout)
+        if self._param('queue.abort_orphaned_goals'):
+            self._queue.drop_orphans(self._receivers())
 
     def _complete(self, job: Job, goal_handle) -> Generate.Result:
         """Set the goal's terminal state and build its result."""
@@ -196,16 +217,18 @@ class GemmaSpecNode(Node):
             goal_handle.canceled()
             outcome = 'cancelled'
         elif job.error:
-            result = result_to_msg(job.result, error=job.error, finish_reason=(
-                'cancelled' if job.preempted or engine_finish == 'cancelled' else 'error'))
+            finish_reason = job.finish_reason or (
+                'cancelled' if job.preempted or engine_finish == 'cancelled' else 'error')
+            result = result_to_msg(job.result, error=job.error, finish_reason=finish_reason)
             goal_handle.abort()
-            outcome = 'aborted'
-            self.get_logger().warning('goal {} aborted: {}'.format(_short_id(goal_handle), job.error))
+            outcome = 'orphaned' if job.error == ORPHANED_REASON else ABORT_OUTCOMES.get(finish_reason, 'aborted')
+            if outcome != 'busy':
+                self.get_logger().warning('goal {} aborted: {}'.format(_short_id(goal_handle), job.error))
         else:
             result = result_to_msg(job.result)
             goal_handle.succeed()
             outcome = 'succeeded'
-        self._metrics.record(outcome, job.result, job.feedback_times)
+        self._metrics.record(outcome, job.result, job.feedback_times, job.accepted_at)
         return result
 
     # ---- worker ------------------------------------------------------------------------------
@@ -243,7 +266,7 @@ class GemmaSpecNode(Node):
     def _generation_task(self, stat):
         queued, running = self._queue.depth()
         return diagnostics.fill_generation_status(
-            stat, self._metrics, queued, running,
+            stat, self._metrics, queued, running, queue_limit=self._queue.limit,
             ttft_budget=self._param('diagnostics.ttft_budget'),
             inter_token_latency_budget=self._param('diagnostics.inter_token_latency_budget'))
 

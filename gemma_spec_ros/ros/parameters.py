@@ -25,8 +25,15 @@ class NodeParameter:
 
 
 NODE_PARAMETERS = {
-    'queue.max_length': NodeParameter(4, 'goals that may wait behind the running one; more are rejected (busy)',
-                                      (0, QUEUE_MAX_LENGTH_LIMIT)),
+    'queue.max_length': NodeParameter(4, 'goals that may wait behind the running one; more end at once with '
+                                      "finish_reason 'busy'", (0, QUEUE_MAX_LENGTH_LIMIT)),
+    'queue.fair_claim': NodeParameter(2.0, 'seconds a client refused as busy keeps its claim on the next free slot '
+                                      '(fair admission by goal client_id; 0 = first come, first served)',
+                                      (0.0, 600.0)),
+    'queue.goal_timeout': NodeParameter(0.0, "seconds from acceptance after which a goal ends with finish_reason "
+                                        "'timeout' and its partial text (0 = off)", (0.0, 86400.0)),
+    'queue.abort_orphaned_goals': NodeParameter(True, 'abort a goal once every feedback/status subscriber present '
+                                                'when it was accepted has left the ROS graph'),
     'queue.policy': NodeParameter('fifo', 'fifo: goals wait their turn; preempt: a new goal aborts the running and '
                                   'waiting ones (like nav2)', choices=QUEUE_POLICIES),
     'diagnostics.hardware_id': NodeParameter('none', 'hardware_id of the /diagnostics statuses'),

@@ -7,9 +7,11 @@ class (demo, record/replay and tests use it): goals can be sent from several thr
 """
 
 import argparse
+import copy
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import rclpy
@@ -21,6 +23,7 @@ from rclpy.action import ActionClient
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
+from unique_identifier_msgs.msg import UUID
 
 from gemma_spec_ros.engine.config_file import read_constraint_files
 from gemma_spec_ros.engine.stats import format_stats
@@ -28,6 +31,7 @@ from gemma_spec_ros.ros.diagnostics import level_name
 
 DEFAULT_ACTION = '/gemma_spec/generate'
 FEEDBACK_QUEUE_DEPTH = 1000
+FEEDBACK_SETTLE = 1.0   # seconds to wait for feedback still in flight when the result arrives
 STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: 'succeeded', GoalStatus.STATUS_ABORTED: 'aborted',
                 GoalStatus.STATUS_CANCELED: 'canceled'}
 
@@ -45,6 +49,11 @@ class Outcome:
     cancel_time: float = 0.0          # seconds after sending when the cancel was requested (0 = never)
 
     @property
+    def busy(self) -> bool:
+        """The node was full: the goal ended at once with finish_reason 'busy' (retry later)."""
+        return self.status == 'aborted' and self.result.finish_reason == 'busy'
+
+    @property
     def first_feedback_latency(self) -> float:
         return self.feedback_times[0] if self.feedback_times else 0.0
 
@@ -59,14 +68,15 @@ class Outcome:
 
 
 def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0.0, top_k=0, stop=(),
-              seed=-1, drafter='', num_draft_tokens=0, json_schema='', grammar='') -> Generate.Goal:
+              seed=-1, drafter='', num_draft_tokens=0, client_id='', json_schema='', grammar='') -> Generate.Goal:
     """Build a Generate goal; messages are (role, content) pairs or dicts; json_schema and grammar are text."""
     chat = [ChatMessage(role=m['role'], content=m['content']) if isinstance(m, dict)
             else ChatMessage(role=m[0], content=m[1]) for m in messages]
     return Generate.Goal(prompt=prompt, messages=chat, max_new_tokens=int(max_new_tokens),
                          temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                          stop=list(stop), seed=int(seed), drafter=drafter,
-                         num_draft_tokens=int(num_draft_tokens), json_schema=json_schema, grammar=grammar)
+                         num_draft_tokens=int(num_draft_tokens), client_id=client_id, json_schema=json_schema,
+                         grammar=grammar)
 
 
 class BackgroundSpinner:
@@ -144,14 +154,28 @@ def engine_state(latest, node_name='gemma_spec'):
 
 
 class GenerateClient:
-    """An ActionClient for Generate with its own node, spun on a background thread."""
+    """
+    An ActionClient for Generate with its own node, spun on a background thread.
+
+    Feedback comes through a subscription of its own to the action's feedback topic: rclpy's ActionClient drops
+    the feedback callback of a goal as soon as its result arrives, and with it feedback still in flight (seen under
+    load: the streamed text then misses its last rounds). send() waits up to FEEDBACK_SETTLE for that feedback.
+    """
 
     def __init__(self, action_name=DEFAULT_ACTION, node_name='gemma_spec_client', context=None):
         self._node = rclpy.create_node(node_name, context=context)
         self._client = ActionClient(self._node, Generate, action_name,
                                     feedback_sub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH))
+        self._feedback_handlers = {}   # goal id bytes -> callback(Generate.Feedback)
+        self._node.create_subscription(Generate.Impl.FeedbackMessage, action_name + '/_action/feedback',
+                                       self._on_feedback, QoSProfile(depth=FEEDBACK_QUEUE_DEPTH))
         self._diagnostics = None
         self._spinner = BackgroundSpinner(self._node)
+
+    def _on_feedback(self, message):
+        handler = self._feedback_handlers.get(bytes(message.goal_id.uuid))
+        if handler is not None:
+            handler(message.feedback)
 
     @property
     def node(self):
@@ -181,7 +205,14 @@ class GenerateClient:
 
     def send(self, goal, on_feedback=None, cancel_after_tokens=0, cancel_after_seconds=0.0,
              timeout=600.0) -> Outcome:
-        """Send one goal and wait for its result; optionally cancel after N tokens or seconds."""
+        """
+        Send one goal and wait for its result; optionally cancel after N tokens or seconds.
+
+        A goal without client_id is sent as this client's node name (fair admission between clients).
+        """
+        if not goal.client_id:
+            goal = copy.copy(goal)
+            goal.client_id = self._node.get_fully_qualified_name()
         outcome = Outcome()
         lock = threading.Lock()
         state = {'handle': None, 'cancel': False}
@@ -198,8 +229,7 @@ class GenerateClient:
                 outcome.cancel_time = time.monotonic() - start
             handle.cancel_goal_async()
 
-        def feedback_callback(message):
-            feedback = message.feedback
+        def feedback_callback(feedback):
             outcome.feedback_times.append(time.monotonic() - start)
             outcome.feedback.append(feedback)
             if on_feedback is not None:
@@ -207,33 +237,40 @@ class GenerateClient:
             if cancel_after_tokens and feedback.tokens_generated >= cancel_after_tokens:
                 request_cancel()
 
-        sent = _wait(self._in_executor(self._client.send_goal_async, goal, feedback_callback=feedback_callback),
-                     timeout)
-        if sent is None:
-            outcome.status = 'timeout'
+        goal_id = UUID(uuid=list(uuid.uuid4().bytes))
+        self._feedback_handlers[bytes(goal_id.uuid)] = feedback_callback
+        try:
+            sent = _wait(self._in_executor(self._client.send_goal_async, goal, goal_uuid=goal_id), timeout)
+            if sent is None:
+                outcome.status = 'timeout'
+                return outcome
+            if not sent.accepted:
+                return outcome
+            outcome.accepted = True
+            with lock:
+                state['handle'] = sent
+                pending_cancel = state['cancel']
+            timer = None
+            if pending_cancel:
+                request_cancel()
+            elif cancel_after_seconds > 0:
+                timer = threading.Timer(cancel_after_seconds, request_cancel)
+                timer.start()
+            response = _wait(self._in_executor(sent.get_result_async), timeout)
+            if timer is not None:
+                timer.cancel()
+            outcome.result_time = time.monotonic() - start
+            if response is None:
+                outcome.status = 'timeout'
+                return outcome
+            outcome.status = STATUS_NAMES.get(response.status, 'unknown')
+            outcome.result = response.result
+            settle = time.monotonic() + FEEDBACK_SETTLE
+            while outcome.streamed_text != outcome.result.text and time.monotonic() < settle:
+                time.sleep(0.005)
             return outcome
-        if not sent.accepted:
-            return outcome
-        outcome.accepted = True
-        with lock:
-            state['handle'] = sent
-            pending_cancel = state['cancel']
-        timer = None
-        if pending_cancel:
-            request_cancel()
-        elif cancel_after_seconds > 0:
-            timer = threading.Timer(cancel_after_seconds, request_cancel)
-            timer.start()
-        response = _wait(self._in_executor(sent.get_result_async), timeout)
-        if timer is not None:
-            timer.cancel()
-        outcome.result_time = time.monotonic() - start
-        if response is None:
-            outcome.status = 'timeout'
-            return outcome
-        outcome.status = STATUS_NAMES.get(response.status, 'unknown')
-        outcome.result = response.result
-        return outcome
+        finally:
+            del self._feedback_handlers[bytes(goal_id.uuid)]
 
     def _in_executor(self, function, *args, **kwargs):
         """
