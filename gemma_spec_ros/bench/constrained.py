@@ -3,8 +3,8 @@ The constrained category: what a JSON Schema costs our engine, per drafter and K
 
 ``python -m gemma_spec_ros bench --constrained [FILE]`` runs the prompts of FILE (default bench/constrained.json: a
 JSON Schema and a few planner prompts) on our plain decoding and on each drafter at each fixed K, every system with
-and without the schema, greedy, interleaved in a shuffled order per prompt and repeat. Per system (medians over
-repeats of sums over the prompts):
+and without the schema, greedy, interleaved in a shuffled order per prompt and repeat; without the schema it
+generates as many tokens as with it. Per system (medians over repeats of sums over the prompts):
 
 - tau: decode tokens per decode target pass (bonus token included), without and with the schema;
 - tok/s: decode tokens per second (wall clock);
@@ -142,6 +142,11 @@ def measure(engine, settings: Settings, spec: ConstrainedSpec, prompts: list[Pro
                                                         spec.json_schema if constrained else '')
                for system in systems for constrained in (False, True)}
     encoded = {prompt.id: engine.tokenizer(prompt.text).input_ids for prompt in prompts}
+    # without the schema a system generates as many tokens as with it (greedy: the same count for every system), so
+    # both sides decode at the same context lengths
+    with_schema = runners['ours/none', True]
+    lengths = {prompt.id: max(2, len(with_schema(encoded[prompt.id], settings.max_new_tokens).token_ids))
+               for prompt in prompts}
     for (name, _), runner in runners.items():  # warm-up: one-time initialization and the compile cache
         runner(encoded[prompts[0].id], min(WARM_UP_TOKENS, settings.max_new_tokens))
         on_step(name)
@@ -155,7 +160,8 @@ def measure(engine, settings: Settings, spec: ConstrainedSpec, prompts: list[Pro
                 order.shuffle(keys)
                 for name, constrained in keys:
                     clock.seconds = 0.0
-                    outcome = runners[name, constrained](encoded[prompt.id], settings.max_new_tokens)
+                    max_new = settings.max_new_tokens if constrained else lengths[prompt.id]
+                    outcome = runners[name, constrained](encoded[prompt.id], max_new)
                     samples.append(Sample(name, constrained, prompt.id, repeat, len(outcome.token_ids),
                                           outcome.target_passes, outcome.decode_s, outcome.decode_cpu_s,
                                           clock.seconds, outcome.structure_complete))
@@ -204,7 +210,8 @@ def markdown(document: dict, cells: list[Cell]) -> str:
                      '/'.join('{:.2f}'.format(v) for v in document['load_average_end']), document['created_utc'],
                      document['duration_s']), '',
              'Settings: {} prompts of `{}`, max_new_tokens {}, repeats {}, greedy, fixed K; every system ran with '
-             'and without the JSON Schema, interleaved in a shuffled order per prompt and repeat.'.format(
+             'and without the JSON Schema (then generating as many tokens as with it), interleaved in a shuffled '
+             'order per prompt and repeat.'.format(
                  len(document['prompts']), document['spec'], settings['max_new_tokens'], settings['repeats']), '',
              'tau: decode tokens per decode target pass. tok/s: wall clock. Round: decode CPU ms of the generating '
              "thread per target pass (other processes' load does not count); at the same tau the time per token "
