@@ -53,6 +53,7 @@ def test_quick_constrained_category_on_tiny_models(tiny_models, tmp_path, capsys
         for side in (cell['unconstrained'], cell['constrained']):
             assert side['tau'] >= 1.0 and side['tokens_per_s'] > 0 and side['round_ms'] > 0
         assert cell['unconstrained']['grammar_us_per_token'] == 0 < cell['constrained']['grammar_us_per_token']
+        assert 0 < cell['overhead'] == cell['constrained']['grammar_share'] < 1
     greedy = {s['system']: s['new_tokens'] for s in document['samples'] if s['constrained']}
     assert len(set(greedy.values())) == 1  # constrained greedy output is the same for every drafter
     assert '| ours/mtp/K2 | 2 |' in capsys.readouterr().out
