@@ -29,7 +29,7 @@ setup(
         (share, ['package.xml']),
         (os.path.join(share, 'launch'), glob('launch/*.launch.py')),
         (os.path.join(share, 'config'), glob('config/*.yaml') + glob('config/*.xml')),
-        (os.path.join(share, 'bench'), ['bench/prompts.jsonl']),
+        (os.path.join(share, 'bench'), ['bench/prompts.jsonl', 'bench/constrained.json']),
     ] + model_data_files(),
     install_requires=['setuptools'],
     zip_safe=True,

@@ -41,6 +41,31 @@ def test_quick_bench_on_tiny_models(tiny_models, tmp_path):
     assert elapsed < 60, 'bench --quick took {:.0f} s'.format(elapsed)
 
 
+def test_quick_constrained_category_on_tiny_models(tiny_models, tmp_path, capsys):
+    out = tmp_path / 'constrained'
+    assert main(['--constrained', '--quick', '--target', tiny_models.target, '--draft', tiny_models.draft,
+                 '--assistant', tiny_models.assistant, '--max-new-tokens', '64', '--out', str(out)]) == 0
+    document = json.loads((out / 'results.json').read_text())
+    assert document['schema'] == 'gemma_spec_ros.bench.constrained/1' and len(document['prompts']) == 1
+    assert [c['system'] for c in document['cells']] == ['ours/none', 'ours/ngram/K2', 'ours/draft/K2', 'ours/mtp/K2']
+    assert len(document['samples']) == 2 * 4 and sum(s['constrained'] for s in document['samples']) == 4
+    for cell in document['cells']:
+        for side in (cell['unconstrained'], cell['constrained']):
+            assert side['tau'] >= 1.0 and side['tokens_per_s'] > 0 and side['round_ms'] > 0
+        assert cell['unconstrained']['grammar_us_per_token'] == 0 < cell['constrained']['grammar_us_per_token']
+        assert 0 < cell['overhead'] == cell['constrained']['grammar_share'] < 1
+    greedy = {s['system']: s['new_tokens'] for s in document['samples'] if s['constrained']}
+    assert len(set(greedy.values())) == 1  # constrained greedy output is the same for every drafter
+    assert '| ours/mtp/K2 | 2 |' in capsys.readouterr().out
+
+
+def test_bad_constrained_spec_exits_with_message(tmp_path, capsys, tiny_models):
+    spec = tmp_path / 'spec.json'
+    spec.write_text(json.dumps({'json_schema': {'type': 'object'}, 'prompts': []}))
+    assert main(['--constrained', str(spec), '--quick', '--target', tiny_models.target]) == 2
+    assert 'expected {"json_schema"' in capsys.readouterr().err
+
+
 def test_committed_prompt_set_covers_every_category():
     prompts = load_prompts('bench/prompts.jsonl')
     by_category = {}

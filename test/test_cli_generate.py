@@ -1,9 +1,11 @@
 """``python -m gemma_spec_ros generate`` on the tiny models (in-process main(argv), plus one real --help run)."""
 
 import json
+import re
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 
 from gemma_spec_ros.engine.cli import main
@@ -14,7 +16,7 @@ def test_help_runs():
                          text=True, timeout=120)
     assert out.returncode == 0
     for flag in ('--config', '--target', '--drafter', '--drafter-path', '--prompt-ids', '--messages-json',
-                 '--num-draft-tokens', '--samples', '--json'):
+                 '--num-draft-tokens', '--samples', '--json', '--json-schema', '--grammar'):
         assert flag in out.stdout
 
 
@@ -51,10 +53,28 @@ def test_messages_json_and_config_file(tiny_models, tmp_path, capsys):
     assert line['stats']['drafter'] == 'mtp' or line['stats']['drafter'] == 'none'
 
 
+def test_json_schema_and_grammar_files(tiny_models, tmp_path, capsys):
+    schema = {'type': 'object', 'properties': {'mode': {'enum': ['idle', 'dock']}, 'speed': {'type': 'integer'}},
+              'required': ['mode', 'speed']}
+    (tmp_path / 'schema.json').write_text(json.dumps(schema))
+    (tmp_path / 'skills.gbnf').write_text('root ::= "pick(" [a-z]{1,8} ")"')
+    argv = ['--target', tiny_models.target, '--drafter', 'ngram', '--prompt', 'Mode: ', '--max-new-tokens', '300']
+    assert main(argv + ['--json-schema', str(tmp_path / 'schema.json'), '--json']) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line['structure_complete'] and line['finish_reason'] == 'stop'
+    jsonschema.validate(json.loads(line['text']), schema)
+    assert main(argv + ['--grammar', str(tmp_path / 'skills.gbnf')]) == 0
+    out = capsys.readouterr().out
+    assert re.match(r'pick\([a-z]{1,8}\)\n--- finish=stop\n', out) and '--- structure complete' in out
+
+
 @pytest.mark.parametrize('extra, message', [
     (['--temperature', '3'], 'temperature must be'),
     (['--prompt-ids', '1,x'], '--prompt-ids must be comma-separated integers'),
     (['--samples', '0'], '--samples must be >= 1'),
+    (['--json-schema', '/no/such/schema.json'], '--json-schema: cannot read /no/such/schema.json'),
+    (['--grammar', 'test/data'], '--grammar: cannot read test/data'),
+    (['--json-schema', 'test/data/../../package.xml'], 'json_schema: not valid JSON'),
 ])
 def test_bad_input_exits_2_with_message(tiny_models, capsys, extra, message):
     argv = ['--target', tiny_models.target, '--drafter', 'none', '--max-new-tokens', '2']

@@ -260,6 +260,8 @@ def test_ebnf_grammar_output_matches(compiler, tokenizer, models, greedy):
     ('{"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": true}}}',
      r"^json_schema: 'uniqueItems' at \$\.properties\.tags is not enforced by the grammar engine; remove it$"),
     ('{"anyOf": [{"type": "integer"}, {"not": {"type": "string"}}]}', r"^json_schema: 'not' at \$\.anyOf\[1\] "),
+    ('{"type": "object", "properties": {"id": {"type": "string", "format": "uuid", "minLength": 2}}}',
+     r"^json_schema: 'minLength' beside 'format' at \$\.properties\.id is not enforced by the grammar engine"),
 ])
 def test_bad_json_schema_error_names_the_field_and_quotes_the_library(compiler, text, message):
     with pytest.raises(ValueError, match=message):
@@ -299,6 +301,19 @@ def test_padding_rows_and_special_tokens_are_never_allowed(compiler, tokenizer):
     assert not inside[0, tokenizer.all_special_ids].any()                  # no <bos>, <pad>, EOS inside a string
     constraint.accept(tokenizer('"', add_special_tokens=False).input_ids)
     assert constraint.next_mask()[0].nonzero().flatten().tolist() == sorted(EOS_IDS)
+
+
+@pytest.mark.parametrize('schema', [{'type': 'string'}, {'type': 'string', 'maxLength': 8},
+                                    {'type': 'string', 'minLength': 2}, {'type': 'string', 'pattern': '^.+$'}])
+def test_strings_never_allow_raw_control_characters(compiler, tokenizer, schema):
+    # JSON forbids U+0000-U+001F inside strings; xgrammar 0.2.8 lets them into minLength / maxLength strings
+    controls = [index for token, index in tokenizer.get_vocab().items()
+                if any(ord(char) < 32 for char in tokenizer.convert_tokens_to_string([token]))]
+    assert len(controls) > 20
+    constraint = compiler.constraint(json_schema=json.dumps(schema))
+    constraint.accept(tokenizer('"ab', add_special_tokens=False).input_ids)
+    inside = constraint.next_mask()[0]
+    assert inside.sum() > 1000 and not inside[controls].any()
 
 
 def test_model_vocab_smaller_than_the_tokenizer(tokenizer):

@@ -1,10 +1,12 @@
 """The node through real rclpy: action clients against GemmaSpecNode on tiny random Gemma 4 models."""
 
 import contextlib
+import json
 import os
 import threading
 import time
 
+import jsonschema
 import pytest
 from conftest import NO_DIAGNOSTIC_UPDATER
 
@@ -24,6 +26,11 @@ from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
 from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
 
 DOMAIN_ID = 11 + os.getpid() % 80
+STEP_SCHEMA = {'type': 'object', 'properties': {'action': {'enum': ['navigate', 'pick', 'place']},
+                                                'target': {'type': 'string', 'pattern': '^[a-z]{1,8}$'}},
+               'required': ['action', 'target']}
+PLAN_SCHEMA = {'type': 'object', 'properties': {'steps': {'type': 'array', 'items': STEP_SCHEMA, 'minItems': 1,
+                                                          'maxItems': 2}}, 'required': ['steps']}
 LONG = 400  # max_new_tokens of goals that must still be running a moment later
 
 
@@ -126,6 +133,14 @@ BAD_GOALS = [
     (dict(prompt='x' * 40000), 'more than generation.max_prompt_chars = 32768'),
     (dict(messages=[('user', 'hi')] * 1, prompt='', max_new_tokens=1, seed=-1, temperature=float('nan')),
      'temperature must be a finite number'),
+    (dict(prompt='x', json_schema='{"type": "object", "properties": {"x": {"type": "vector"}}}'),
+     "json_schema: 'vector' is not valid under any of the given schemas at $.properties.x.type"),
+    (dict(prompt='x', json_schema='{"type": "integer", "minimum": 5, "maximum": 2}'),
+     'json_schema: Invalid range: minimum greater than maximum'),
+    (dict(prompt='x', grammar='root ::= "a" | b'),
+     'grammar: EBNF parser error at line 1, column 16: Rule "b" is not defined'),
+    (dict(prompt='x', json_schema='{"type": "integer"}', grammar='root ::= "1"'),
+     'set at most one of json_schema and grammar'),
 ]
 
 
@@ -136,6 +151,23 @@ def test_bad_goal_is_accepted_then_aborted_with_reason(served, fields, expected)
     assert outcome.accepted and outcome.status == 'aborted'
     assert expected in outcome.result.error
     assert outcome.result.finish_reason == 'error' and not outcome.feedback
+
+
+def test_structured_output_goal(served):
+    node, client = served
+    outcome = client.send(make_goal('Plan: ', max_new_tokens=400, json_schema=json.dumps(PLAN_SCHEMA),
+                                    drafter='draft', num_draft_tokens=3))
+    assert outcome.status == 'succeeded', outcome.result.error
+    result = outcome.result
+    assert result.finish_reason == 'stop' and result.structure_complete and not result.warnings
+    jsonschema.validate(json.loads(result.text), PLAN_SCHEMA)
+    assert outcome.streamed_text == result.text
+    short = client.send(make_goal('Plan: ', max_new_tokens=4, grammar='root ::= "[" [a-z]{1,20} "]"'))
+    assert short.status == 'succeeded' and short.result.finish_reason == 'length'
+    assert not short.result.structure_complete and short.result.text.startswith('[')
+    assert any(w.startswith('structure incomplete') for w in short.result.warnings)
+    plain = client.send(make_goal('Plan: ', max_new_tokens=4))
+    assert plain.status == 'succeeded' and not plain.result.structure_complete and not plain.result.warnings
 
 
 def test_bad_goal_does_not_wait_behind_a_running_goal(served):

@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gemma_spec_ros.bench import plots
+from gemma_spec_ros.bench import constrained, plots
 from gemma_spec_ros.bench.analysis import summarize
 from gemma_spec_ros.bench.harness import Bench, Calibration, Settings, run_interleaved
 from gemma_spec_ros.bench.prompts import categories_of, default_prompts_path, load_prompts, take_per_category
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--seed', type=int, default=0, help='seed of the interleaving order')
     parser.add_argument('--out', help='output directory (default bench/results; quick bench/results/quick)')
     parser.add_argument('--quick', action='store_true', help='short smoke run: 1 prompt per category, K=2, 16 tokens')
+    parser.add_argument('--constrained', nargs='?', const=constrained.DEFAULT_SPEC, metavar='FILE',
+                        help='measure the constrained category instead: our engine with and without the JSON Schema '
+                             'of FILE on its prompts (default {}); output in --out (default '
+                             'bench/results/constrained)'.format(constrained.DEFAULT_SPEC))
     return parser
 
 
@@ -90,6 +94,15 @@ def run(args, argv: list[str]) -> Path:
         drafters=_parse_list(args.drafters, str.strip, '--drafters'),
         threads=_option(args, 'threads') or torch.get_num_threads(),
         probe_repeats=_option(args, 'probe_repeats'), seed=args.seed)
+    if args.constrained is not None:
+        spec = (default_prompts_path(constrained.DEFAULT_SPEC, '--constrained') if
+                args.constrained == constrained.DEFAULT_SPEC else args.constrained)
+        out = Path(args.out or ('bench/results/quick-constrained' if args.quick else 'bench/results/constrained'))
+        with tqdm(desc='bench --constrained', unit='gen', file=sys.stderr) as bar:
+            constrained.run(settings, spec, _option(args, 'per_category'), out,
+                            'python -m gemma_spec_ros bench ' + shlex.join(argv),
+                            say=lambda message: print(message, file=sys.stderr), on_step=lambda name: bar.update())
+        return out
     prompts_path = args.prompts or default_prompts_path()
     prompts = take_per_category(load_prompts(prompts_path), _option(args, 'per_category'))
     categories = categories_of(prompts)
@@ -165,5 +178,5 @@ def main(argv: list[str] | None = None) -> int:
         print('bench: {}'.format(error), file=sys.stderr)
         return 2
     print((out / 'results.md').read_text())
-    print('wrote {}/results.json, results.md and plots'.format(out))
+    print('wrote {}/results.json, results.md{}'.format(out, '' if args.constrained else ' and plots'))
     return 0

@@ -79,6 +79,8 @@ class Measurement:
     parity: bool                   # token-identical to transformers' plain greedy generate
     first_mismatch: int            # first differing position, -1 when identical
     token_ids: list[int] = field(repr=False, default_factory=list)
+    structure_complete: bool = False  # the output completed the request's json_schema (constrained runs)
+    decode_cpu_s: float = 0.0      # our engine: CPU seconds of the generating thread over decode_s
 
 
 @dataclass
@@ -117,29 +119,36 @@ def first_mismatch(tokens: list[int], reference: list[int]) -> int:
     return -1 if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
+def load_engine(settings: Settings, say: Callable[[str], None]):
+    """Check the settings and load our engine with the drafters they name (CPU, float32, their threads)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from gemma_spec_ros.engine import Engine
+    from gemma_spec_ros.engine.types import EngineConfig
+
+    settings.check()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(settings.threads)
+    say('loading our engine')
+    return Engine.from_config(EngineConfig(
+        target_path=settings.target, drafter='none',
+        assistant_path=settings.assistant if 'mtp' in settings.drafters else '',
+        draft_model_path=settings.draft if 'draft' in settings.drafters else '',
+        device='cpu', dtype='float32', max_draft_tokens=max(settings.ks),
+        max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads))
+
+
 class Bench:
     """Loaded models, our engine and the runners of every system."""
 
     def __init__(self, settings: Settings, say: Callable[[str], None]):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
 
-        from gemma_spec_ros.engine import Engine
-        from gemma_spec_ros.engine.types import EngineConfig
-
-        settings.check()
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        torch.set_num_threads(settings.threads)
         self.settings = settings
-        say('loading our engine')
-        self.engine = Engine.from_config(EngineConfig(
-            target_path=settings.target, drafter='none',
-            assistant_path=settings.assistant if 'mtp' in settings.drafters else '',
-            draft_model_path=settings.draft if 'draft' in settings.drafters else '',
-            device='cpu', dtype='float32', max_draft_tokens=max(settings.ks),
-            max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads))
+        self.engine = load_engine(settings, say)
         say('loading transformers models')
 
         def load(path):

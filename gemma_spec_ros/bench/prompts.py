@@ -62,12 +62,12 @@ def take_per_category(prompts: list[Prompt], count: int) -> list[Prompt]:
     return chosen
 
 
-def default_prompts_path() -> str:
-    """bench/prompts.jsonl of the dev checkout, else of an installed share/gemma_spec_ros."""
-    candidates = [Path(__file__).resolve().parents[2] / DEFAULT_PROMPTS]
+def default_prompts_path(name: str = DEFAULT_PROMPTS, option: str = '--prompts') -> str:
+    """bench/prompts.jsonl (or another bench file) of the dev checkout, else of an installed share/gemma_spec_ros."""
+    candidates = [Path(__file__).resolve().parents[2] / name]
     for prefix in filter(None, os.environ.get('AMENT_PREFIX_PATH', '').split(os.pathsep)):
-        candidates.append(Path(prefix) / 'share' / 'gemma_spec_ros' / DEFAULT_PROMPTS)
+        candidates.append(Path(prefix) / 'share' / 'gemma_spec_ros' / name)
     for candidate in candidates:
         if candidate.is_file():
             return str(candidate)
-    raise ValueError('no {} found; pass --prompts FILE'.format(DEFAULT_PROMPTS))
+    raise ValueError('no {} found; pass {} FILE'.format(name, option))

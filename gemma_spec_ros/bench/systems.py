@@ -56,41 +56,46 @@ class Outcome:
     paused_rounds: int = 0         # rounds our profit gate ran plain
     drafter_used: str = 'none'
     warnings: list[str] = field(default_factory=list)
+    structure_complete: bool = False  # the output completed the request's json_schema (constrained runs)
+    decode_cpu_s: float = 0.0      # our engine: CPU seconds of the calling thread over decode_s (other processes'
+                                   # load does not count; with 1 torch thread on the CPU it is the whole engine)
 
 
 Runner = Callable[[list[int], int], Outcome]
 
 
 class EngineRunner:
-    """Greedy generation with our engine, one drafter and K per request."""
+    """Greedy generation with our engine, one drafter and K per request (and a JSON Schema when given)."""
 
-    def __init__(self, engine, drafter: str, k: int):
+    def __init__(self, engine, drafter: str, k: int, json_schema: str = ''):
         self._engine = engine
         self._drafter = drafter
         self._k = k
+        self._json_schema = json_schema
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
         from gemma_spec_ros.engine.types import GenerationRequest
 
         request = GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=0.0,
-                                    drafter=self._drafter, num_draft_tokens=self._k)
-        first_token_at: list[float] = []
+                                    drafter=self._drafter, num_draft_tokens=self._k, json_schema=self._json_schema)
+        first_token_at: list[tuple[float, float]] = []  # (wall, thread CPU) seconds
 
         def on_delta(delta) -> None:
             if not first_token_at and delta.token_ids:
-                first_token_at.append(time.perf_counter())
+                first_token_at.append((time.perf_counter(), time.thread_time()))
 
         start = time.perf_counter()
         result = self._engine.generate(request, on_delta=on_delta)
-        end = time.perf_counter()
+        end, end_cpu = time.perf_counter(), time.thread_time()
         stats = result.stats
-        first = first_token_at[0] if first_token_at else end
+        first, first_cpu = first_token_at[0] if first_token_at else (end, end_cpu)
         return Outcome(
             token_ids=list(result.token_ids), ttft_s=first - start, decode_s=end - first, wall_s=end - start,
             target_passes=stats.target_passes, drafted_tokens=stats.drafted_tokens,
             accepted_tokens=stats.accepted_tokens, per_position_acceptance=list(stats.per_position_acceptance),
             mean_num_draft_tokens=stats.mean_num_draft_tokens, draft_cost_ratio=stats.draft_cost_ratio,
-            paused_rounds=stats.paused_rounds, drafter_used=stats.drafter, warnings=list(result.warnings))
+            paused_rounds=stats.paused_rounds, drafter_used=stats.drafter, warnings=list(result.warnings),
+            structure_complete=result.structure_complete, decode_cpu_s=end_cpu - first_cpu)
 
 
 class ForwardCounter:

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config_file import load_engine_config, resolve_model_path
+from .config_file import load_engine_config, read_constraint_files, resolve_model_path
 from .drafters import DRAFTERS
 from .stats import format_stats
 from .types import DEVICES, DTYPES, GenerationRequest, GenerationResult
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--top-k', type=int, default=0, help='0 = off')
     parser.add_argument('--seed', type=int, default=-1, help='-1 = random; sample i uses seed + i')
     parser.add_argument('--stop', action='append', default=[], help='stop string (repeatable)')
+    parser.add_argument('--json-schema', metavar='FILE', help='JSON Schema file the output must match')
+    parser.add_argument('--grammar', metavar='FILE', help='EBNF grammar file (xgrammar syntax, rule root); at '
+                        'most one of --json-schema and --grammar')
     parser.add_argument('--num-draft-tokens', type=int, default=None, help='K; 0 = adaptive')
     parser.add_argument('--device', choices=DEVICES, help='default: auto')
     parser.add_argument('--dtype', choices=DTYPES, help='default: auto')
@@ -66,10 +69,10 @@ def _engine_overrides(args) -> dict:
     return overrides
 
 
-def _request(args, sample: int) -> GenerationRequest:
+def _request(args, sample: int, constraint: dict[str, str]) -> GenerationRequest:
     request = GenerationRequest(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, stop=list(args.stop),
-                                seed=args.seed + sample if args.seed >= 0 else -1)
+                                seed=args.seed + sample if args.seed >= 0 else -1, **constraint)
     if args.prompt is not None:
         request.prompt = args.prompt
     elif args.prompt_ids is not None:
@@ -90,6 +93,8 @@ def _request(args, sample: int) -> GenerationRequest:
 
 def _print_stats(result: GenerationResult) -> None:
     print('\n--- finish={}\n{}'.format(result.finish_reason, format_stats(result.stats)))
+    if result.structure_complete:
+        print('--- structure complete')
     for warning in result.warnings:
         print('--- warning: {}'.format(warning))
 
@@ -101,6 +106,7 @@ def main(argv=None) -> int:
         if args.samples < 1:
             raise ValueError('--samples must be >= 1, got {}'.format(args.samples))
         config = load_engine_config(args.config, _engine_overrides(args))
+        constraint = read_constraint_files(args.json_schema, args.grammar)
         from transformers.utils import logging as transformers_logging
 
         from .engine import Engine  # heavy imports (torch, transformers) after argument checks
@@ -109,12 +115,13 @@ def main(argv=None) -> int:
 
         engine = Engine.from_config(config, progress=lambda message: print(message, file=sys.stderr))
         for sample in range(args.samples):
-            request = _request(args, sample)
+            request = _request(args, sample, constraint)
             if args.json:
                 result = engine.generate(request)
                 print(json.dumps({'text': result.text, 'token_ids': result.token_ids,
                                   'finish_reason': result.finish_reason, 'stats': dataclasses.asdict(result.stats),
-                                  'warnings': result.warnings}), flush=True)
+                                  'warnings': result.warnings, 'structure_complete': result.structure_complete}),
+                      flush=True)
             else:
                 result = engine.generate(request, on_delta=lambda delta: print(delta.text, end='', flush=True))
                 _print_stats(result)

@@ -1,4 +1,4 @@
-"""EngineConfig from the node's ROS 2 params file (``/**: ros__parameters: engine: {...}``)."""
+"""EngineConfig from the node's ROS 2 params file (``/**: ros__parameters: engine: {...}``), and option files."""
 
 import dataclasses
 import os
@@ -11,6 +11,22 @@ from .types import EngineConfig, parameter_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_PATH_FIELDS = ('target_path',) + tuple(spec.path_field for spec in REGISTRY.values() if spec.path_field)
+
+
+def read_constraint_files(json_schema: str | None, grammar: str | None) -> dict[str, str]:
+    """
+    Return request fields {'json_schema' / 'grammar': text} from the files of --json-schema / --grammar.
+
+    ValueError naming the option when a file cannot be read; the engine checks the content.
+    """
+    fields = {}
+    for field, path in (('json_schema', json_schema), ('grammar', grammar)):
+        if path:
+            try:
+                fields[field] = Path(path).read_text(encoding='utf-8')
+            except (OSError, UnicodeDecodeError) as error:
+                raise ValueError('--{}: cannot read {}: {}'.format(field.replace('_', '-'), path, error)) from error
+    return fields
 
 
 def resolve_model_path(path: str) -> str:

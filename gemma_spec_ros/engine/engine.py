@@ -12,6 +12,7 @@ from . import models, requests
 from .adaptive import AdaptiveK, Decision, TargetCost
 from .drafters import REGISTRY, drafter_class
 from .drafters.base import DraftContext, Drafter, LoadContext
+from .grammar import ConstraintCompiler, GrammarConstraint, mask_logits
 from .requests import RequestPlan, SamplingParams
 from .sampling import logits_to_probs, sample
 from .stats import RoundTally, generation_stats
@@ -60,6 +61,7 @@ class _Run:
     tokens: list[int]                  # prompt + generated; the last one is not in the target cache yet
     stopwatch: _Stopwatch
     last_token: torch.Tensor | None = None  # [1] tokens[-1] on the device (saves a host-to-device copy per round)
+    constraint: GrammarConstraint | None = None  # the request's json_schema / grammar, advanced by emitted tokens
     generated: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)      # streamed text, one piece per delta
     warnings: list[str] = field(default_factory=list)
@@ -92,6 +94,7 @@ class Engine:
         self._context_limit = models.text_config(target).max_position_embeddings
         self._vocab_size = models.text_config(target).vocab_size
         self._eos_ids = models.eos_token_ids(target, tokenizer)
+        self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos_ids)  # EOS ends a grammar
         self._target_cost = TargetCost(config.max_draft_tokens + 1)
         self._controllers = {name: AdaptiveK(config.max_draft_tokens, self._target_cost, config.profit_gate,
                                              config.probe_interval) for name in drafters if name != 'none'}
@@ -181,7 +184,8 @@ class Engine:
     def validate(self, request: GenerationRequest) -> RequestPlan:
         """Check a request and tokenize its prompt (no model work): the plan, or ValueError naming the field."""
         return requests.plan_request(request, self._tokenizer, self._vocab_size, self._context_limit, self.config,
-                                     self._usable_drafters(), self._default_drafter, self._default_k)
+                                     self._usable_drafters(), self._default_drafter, self._default_k,
+                                     self._constraints)
 
     def generate(self, request: GenerationRequest | RequestPlan, on_delta: DeltaCallback | None = None,
                  cancel: CancelToken | None = None) -> GenerationResult:
@@ -201,6 +205,8 @@ class Engine:
                    generator=torch.Generator(device=self._device).manual_seed(plan.seed), cache=cache,
                    detokenizer=IncrementalDetokenizer(self._tokenizer), stops=StopStrings(plan.stops),
                    tokens=list(plan.prompt_ids), stopwatch=_Stopwatch(self._device))
+        if plan.compiled_grammar is not None:
+            run.constraint = self._constraints.matcher(plan.compiled_grammar)
         if plan.drafter in self.drafter_errors:
             run.warnings.append('{}; ran plain decoding'.format(self.drafter_errors[plan.drafter].describe()))
         else:
@@ -228,7 +234,10 @@ class Engine:
         prompt = torch.tensor([run.tokens], device=self._device)
         out = models.target_pass(self._target, run.cache, prompt, 0, 1, run.drafter.needs_target_states)
         run.cache.crop(0)
-        first = self._pick(out.logits[0, -1:], run.plan.sampling, run.generator)
+        logits = out.logits[0, -1:]  # [1, vocab]
+        if run.constraint is not None:
+            logits = mask_logits(logits, run.constraint.next_mask(self._device))
+        first = self._pick(logits, run.plan.sampling, run.generator)
         self._guard(run, lambda: run.drafter.observe(out, len(run.tokens), len(run.tokens)))
         run.last_token = first
         token = first.item()
@@ -245,7 +254,7 @@ class Engine:
         proposal = None
         if k > 0:
             context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator,
-                                   decision.min_confidence)
+                                   decision.min_confidence, run.constraint)
             proposal = self._guard(run, lambda: run.drafter.propose(context, k))
         num_drafted = 0 if proposal is None else proposal.tokens.shape[0]
         drafted_at = run.stopwatch.mark()
@@ -259,6 +268,9 @@ class Engine:
         out = models.target_pass(self._target, run.cache, torch.cat([run.last_token, draft_tokens]).unsqueeze(0),
                                  len(run.tokens) - 1, 0, want_states)
         logits = out.logits[0]  # [k + 1, vocab]
+        if run.constraint is not None:  # while the target runs on a GPU: masks along the drafts, on the host
+            masks, _ = run.constraint.masks_along(draft_tokens.tolist(), self._device)  # [k + 1, vocab]
+            logits = mask_logits(logits, masks)
         sampling = run.plan.sampling
         target_probs = logits if sampling.greedy else logits_to_probs(logits, sampling)
         draft_probs = None if proposal is None or proposal.draft_probs is None else proposal.draft_probs[None]
@@ -292,6 +304,8 @@ class Engine:
     def _emit(self, run: _Run, new_tokens: list[int], on_delta: DeltaCallback | None) -> None:
         """Append a round's tokens, apply EOS / max_new_tokens / stop strings, and stream the new text."""
         new_tokens, run.finish = self._cut(new_tokens, len(run.generated), run.plan.max_new_tokens)
+        if run.constraint is not None:
+            run.constraint.accept(new_tokens)
         run.tokens += new_tokens
         run.generated += new_tokens
         text = run.stops.feed(run.detokenizer.add([t for t in new_tokens if t not in self._eos_ids]))
@@ -350,4 +364,8 @@ class Engine:
         if self._device.type == 'cuda':
             stats.cuda_peak_allocated_bytes = torch.cuda.max_memory_allocated(self._device)
             stats.cuda_peak_reserved_bytes = torch.cuda.max_memory_reserved(self._device)
-        return GenerationResult(''.join(run.pieces), run.generated, run.finish, stats, run.warnings)
+        complete = run.constraint is not None and run.constraint.completed and not run.stops.stopped
+        if run.constraint is not None and run.finish == 'length' and not complete:
+            run.warnings.append('structure incomplete: max_new_tokens ({}) ended the output before it completed '
+                                'its json_schema / grammar'.format(run.plan.max_new_tokens))
+        return GenerationResult(''.join(run.pieces), run.generated, run.finish, stats, run.warnings, complete)

@@ -34,6 +34,9 @@ _SUBSCHEMA_KEYWORDS = ('items', 'additionalItems', 'additionalProperties', 'unev
                        'unevaluatedProperties', 'propertyNames')
 _SUBSCHEMA_LIST_KEYWORDS = ('anyOf', 'oneOf', 'allOf', 'prefixItems', 'items')
 _SUBSCHEMA_MAP_KEYWORDS = ('properties', 'patternProperties', '$defs', 'definitions')
+_LENGTH_KEYWORDS = {'minLength', 'maxLength'}  # xgrammar 0.2.8 ignores them beside 'pattern' or 'format'
+_LENGTH_STRING_CHARACTERS = r'[^\"\\\r\n]'       # as xgrammar prints them: see _json_schema_grammar
+_JSON_STRING_CHARACTERS = r'[^\0-\x1f\"\\\r\n]'
 _LIBRARY_PREFIX = re.compile(r'^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?')
 
 
@@ -99,12 +102,24 @@ class ConstraintCompiler:
 
     def constraint(self, json_schema: str = '', grammar: str = '') -> 'GrammarConstraint | None':
         """Return a fresh per-request constraint, or None when both are empty; ValueError names the bad field."""
+        compiled = self.compile_request(json_schema, grammar)
+        return None if compiled is None else self.matcher(compiled)
+
+    def compile_request(self, json_schema: str = '', grammar: str = '') -> xgrammar.CompiledGrammar | None:
+        """Compile a request's constraint fields (at most one set), or None when both are empty; cached."""
+        for name, value in ((JSON_SCHEMA, json_schema), (GRAMMAR, grammar)):
+            if not isinstance(value, str):
+                raise ValueError('{} must be a string (the document as text), got {}'.format(
+                    name, type(value).__name__))
         if json_schema and grammar:
             raise ValueError('set at most one of json_schema and grammar')
         if not (json_schema or grammar):
             return None
-        kind, text = (JSON_SCHEMA, json_schema) if json_schema else (GRAMMAR, grammar)
-        return GrammarConstraint(self.compile(kind, text), self.vocab_size, self._stop_ids)
+        return self.compile(JSON_SCHEMA, json_schema) if json_schema else self.compile(GRAMMAR, grammar)
+
+    def matcher(self, compiled: xgrammar.CompiledGrammar) -> 'GrammarConstraint':
+        """Return a fresh per-request constraint at the start of a compiled grammar."""
+        return GrammarConstraint(compiled, self.vocab_size, self._stop_ids)
 
     def compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         """Return the compiled grammar for kind 'json_schema' or 'grammar' (EBNF, root rule `root`); cached."""
@@ -123,8 +138,7 @@ class ConstraintCompiler:
     def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         if kind == JSON_SCHEMA:
             _check_json_schema(text)
-            compile_text = lambda: self._compiler.compile_json_schema(  # noqa: E731
-                text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=True)
+            compile_text = lambda: self._compiler.compile_grammar(_json_schema_grammar(text))  # noqa: E731
         elif kind == GRAMMAR:
             compile_text = lambda: self._compiler.compile_grammar(text)  # noqa: E731
         else:
@@ -283,26 +297,54 @@ def _check_json_schema(text: str) -> None:
         raise ValueError('{}: {} is not enforced by the grammar engine; remove it'.format(JSON_SCHEMA, unsupported))
 
 
+def _subschemas(schema, path: str) -> Iterator[tuple[str, dict]]:
+    """Yield (path, schema) for schema and every subschema under the keywords that xgrammar reads."""
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for key in _SUBSCHEMA_KEYWORDS:
+        if key in schema:
+            yield from _subschemas(schema[key], '{}.{}'.format(path, key))
+    for key in _SUBSCHEMA_LIST_KEYWORDS:
+        if isinstance(schema.get(key), list):
+            for index, child in enumerate(schema[key]):
+                yield from _subschemas(child, '{}.{}[{}]'.format(path, key, index))
+    for key in _SUBSCHEMA_MAP_KEYWORDS:
+        if isinstance(schema.get(key), dict):
+            for name, child in schema[key].items():
+                yield from _subschemas(child, '{}.{}.{}'.format(path, key, name))
+
+
+def _json_schema_grammar(text: str) -> xgrammar.Grammar:
+    """
+    Return xgrammar's grammar of a JSON Schema, with JSON's string characters in length-bounded strings.
+
+    xgrammar 0.2.8 writes the characters of a minLength / maxLength string as a class that admits raw control
+    characters, which JSON forbids in strings (mlc-ai/xgrammar#800); they are swapped for the class of its other
+    strings. Escapes stay unavailable in such strings. A pattern would also exclude control characters, but its
+    masks cost up to 100 times more per token (measured with bench/grammar_timing).
+    """
+    grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE,
+                                                strict_mode=True)
+    ebnf = str(grammar)
+    if _LENGTH_STRING_CHARACTERS not in ebnf:
+        return grammar
+    return xgrammar.Grammar.from_ebnf(ebnf.replace(_LENGTH_STRING_CHARACTERS, _JSON_STRING_CHARACTERS))
+
+
 def _unsupported_keyword(schema, path: str) -> str:
     """Describe the first keyword xgrammar would ignore ("'not' at $.properties.x"), or return ''."""
-    if not isinstance(schema, dict):
-        return ''
-    for keyword in _IGNORED_KEYWORDS:
-        if keyword in schema:
-            return '{!r} at {}'.format(keyword, path)
-    if schema.get('uniqueItems') is True:
-        return "'uniqueItems' at {}".format(path)
-    if isinstance(schema.get('allOf'), list) and len(schema['allOf']) > 1:
-        return "'allOf' with more than one schema at {}".format(path)
-    children = [('{}.{}'.format(path, key), schema[key]) for key in _SUBSCHEMA_KEYWORDS if key in schema]
-    children += [('{}.{}[{}]'.format(path, key, index), child) for key in _SUBSCHEMA_LIST_KEYWORDS
-                 if isinstance(schema.get(key), list) for index, child in enumerate(schema[key])]
-    children += [('{}.{}.{}'.format(path, key, name), child) for key in _SUBSCHEMA_MAP_KEYWORDS
-                 if isinstance(schema.get(key), dict) for name, child in schema[key].items()]
-    for child_path, child in children:
-        found = _unsupported_keyword(child, child_path)
-        if found:
-            return found
+    for node_path, node in _subschemas(schema, path):
+        for keyword in _IGNORED_KEYWORDS:
+            if keyword in node:
+                return '{!r} at {}'.format(keyword, node_path)
+        if node.get('uniqueItems') is True:
+            return "'uniqueItems' at {}".format(node_path)
+        if isinstance(node.get('allOf'), list) and len(node['allOf']) > 1:
+            return "'allOf' with more than one schema at {}".format(node_path)
+        lengths, shapes = sorted(_LENGTH_KEYWORDS & node.keys()), sorted({'pattern', 'format'} & node.keys())
+        if lengths and shapes:
+            return '{!r} beside {!r} at {}'.format(lengths[0], shapes[0], node_path)
     return ''
 
 

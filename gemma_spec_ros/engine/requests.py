@@ -45,6 +45,7 @@ class RequestPlan:
     seed: int
     drafter: str
     pinned_k: int        # > 0: fixed K, no adaptation or gating
+    compiled_grammar: object | None = None  # the compiled json_schema / grammar (grammar.ConstraintCompiler); None
 
 
 def check_config(config: EngineConfig) -> None:
@@ -171,8 +172,12 @@ def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: E
 
 
 def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context_limit: int, config: EngineConfig,
-                 loaded_drafters, default_drafter: str, default_k: int) -> RequestPlan:
-    """Validate a request and tokenize its prompt; ValueError with a planner-readable message on bad input."""
+                 loaded_drafters, default_drafter: str, default_k: int, constraints) -> RequestPlan:
+    """
+    Validate a request, tokenize its prompt and compile its constraint; ValueError with a planner-readable message.
+
+    constraints: the engine's grammar.ConstraintCompiler (passed in, so that this module imports no torch).
+    """
     if len(request.stop) > config.max_stop_strings:
         raise ValueError('request has {} stop strings, more than {} = {}'.format(
             len(request.stop), parameter_name('max_stop_strings'), config.max_stop_strings))
@@ -198,4 +203,5 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
         # adaptive K follows measured timings, which would change the random draws: pin K so that the same
         # seed reproduces the same output
         pinned = max(1, config.max_draft_tokens // 2)
-    return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned)
+    compiled = constraints.compile_request(request.json_schema, request.grammar)  # cached per text
+    return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned, compiled)

@@ -78,6 +78,8 @@ class GenerationRequest:
     seed: int = -1                                     # -1 = random
     drafter: str = ''                                  # '' = config default
     num_draft_tokens: int = 0                          # 0 = adaptive
+    json_schema: str = ''                              # JSON Schema text the output must match; '' = unconstrained
+    grammar: str = ''                                  # EBNF grammar (xgrammar syntax, rule root); at most one set
 
 
 @dataclass
@@ -123,6 +125,7 @@ class GenerationResult:
     finish_reason: str                 # one of FINISH_REASONS
     stats: GenerationStats
     warnings: list[str] = field(default_factory=list)  # e.g. drafter failed, fell back to plain decoding
+    structure_complete: bool = False   # the output completed the request's json_schema / grammar (False without)
 
 
 class CancelToken:

@@ -27,7 +27,8 @@ def goal_to_request(goal) -> GenerationRequest:
     return GenerationRequest(
         prompt='' if messages else goal.prompt, messages=messages or None, max_new_tokens=int(goal.max_new_tokens),
         temperature=float(goal.temperature), top_p=float(goal.top_p), top_k=int(goal.top_k), stop=list(goal.stop),
-        seed=int(goal.seed), drafter=goal.drafter, num_draft_tokens=int(goal.num_draft_tokens))
+        seed=int(goal.seed), drafter=goal.drafter, num_draft_tokens=int(goal.num_draft_tokens),
+        json_schema=goal.json_schema, grammar=goal.grammar)
 
 
 def delta_to_feedback(delta: StreamDelta) -> Generate.Feedback:
@@ -43,6 +44,7 @@ def result_to_msg(result: GenerationResult | None, error: str = '', finish_reaso
         msg.finish_reason = result.finish_reason
         stats_to_msg(result.stats, msg.stats)
         msg.warnings = list(result.warnings)
+        msg.structure_complete = bool(result.structure_complete)
     msg.error = error
     msg.finish_reason = finish_reason or msg.finish_reason
     return msg

@@ -25,6 +25,7 @@ from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
 from unique_identifier_msgs.msg import UUID
 
+from gemma_spec_ros.engine.config_file import read_constraint_files
 from gemma_spec_ros.engine.stats import format_stats
 from gemma_spec_ros.ros.diagnostics import level_name
 
@@ -67,14 +68,15 @@ class Outcome:
 
 
 def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0.0, top_k=0, stop=(),
-              seed=-1, drafter='', num_draft_tokens=0, client_id='') -> Generate.Goal:
-    """Build a Generate goal; messages are (role, content) pairs or dicts."""
+              seed=-1, drafter='', num_draft_tokens=0, client_id='', json_schema='', grammar='') -> Generate.Goal:
+    """Build a Generate goal; messages are (role, content) pairs or dicts; json_schema and grammar are text."""
     chat = [ChatMessage(role=m['role'], content=m['content']) if isinstance(m, dict)
             else ChatMessage(role=m[0], content=m[1]) for m in messages]
     return Generate.Goal(prompt=prompt, messages=chat, max_new_tokens=int(max_new_tokens),
                          temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                          stop=list(stop), seed=int(seed), drafter=drafter,
-                         num_draft_tokens=int(num_draft_tokens), client_id=client_id)
+                         num_draft_tokens=int(num_draft_tokens), client_id=client_id, json_schema=json_schema,
+                         grammar=grammar)
 
 
 class BackgroundSpinner:
@@ -328,6 +330,8 @@ def build_parser():
     parser.add_argument('--seed', type=int, default=-1, help='-1 = random')
     parser.add_argument('--drafter', default='', help="none|mtp|draft|ngram ('' = node default)")
     parser.add_argument('--num-draft-tokens', type=int, default=0, help='K, 0 = adaptive')
+    parser.add_argument('--json-schema', metavar='FILE', help='JSON Schema file the output must match')
+    parser.add_argument('--grammar', metavar='FILE', help='EBNF grammar file (xgrammar syntax, rule root)')
     parser.add_argument('--cancel-after', type=int, default=0, metavar='N', help='cancel after N tokens')
     parser.add_argument('--action', default=DEFAULT_ACTION, help='action name (default %(default)s)')
     parser.add_argument('--server-timeout', type=float, default=30.0, help='seconds to wait for the server')
@@ -340,8 +344,13 @@ def main(argv=None) -> int:
     if not args.prompt and not args.message:
         print('client: give a prompt or --message ROLE:CONTENT', file=sys.stderr)
         return 2
+    try:
+        constraint = read_constraint_files(args.json_schema, args.grammar)
+    except ValueError as error:
+        print('client: {}'.format(error), file=sys.stderr)
+        return 2
     goal = make_goal(args.prompt, args.message, args.max_new_tokens, args.temperature, args.top_p, args.top_k,
-                     args.stop, args.seed, args.drafter, args.num_draft_tokens)
+                     args.stop, args.seed, args.drafter, args.num_draft_tokens, **constraint)
     rclpy.init(args=['client'] + ros_args, signal_handler_options=SignalHandlerOptions.NO)
     client = GenerateClient(args.action)
     try:
@@ -369,6 +378,8 @@ def main(argv=None) -> int:
                                                                          outcome.cancel_latency))
     if outcome.result is not None:
         print('finish_reason: {}'.format(outcome.result.finish_reason))
+        if goal.json_schema or goal.grammar:
+            print('structure_complete: {}'.format(outcome.result.structure_complete))
         if outcome.result.error:
             print('error: {}'.format(outcome.result.error))
         for warning in outcome.result.warnings:

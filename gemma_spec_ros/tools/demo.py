@@ -5,11 +5,13 @@
 starts ``ros2 launch gemma_spec_ros orin.launch.py`` and this client as separate processes (scripts/run.sh).
 Without --client it first starts the node itself as a subprocess, as orin.launch.py would
 (``python -m gemma_spec_ros node --ros-args --params-file ...``). Either way it waits until /diagnostics say the
-engine is ready, sends a chat goal and streams its tokens, sends the same goal with plain decoding for comparison,
+engine is ready, sends a chat goal for a JSON action plan (constrained by a JSON Schema), streams its
+tokens and prints the parsed plan, sends the same goal with plain decoding for comparison,
 prints tau / latency / memory from the results and one /diagnostics sample, then serves until Ctrl-C.
 """
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -25,9 +27,14 @@ from gemma_spec_ros.engine.stats import format_stats
 from gemma_spec_ros.tools.client import GenerateClient, make_goal
 
 NODE_NAME = 'gemma_spec'
-SYSTEM = 'You are the task planner of a mobile manipulator. Answer with short Python code.'
-REQUEST = ('Write a Python function plan(robot) that drives to the kitchen table, picks up the red cup, '
-           'places it in the sink and returns True when done.')
+STEP_SCHEMA = {'type': 'object', 'properties': {'action': {'enum': ['navigate', 'pick', 'place']},
+                                                'target': {'type': 'string', 'maxLength': 32}},
+               'required': ['action', 'target']}
+PLAN_SCHEMA = {'type': 'object', 'properties': {'steps': {'type': 'array', 'items': STEP_SCHEMA, 'minItems': 1,
+                                                          'maxItems': 6}}, 'required': ['steps']}
+SYSTEM = ('You are the task planner of a mobile manipulator. Answer with a JSON action plan matching this JSON '
+          'Schema: ' + json.dumps(PLAN_SCHEMA))
+REQUEST = 'Bring the red cup from the kitchen table to the sink.'
 TOOL_HINTS = '  python -m gemma_spec_ros client "def plan(robot):" --max-new-tokens 32\n  python -m gemma_spec_ros diag'
 ROS2_CLI_HINTS = ('  ros2 action send_goal /gemma_spec/generate gemma_spec_msgs/action/Generate '
                   '"{prompt: \'def plan(robot):\', max_new_tokens: 32}" --feedback\n'
@@ -87,6 +94,18 @@ def run_goal(client, label, goal, stream):
     return outcome
 
 
+def print_plan(result):
+    """Print the parsed action plan, or why the output holds none."""
+    if not result.structure_complete:
+        print('\nno complete action plan (finish {}): {}'.format(
+            result.finish_reason, '; '.join(result.warnings) or 'the output stopped early'))
+        return
+    steps = json.loads(result.text)['steps']
+    print('\nparsed action plan ({} step{}):'.format(len(steps), '' if len(steps) == 1 else 's'))
+    for number, step in enumerate(steps, 1):
+        print('  {}. {:<8} {}'.format(number, step['action'], step['target']))
+
+
 def print_diagnostics(latest):
     print('\n=== /diagnostics ({}) ==='.format(NODE_NAME))
     for name in sorted(latest):
@@ -107,7 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument('--params-file', default=None, help='node parameters (default config/orin.yaml)')
     parser.add_argument('-p', '--param', action='append', default=[], metavar='NAME:=VALUE',
                         help='extra node parameter, e.g. engine.device:=cpu (repeatable)')
-    parser.add_argument('--max-new-tokens', type=int, default=96)
+    parser.add_argument('--max-new-tokens', type=int, default=192)
     parser.add_argument('--no-compare', action='store_true', help='skip the plain-decoding comparison goal')
     parser.add_argument('--once', action='store_true', help='stop the node after the demo goals (no serving)')
     parser.add_argument('--ready-timeout', type=float, default=600.0, help='seconds to wait for the models')
@@ -134,9 +153,11 @@ def main(argv=None) -> int:
         print('node ready ({:.1f} s after the action server appeared)'.format(time.monotonic() - started))
         if node is not None:
             node.quiet = True
-        goal = dict(messages=[('system', SYSTEM), ('user', REQUEST)], max_new_tokens=args.max_new_tokens)
-        print('\nplanner request: ' + REQUEST)
+        goal = dict(messages=[('system', SYSTEM), ('user', REQUEST)], max_new_tokens=args.max_new_tokens,
+                    json_schema=json.dumps(PLAN_SCHEMA))
+        print('\nplanner request: {}\nplan schema: {}'.format(REQUEST, json.dumps(PLAN_SCHEMA)))
         spec = run_goal(client, 'speculative (node default drafter)', make_goal(**goal), stream=True)
+        print_plan(spec.result)
         if not args.no_compare:
             plain = run_goal(client, 'plain decoding (drafter none), same goal', make_goal(drafter='none', **goal),
                              stream=False)

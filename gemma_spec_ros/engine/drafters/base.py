@@ -1,10 +1,13 @@
 """The drafter interface: start a request, propose up to k tokens, observe each target pass."""
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from ..grammar import GrammarConstraint, Lookahead, mask_logits
 from ..sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -18,6 +21,7 @@ class DraftContext:
     generator: torch.Generator | None
     min_confidence: float = 0.0        # the draft model stops at a token it gives less probability (0 = never);
                                        # the adaptive controller calibrates it per drafter
+    constraint: GrammarConstraint | None = None  # the request's json_schema / grammar; drafts must follow it
 
 
 @dataclass
@@ -62,14 +66,27 @@ class Drafter(ABC):
         """After every target pass: num_fed tokens went in, the first num_kept of them stay in the cache."""
 
 
-def draw(logits: torch.Tensor, context: DraftContext,
-         min_confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+@contextmanager
+def grammar_lookahead(context: DraftContext) -> Iterator[Lookahead | None]:
+    """Yield the grammar lookahead of one draft round (None when unconstrained); it is rolled back on exit."""
+    if context.constraint is None:
+        yield None
+        return
+    with context.constraint.lookahead() as look:
+        yield look
+
+
+def draw(logits: torch.Tensor, context: DraftContext, min_confidence: float = 0.0,
+         look: Lookahead | None = None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """
     One draft token from logits [1, vocab]: argmax when greedy (one-hot), else sampled from the processed probs.
 
     Also tells whether to keep drafting: the drafter's probability of its choice reaches min_confidence (checking
-    it costs one host sync per draft token, so it is skipped when min_confidence is 0).
+    it costs one host sync per draft token, so it is skipped when min_confidence is 0), and, under a grammar
+    (look), the token was not a stop token. A grammar masks the logits first and costs one host sync per token.
     """
+    if look is not None:
+        logits = mask_logits(logits, look.mask(logits.device))
     if context.sampling.greedy:
         token, draft_probs = logits.argmax(dim=-1), None
         top = torch.softmax(logits.float(), dim=-1).max() if min_confidence else None
@@ -77,7 +94,10 @@ def draw(logits: torch.Tensor, context: DraftContext,
         draft_probs = logits_to_probs(logits, context.sampling)  # [1, vocab]
         token = sample(draft_probs, context.generator)
         top = draft_probs.max() if min_confidence else None
-    return token, draft_probs, top is None or top.item() >= min_confidence
+    more = top is None or top.item() >= min_confidence
+    if look is not None:
+        more = look.push(token.item()) and more
+    return token, draft_probs, more
 
 
 def stack(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Proposal:

@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from .. import models
-from .base import DraftContext, Drafter, LoadContext, Proposal, draw, stack
+from .base import DraftContext, Drafter, LoadContext, Proposal, draw, grammar_lookahead, stack
 
 
 class DraftModelDrafter(Drafter):
@@ -43,18 +43,19 @@ class DraftModelDrafter(Drafter):
         feed = torch.tensor([tokens[self._cached:]], device=device)  # [1, new] accepted tokens not yet cached
         position = self._cached
         drafted, probs = [], []
-        for _ in range(k):
-            count = feed.shape[1]
-            positions = torch.arange(position, position + count, device=device).unsqueeze(0)
-            logits = self._model(input_ids=feed, position_ids=positions, cache=self._cache, use_cache=True,
-                                 logits_to_keep=1, attention_mask=models.single_token_masks(feed)).logits[:, -1]
-            position += count
-            token, draft_probs, confident = draw(logits, context, context.min_confidence)  # token [1]
-            drafted.append(token)
-            probs.append(draft_probs)
-            if not confident:
-                break
-            feed = token.unsqueeze(0)  # [1, 1]
+        with grammar_lookahead(context) as look:
+            for _ in range(k):
+                count = feed.shape[1]
+                positions = torch.arange(position, position + count, device=device).unsqueeze(0)
+                logits = self._model(input_ids=feed, position_ids=positions, cache=self._cache, use_cache=True,
+                                     logits_to_keep=1, attention_mask=models.single_token_masks(feed)).logits[:, -1]
+                position += count
+                token, draft_probs, more = draw(logits, context, context.min_confidence, look)  # token [1]
+                drafted.append(token)
+                probs.append(draft_probs)
+                if not more:
+                    break
+                feed = token.unsqueeze(0)  # [1, 1]
         self._cached = position
         self._proposed = len(drafted)
         return stack(drafted, probs)

@@ -3,7 +3,7 @@
 import torch
 
 from .. import models
-from .base import DraftContext, Drafter, LoadContext, Proposal, draw, stack
+from .base import DraftContext, Drafter, LoadContext, Proposal, draw, grammar_lookahead, stack
 
 
 class MtpDrafter(Drafter):
@@ -56,11 +56,14 @@ class MtpDrafter(Drafter):
         token = context.last_token
         hidden = self._hidden
         drafted, probs = [], []
-        for _ in range(k):
-            inputs = torch.cat([self._embed(token.unsqueeze(0)), hidden], dim=-1)  # [1, 1, 2 * hidden]
-            out = self._assistant(inputs_embeds=inputs, position_ids=position, shared_kv_states=self._shared_kv)
-            token, draft_probs, _ = draw(out.logits[:, -1], context)
-            hidden = out.last_hidden_state
-            drafted.append(token)
-            probs.append(draft_probs)
+        with grammar_lookahead(context) as look:
+            for _ in range(k):
+                inputs = torch.cat([self._embed(token.unsqueeze(0)), hidden], dim=-1)  # [1, 1, 2 * hidden]
+                out = self._assistant(inputs_embeds=inputs, position_ids=position, shared_kv_states=self._shared_kv)
+                token, draft_probs, more = draw(out.logits[:, -1], context, look=look)  # stops only at a stop token
+                hidden = out.last_hidden_state
+                drafted.append(token)
+                probs.append(draft_probs)
+                if not more:
+                    break
         return stack(drafted, probs)

@@ -39,7 +39,10 @@ class NgramDrafter(Drafter):
                 continue
             follow = self._continuation.get(tuple(tokens[-n:]))
             if follow is not None:
-                return Proposal(torch.tensor(self._continue(tokens, follow, k), device=self._device), None)
+                draft = self._continue(tokens, follow, k)
+                if context.constraint is not None:  # cut at the first token the grammar refuses
+                    draft = draft[:context.constraint.allowed_prefix_len(draft)]
+                return Proposal(torch.tensor(draft, device=self._device), None) if draft else None
         return None
 
     @staticmethod
