@@ -107,19 +107,24 @@ def speculation_stats(before: ServerCounters | None, after: ServerCounters) -> S
         mean_num_draft_tokens=drafted / drafts if drafts > 0 else 0.0)
 
 
+def metric_samples(text: str, model: str = ''):
+    """Yield (name without 'vllm:', labels, value) of the vllm: samples in Prometheus text, for one model if given."""
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line)
+        if not match or not match.group(1).startswith('vllm:'):
+            continue
+        labels = dict(_LABEL.findall(match.group(2) or ''))
+        if model and labels.get('model_name', model) != model:
+            continue
+        yield match.group(1)[len('vllm:'):], labels, float(match.group(3))
+
+
 def parse_metrics(text: str, model: str = '') -> ServerCounters:
     """ServerCounters from Prometheus text; samples labelled with another model_name are skipped."""
     counters = ServerCounters()
     per_position: dict[int, float] = {}
     kv_usage: list[float] = []
-    for line in text.splitlines():
-        match = _METRIC_LINE.match(line)
-        if not match or not match.group(1).startswith('vllm:'):
-            continue
-        name, labels, value = match.group(1)[len('vllm:'):], dict(_LABEL.findall(match.group(2) or '')), \
-            float(match.group(3))
-        if model and labels.get('model_name', model) != model:
-            continue
+    for name, labels, value in metric_samples(text, model):
         if name == 'generation_tokens_total':
             counters.generation_tokens += value
         elif name == 'spec_decode_num_drafts_total':
@@ -350,7 +355,8 @@ class VllmBackend:
 
     def request_body(self, request: GenerationRequest) -> tuple[str, dict]:
         """Return the endpoint path and JSON body for a validated request."""
-        body: dict = {'model': self._model or self.model(), 'max_tokens': request.max_new_tokens or self.max_new_tokens,
+        body: dict = {'model': self._model or self.model(),
+                      'max_tokens': request.max_new_tokens or self.max_new_tokens,
                       'temperature': float(request.temperature), 'stream': True,
                       'stream_options': {'include_usage': True}, 'return_token_ids': True}
         if request.top_p:
@@ -392,12 +398,13 @@ class VllmBackend:
         before, overlapped, error = None, False, ''
         started = time.perf_counter()
         try:
-            self.model()  # fails fast when the server is unreachable
-            path, body = self.request_body(request)
-            before = self._scrape_quietly() if self._metrics else None
-            overlapped = self._in_flight > 1 or (before is not None and before.busy)
-            started = time.perf_counter()
-            self._stream(path, body, collected, on_delta, cancel)
+            if cancel is None or not cancel.cancelled:
+                self.model()  # fails fast when the server is unreachable
+                path, body = self.request_body(request)
+                before = self._scrape_quietly() if self._metrics else None
+                overlapped = self._in_flight > 1 or (before is not None and before.busy)
+                started = time.perf_counter()
+                self._stream(path, body, collected, on_delta, cancel)
         except ServerUnavailable as exc:
             error = str(exc)
         finished = time.perf_counter()
@@ -419,8 +426,8 @@ class VllmBackend:
         stats = self._stats(collected, new_tokens, started, finished)
         result = VllmResult(''.join(collected.pieces), collected.token_ids, finish_reason, stats, [], error,
                             collected.request_id)
-        if after is not None:
-            self._fill_speculation(result, before, after, new_tokens, overlapped or after.busy)
+        if after is not None or self.drafter == 'none':
+            self._fill_speculation(result, before, after, new_tokens, overlapped or after is None or after.busy)
         return result
 
     # ----------------------------------------------------------------------------------------------- streaming
@@ -471,6 +478,10 @@ class VllmBackend:
         while True:
             try:
                 line = response.readline()
+            except TimeoutError as exc:
+                raise ServerUnavailable('vLLM server at {} sent nothing for {:g} s (request_timeout) after {} '
+                                        'tokens'.format(self.url, self.request_timeout, len(collected.token_ids))) \
+                    from exc
             except (OSError, http.client.HTTPException) as exc:
                 raise ServerUnavailable('vLLM server at {} broke the stream after {} tokens: {}'.format(
                     self.url, len(collected.token_ids), exc or type(exc).__name__)) from exc
@@ -536,16 +547,16 @@ class VllmBackend:
             stats.tokens_per_second = (streamed - arrivals[0][1]) / decode_time if decode_time > 0 else 0.0
         return stats
 
-    def _fill_speculation(self, result: VllmResult, before: ServerCounters, after: ServerCounters,
+    def _fill_speculation(self, result: VllmResult, before: ServerCounters | None, after: ServerCounters | None,
                           new_tokens: int, overlapped: bool) -> None:
-        window = speculation_stats(before, after)
         stats = result.stats
-        alone = not overlapped and window.target_passes + window.accepted_tokens == new_tokens
-        if after.drafts is None:  # plain decoding is exact per request, whatever else ran
+        if after is None or after.drafts is None:  # plain decoding is exact per request, whatever else ran
             stats.tau, stats.acceptance_rate, stats.mean_num_draft_tokens = 1.0, 0.0, 0.0
             stats.target_passes, stats.drafted_tokens, stats.accepted_tokens = new_tokens, 0, 0
             stats.per_position_acceptance = []
             return
+        window = speculation_stats(before, after)
+        alone = not overlapped and window.target_passes + window.accepted_tokens == new_tokens
         stats.tau, stats.acceptance_rate = window.tau, window.acceptance_rate
         stats.per_position_acceptance = window.per_position_acceptance
         stats.mean_num_draft_tokens = window.mean_num_draft_tokens
@@ -613,9 +624,13 @@ class VllmBackend:
             self._max_model_len = int(entry.get('max_model_len') or UNKNOWN_INT)
         return self._model
 
+    def metrics_text(self) -> str:
+        """Return the server's Prometheus /metrics text; ServerUnavailable if unreachable."""
+        return self._get('/metrics').decode('utf-8', 'replace')
+
     def counters(self) -> ServerCounters:
         """Scrape /metrics now; ServerUnavailable if unreachable."""
-        counters = parse_metrics(self._get('/metrics').decode('utf-8', 'replace'), self._model)
+        counters = parse_metrics(self.metrics_text(), self._model)
         self._speculating = counters.drafts is not None
         return counters
 

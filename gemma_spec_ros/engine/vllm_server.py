@@ -197,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         venv=args.venv, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
         enforce_eager=not args.compile, threads=args.threads,
         speculative_config=ngram_speculative_config(args.ngram) if args.ngram else None))
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored there)
+        signal.signal(signum, interrupt)
     try:
         server.start(progress=lambda message: print(message, flush=True))
         print('serving {} as {!r} on {}; Ctrl-C stops'.format(args.model, args.served_model_name, server.url),
