@@ -16,8 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from gemma_spec_ros.engine.types import GenerationRequest
-from gemma_spec_ros.engine.vllm_backend import VllmBackend, metric_samples
+from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest
+from gemma_spec_ros.engine.vllm_backend import VllmBackend, VllmConfig, metric_samples
 from gemma_spec_ros.engine.vllm_server import (
     DEFAULT_TARGET,
     REPO_ROOT,
@@ -66,7 +66,7 @@ def run_backend(backend: VllmBackend, prompt_ids: list[int], max_new: int) -> di
 
 def run_concurrent(url: str, prompts: list[list[int]], max_new: int, clients: int) -> float:
     """Each client (its own backend, like a node) runs every prompt in turn; aggregate tokens/s over the wall."""
-    backends = [VllmBackend(url, 'target', metrics=False) for _ in range(clients)]
+    backends = [VllmBackend(EngineConfig(), VllmConfig(url=url, model='target', metrics=False)) for _ in range(clients)]
     tokens = [0] * clients
 
     def client(index):
@@ -92,7 +92,7 @@ def run_phase(engine, name: str, speculative: dict | None, drafter: str, prompts
                                          extra_args=['--no-enable-prefix-caching']))
     server.start(progress=lambda message: print(message, flush=True))
     try:
-        backend = VllmBackend(server.url, 'target')
+        backend = VllmBackend(EngineConfig(), VllmConfig(url=server.url, model='target'))
         run_local(engine, prompts[0], 8, drafter)   # warm-up
         run_backend(backend, prompts[0], 8)
         local, served = [], []

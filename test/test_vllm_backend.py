@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.engine.types import CancelToken, GenerationRequest
+from gemma_spec_ros.engine.types import CancelToken, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.vllm_backend import (
     ServerCounters,
     VllmBackend,
+    VllmConfig,
+    VllmPlan,
     parse_metrics,
     speculation_stats,
 )
@@ -69,8 +71,9 @@ def test_metrics_give_tau_and_acceptance_of_the_window():
 
 
 def test_validate_refuses_what_the_server_cannot_honour():
-    backend = VllmBackend('http://127.0.0.1:9', 'target', drafter='ngram')
-    backend.validate(GenerationRequest(prompt='hi', drafter='ngram'))
+    backend = _backend('http://127.0.0.1:9', drafter='ngram')
+    plan = backend.validate(GenerationRequest(prompt='hi', drafter='ngram'))
+    assert isinstance(plan, VllmPlan) and plan.max_new_tokens == EngineConfig().max_new_tokens
     for request, field in ((GenerationRequest(prompt='hi', drafter='mtp'), 'drafter'),
                            (GenerationRequest(prompt='hi', num_draft_tokens=3), 'num_draft_tokens'),
                            (GenerationRequest(), 'empty request'),
@@ -78,6 +81,8 @@ def test_validate_refuses_what_the_server_cannot_honour():
                            (GenerationRequest(prompt='hi', top_p=1.5), 'top_p'),
                            (GenerationRequest(prompt='hi', temperature=-1.0), 'temperature'),
                            (GenerationRequest(prompt='hi', stop=['']), 'stop'),
+                           (GenerationRequest(prompt='hi', seed=-5), 'seed'),
+                           (GenerationRequest(prompt='x' * 40000), 'max_prompt_chars'),
                            (GenerationRequest(prompt_ids=[1, -2]), 'prompt_ids'),
                            (GenerationRequest(messages=[{'role': 'user'}]), 'messages[0]')):
         with pytest.raises(ValueError, match=re.escape(field)):
@@ -86,28 +91,29 @@ def test_validate_refuses_what_the_server_cannot_honour():
         backend.set_default_num_draft_tokens(2)
     with pytest.raises(ValueError, match='drafter'):
         backend.set_default_drafter('mtp')
-    with pytest.raises(ValueError, match='url'):
-        VllmBackend('127.0.0.1:8000')
+    with pytest.raises(ValueError, match='vllm.url'):
+        _backend('127.0.0.1:8000')
 
 
 def test_request_fields_map_to_the_openai_api():
-    backend = VllmBackend('http://127.0.0.1:9', 'target', max_new_tokens=33)
-    path, body = backend.request_body(GenerationRequest(prompt='hi', temperature=0.5, top_p=0.9, top_k=40,
-                                                        seed=7, stop=['END']))
+    backend = VllmBackend(EngineConfig(max_new_tokens=33), VllmConfig(url='http://127.0.0.1:9', model='target'))
+    path, body = backend.request_body(backend.validate(GenerationRequest(prompt='hi', temperature=0.5, top_p=0.9,
+                                                                         top_k=40, seed=7, stop=['END'])))
     assert path == '/v1/completions' and body['prompt'] == 'hi' and body['model'] == 'target'
     assert (body['max_tokens'], body['temperature'], body['top_p'], body['top_k'], body['seed'], body['stop']) == \
         (33, 0.5, 0.9, 40, 7, ['END'])
     assert body['stream'] and body['return_token_ids'] and body['stream_options'] == {'include_usage': True}
-    path, body = backend.request_body(GenerationRequest(prompt_ids=[2, 17], max_new_tokens=5))
+    path, body = backend.request_body(backend.validate(GenerationRequest(prompt_ids=[2, 17], max_new_tokens=5)))
     assert (path, body['prompt'], body['max_tokens'], body['temperature']) == ('/v1/completions', [2, 17], 5, 0.0)
     assert not {'top_p', 'top_k', 'seed', 'stop'} & set(body)   # 0 / -1 / empty mean "off": not sent
-    path, body = backend.request_body(GenerationRequest(messages=[{'role': 'user', 'content': 'hi'}]))
+    path, body = backend.request_body(backend.validate(GenerationRequest(messages=[{'role': 'user',
+                                                                                   'content': 'hi'}])))
     assert path == '/v1/chat/completions' and body['messages'] == [{'role': 'user', 'content': 'hi'}]
 
 
 def test_unreachable_server_gives_an_error_result_naming_the_url():
     url = 'http://127.0.0.1:{}'.format(_free_port())
-    backend = VllmBackend(url, 'target', connect_timeout=1.0)
+    backend = _backend(url, connect_timeout=1.0)
     result = backend.generate(GenerationRequest(prompt='hi', max_new_tokens=4))
     assert result.finish_reason == 'error' and url in result.error and result.text == ''
     status = backend.status()
@@ -127,7 +133,7 @@ def server():
 
 @pytest.fixture(scope='module')
 def backend(server):
-    return VllmBackend(server.url, 'target', drafter='ngram', speculative_sampling=False)
+    return _backend(server.url, drafter='ngram', speculative_sampling=False)
 
 
 @pytest.fixture(scope='module')
@@ -214,7 +220,7 @@ def test_cancel_mid_stream_stops_the_server_request(backend, server):
 
 
 def test_two_clients_share_the_server_concurrently(server):
-    clients = [VllmBackend(server.url, 'target') for _ in range(2)]
+    clients = [_backend(server.url) for _ in range(2)]
     results, spans = [None, None], [[], []]
 
     def run(index):
@@ -253,7 +259,7 @@ def test_tau_equals_tau_from_the_server_counters(backend):
 
 def test_server_down_then_back_through_a_proxy(server):
     proxy = _Proxy(server.port)
-    backend = VllmBackend('http://127.0.0.1:{}'.format(proxy.port), 'target', connect_timeout=2.0)
+    backend = _backend('http://127.0.0.1:{}'.format(proxy.port), connect_timeout=2.0)
     request = GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=32)
     assert backend.generate(request).finish_reason == 'length'
     proxy.stop()
@@ -297,6 +303,10 @@ def test_server_stopped_mid_goal_ends_with_the_partial_text(backend, server):
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+def _backend(url: str, **vllm) -> VllmBackend:
+    return VllmBackend(EngineConfig(), VllmConfig(url=url, model='target', **vllm))
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(('127.0.0.1', 0))

