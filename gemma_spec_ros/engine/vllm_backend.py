@@ -305,7 +305,7 @@ class VllmBackend:
 
     def set_default_drafter(self, name: str) -> None:
         """Accept only the method the server runs (or ''): the server fixes it at start."""
-        self._check_drafter(name, 'drafter')
+        self._check_drafter(name)
 
     def set_default_num_draft_tokens(self, k: int) -> None:
         """Accept only 0 (the server's own K): the server fixes num_speculative_tokens at start."""
@@ -313,17 +313,17 @@ class VllmBackend:
             raise ValueError('num_draft_tokens is fixed by the vLLM server (--speculative-config '
                              'num_speculative_tokens); only 0 is accepted with the vllm backend, got {}'.format(k))
 
-    def _check_drafter(self, name: str, what: str) -> None:
+    def _check_drafter(self, name: str) -> None:
         if name and name != self.drafter:
-            raise ValueError('{} {!r} cannot be chosen with the vllm backend: the server at {} runs {!r}, fixed '
-                             'by its --speculative-config; leave {} empty'.format(
-                                 what, name, self.url, self.drafter or 'its configured method', what))
+            raise ValueError('drafter {!r} cannot be chosen with the vllm backend: the server at {} runs {!r}, fixed '
+                             'by its --speculative-config; leave drafter empty'.format(
+                                 name, self.url, self.drafter or 'its configured method'))
 
     # ----------------------------------------------------------------------------------------------- requests
     def validate(self, request: GenerationRequest) -> VllmPlan:
         """Check a request against the engine's rules and the server's limits (no generation); ValueError if not."""
         sampling = check_fields(request, self.config)
-        self._check_drafter(request.drafter, 'drafter')
+        self._check_drafter(request.drafter)
         if request.num_draft_tokens:
             raise ValueError('num_draft_tokens cannot be set per request with the vllm backend: the server fixes '
                              'K at start (--speculative-config); leave it 0, got {}'.format(request.num_draft_tokens))
