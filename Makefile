@@ -1,4 +1,4 @@
-# The two commands: `make run` (main job on the bundled models) and `make test`.
+# The two commands: `make run` (ros2 launch of the node on the bundled models + the planner demo) and `make test`.
 SHELL := /bin/bash
 ENV := source scripts/env.sh
 PARAMS ?= config/orin.yaml
@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	@$(ENV) && python -m gemma_spec_ros demo --params-file $(PARAMS)
+	@bash scripts/run.sh $(PARAMS)
 
 test: setup
 	@$(ENV) && python -m pytest test -q -p no:cacheprovider $(PYTEST_ARGS)

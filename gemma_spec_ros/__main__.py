@@ -1,6 +1,7 @@
 """Command line: ``python -m gemma_spec_ros <command> [--help]``."""
 
 import importlib
+import os
 import sys
 
 # command -> (module with main(argv) -> int, one-line summary)
@@ -18,6 +19,11 @@ COMMANDS = {
 }
 
 
+# Commands that end with os._exit once they have shut down: the interpreter's teardown of torch and transformers
+# (module garbage collection) takes seconds, past the 5 s ros2 launch waits after SIGINT before it sends SIGTERM.
+FAST_EXIT_COMMANDS = ('node',)
+
+
 def usage() -> str:
     lines = ['usage: python -m gemma_spec_ros <command> [args...]', '', 'commands:']
     lines += ['  {:<10} {}'.format(name, summary) for name, (_, summary) in COMMANDS.items()]
@@ -30,6 +36,15 @@ def run_command(name: str, argv: list) -> int:
     module = importlib.import_module(module_name)
     entry = getattr(module, name + '_main', None) or module.main
     return entry(argv) or 0
+
+
+def exit_process(name: str, code: int):
+    """Exit with code; without interpreter teardown for FAST_EXIT_COMMANDS (their main() shut everything down)."""
+    if name in FAST_EXIT_COMMANDS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv=None) -> int:
@@ -46,7 +61,7 @@ def main(argv=None) -> int:
 
 def _console(name):
     def entry():
-        sys.exit(run_command(name, sys.argv[1:]))
+        exit_process(name, run_command(name, sys.argv[1:]))
     entry.__name__ = name + '_main'
     return entry
 
@@ -61,4 +76,5 @@ train_main = _console('train')
 bench_main = _console('bench')
 
 if __name__ == '__main__':
-    sys.exit(main())
+    args = sys.argv[1:]
+    exit_process(args[0] if args else '', main(args))

@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random-weight Gemma 4 models saved like real checkpoints (safetensors + tokenizer)."""
 
+import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +13,25 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TEST_THREADS = int(os.environ.get('GEMMA_SPEC_TEST_THREADS', '1'))
 TOKENIZER_DIR = REPO_ROOT / 'models' / 'tokenizer'
 SLIDING_WINDOW = 16
+
+# Why node-level and ros2-tool tests skip (scripts/setup.sh installs these from the ROS 2 Python tools wheelhouse).
+NO_DIAGNOSTIC_UPDATER = ('diagnostic_updater is not installed: run scripts/setup.sh with the ROS 2 Python tools '
+                         'wheelhouse (../shared/ros2-python or GEMMA_SPEC_ROS2_PYTHON), or source ROS 2')
+
+
+def missing_ros2_tools():
+    """Why `ros2 launch gemma_spec_ros` cannot run here ('' when it can): tools, launch_pytest, colcon overlay."""
+    for module in ('diagnostic_updater', 'launch_ros', 'launch_pytest', 'ros2cli', 'composition_interfaces'):
+        if importlib.util.find_spec(module) is None:
+            return 'the ROS 2 Python tools are not installed (no {}): {}'.format(
+                module, NO_DIAGNOSTIC_UPDATER.split(': ', 1)[1])
+    if shutil.which('ros2') is None:
+        return 'no ros2 command on PATH: source scripts/env.sh'
+    prefixes = os.environ.get('AMENT_PREFIX_PATH', '').split(os.pathsep)
+    if not any(os.path.isfile(os.path.join(prefix, 'share', 'ament_index', 'resource_index', 'packages',
+                                           'gemma_spec_ros')) for prefix in prefixes if prefix):
+        return 'gemma_spec_ros is not in the ament index: source scripts/env.sh after scripts/setup.sh built build/ws'
+    return ''
 
 
 @dataclass

@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import NO_DIAGNOSTIC_UPDATER
+
+pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
+
 from gemma_spec_msgs.msg import GenerateResponse
 from rclpy.serialization import deserialize_message, serialize_message
 from rosbags.rosbag2 import Reader, Writer

@@ -6,6 +6,10 @@ import threading
 import time
 
 import pytest
+from conftest import NO_DIAGNOSTIC_UPDATER
+
+pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
+
 from rcl_interfaces.msg import Parameter as ParameterMsg
 from rcl_interfaces.msg import ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters

@@ -1,17 +1,16 @@
 """
-diagnostic_updater for the node: the ROS package when installed (robot), else a compatible fallback.
+/diagnostics of the node with diagnostic_updater: its tasks as pure functions of a snapshot, testable without spinning.
 
-The fallback follows diagnostic_updater's Python API and conventions: ``Updater(node, period)`` reads the
-parameter ``diagnostic_updater.period``, ``setHardwareID``, ``add(name, fn)`` / ``add(task)``, a task that
-sets nothing reports ERROR, status names are prefixed with the node name, and one DiagnosticArray per
-period is published on ``/diagnostics``.
+The node builds a ``diagnostic_updater.Updater`` (period from the parameter ``diagnostic_updater.period``), sets
+``diagnostics.hardware_id`` and adds the tasks 'engine', 'generation', 'memory' (the fill_* functions below) and
+:class:`PeriodStatus`; the updater prefixes each status name with the node name ('gemma_spec: engine').
 """
 
 import threading
 from collections import deque
 
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
+from diagnostic_msgs.msg import DiagnosticStatus
+from diagnostic_updater import FrequencyStatus, FrequencyStatusParam, Updater  # noqa: F401 (Updater: the node's)
 
 from gemma_spec_ros.engine.stats import MIB, percentile, read_process_memory, token_gaps
 
@@ -21,134 +20,30 @@ ERROR = DiagnosticStatus.ERROR
 STALE = DiagnosticStatus.STALE
 LEVEL_NAMES = {OK: 'OK', WARN: 'WARN', ERROR: 'ERROR', STALE: 'STALE'}
 
-PERIOD_PARAMETER = 'diagnostic_updater.period'
+PERIOD_PARAMETER = 'diagnostic_updater.period'  # declared by diagnostic_updater.Updater
+PERIOD_TOLERANCE = 0.5  # PeriodStatus: WARN outside [0.5, 1.5] x the configured rate
+PERIOD_WINDOW = 5       # PeriodStatus: updates the measured rate is averaged over
 
 
-class FallbackStatusWrapper(DiagnosticStatus):
-    """A DiagnosticStatus with diagnostic_updater's helpers for summary and key/values."""
+class PeriodStatus(FrequencyStatus):
+    """
+    diagnostic_updater's FrequencyStatus of the updater's own runs ('diagnostics period').
 
-    def summary(self, *args):
-        """Set level and message from a status, or from (level, message)."""
-        if len(args) == 1:
-            self.level, self.message = args[0].level, args[0].message
-        elif len(args) == 2:
-            self.level, self.message = args[0], str(args[1])
-        else:
-            raise TypeError('summary() takes a status or (level, message)')
+    Each /diagnostics update ticks it, so it measures the rate at which the node's executor actually runs the
+    updater timer: WARN ('Frequency too low.') when /diagnostics come out slower than 1 / diagnostic_updater.period
+    (a starved executor), with FrequencyStatus's keys 'Actual frequency (Hz)', 'Target frequency (Hz)', ...
+    """
 
-    def clearSummary(self):  # noqa: N802 (diagnostic_updater's name)
-        self.summary(OK, '')
-
-    def mergeSummary(self, *args):  # noqa: N802
-        """Keep the higher level; join messages of equally (non-)OK levels with '; '."""
-        if len(args) == 1:
-            level, message = args[0].level, args[0].message
-        elif len(args) == 2:
-            level, message = args[0], str(args[1])
-        else:
-            raise TypeError('mergeSummary() takes a status or (level, message)')
-        if (level > OK) == (self.level > OK):
-            self.message = '; '.join(m for m in (self.message, message) if m)
-        elif level > self.level:
-            self.message = message
-        self.level = max(self.level, level)
-
-    def add(self, key, value):
-        self.values.append(KeyValue(key=str(key), value=str(value)))
-
-
-class _FunctionTask:
-    def __init__(self, name, fn):
-        self.name = name
-        self._fn = fn
+    def __init__(self, period):
+        if period <= 0:
+            raise ValueError('{} must be > 0, got {}'.format(PERIOD_PARAMETER, period))
+        rate = 1.0 / float(period)
+        super().__init__(FrequencyStatusParam({'min': rate, 'max': rate}, PERIOD_TOLERANCE, PERIOD_WINDOW),
+                         'diagnostics period')
 
     def run(self, stat):
-        return self._fn(stat)
-
-
-class FallbackUpdater:
-    """Runs tasks every ``diagnostic_updater.period`` seconds and publishes them on /diagnostics."""
-
-    def __init__(self, node, period=1.0):
-        self._node = node
-        self._lock = threading.Lock()
-        self._tasks = []
-        self._hardware_id = ''
-        self._warned_no_hardware_id = False
-        if node.has_parameter(PERIOD_PARAMETER):
-            period = node.get_parameter(PERIOD_PARAMETER).value
-        else:
-            period = node.declare_parameter(PERIOD_PARAMETER, float(period), ParameterDescriptor(
-                description='seconds between /diagnostics updates',
-                floating_point_range=[FloatingPointRange(from_value=0.05, to_value=60.0)],
-                read_only=True)).value
-        self.period = float(period)
-        self._publisher = node.create_publisher(DiagnosticArray, '/diagnostics', 1)
-        self._timer = node.create_timer(self.period, self.update)
-
-    def setHardwareID(self, hardware_id):  # noqa: N802
-        self._hardware_id = str(hardware_id)
-
-    def add(self, *args):
-        """Add a task object with .name and .run(stat), or a name and a function fn(stat) -> stat."""
-        if len(args) == 1:
-            task = args[0]
-            name = task.getName() if hasattr(task, 'getName') else task.name
-            task = _FunctionTask(name, task.run)
-        elif len(args) == 2:
-            task = _FunctionTask(*args)
-        else:
-            raise TypeError('add() takes a task or (name, fn)')
-        with self._lock:
-            self._tasks.append(task)
-
-    def run_tasks(self):
-        """Run every task once and return the statuses (names not yet prefixed)."""
-        statuses = []
-        with self._lock:
-            tasks = list(self._tasks)
-        for task in tasks:
-            stat = FallbackStatusWrapper(level=ERROR, name=task.name, message='No message was set',
-                                         hardware_id=self._hardware_id)
-            stat = task.run(stat) or stat
-            statuses.append(stat)
-        return statuses
-
-    def update(self):
-        statuses = self.run_tasks()
-        if not self._hardware_id and not self._warned_no_hardware_id:
-            self._node.get_logger().warning('diagnostic_updater: no hardware_id was set')
-            self._warned_no_hardware_id = True
-        self.publish(statuses)
-
-    def force_update(self):
-        self.update()
-
-    def broadcast(self, level, message):
-        statuses = []
-        with self._lock:
-            for task in self._tasks:
-                stat = FallbackStatusWrapper(name=task.name, hardware_id=self._hardware_id)
-                stat.summary(level, message)
-                statuses.append(stat)
-        self.publish(statuses)
-
-    def publish(self, statuses):
-        array = DiagnosticArray()
-        array.header.stamp = self._node.get_clock().now().to_msg()
-        for stat in statuses if isinstance(statuses, list) else [statuses]:
-            array.status.append(DiagnosticStatus(
-                level=stat.level, name='{}: {}'.format(self._node.get_name(), stat.name),
-                message=stat.message, hardware_id=stat.hardware_id, values=list(stat.values)))
-        self._publisher.publish(array)
-
-
-try:
-    from diagnostic_updater import DiagnosticStatusWrapper, Updater  # ROS package (robot)
-    USING_FALLBACK = False
-except ImportError:
-    DiagnosticStatusWrapper, Updater = FallbackStatusWrapper, FallbackUpdater
-    USING_FALLBACK = True
+        self.tick()
+        return super().run(stat)
 
 
 def level_name(level) -> str:

@@ -59,6 +59,7 @@ class GemmaSpecNode(Node):
         self._updater.add('engine', self._engine_task)
         self._updater.add('generation', self._generation_task)
         self._updater.add('memory', self._memory_task)
+        self._updater.add(diagnostics.PeriodStatus(self._updater.period))
         self.add_on_set_parameters_callback(self._on_set_parameters)
 
         self._action_server = ActionServer(

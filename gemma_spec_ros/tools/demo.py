@@ -1,10 +1,12 @@
 """
-``make run``: start the node as the launch file does, stream a planner-style goal, show the figures, keep serving.
+``make run``: stream a planner-style goal through the node's action, show the figures, keep serving until Ctrl-C.
 
-``python -m gemma_spec_ros demo --params-file config/orin.yaml`` runs
-``python -m gemma_spec_ros node --ros-args --params-file ...`` as a subprocess, waits until /diagnostics say
-the engine is ready, sends a chat goal and streams its tokens, sends the same goal with plain decoding for
-comparison, prints tau / latency / memory from the results and one /diagnostics sample, then serves until Ctrl-C.
+``python -m gemma_spec_ros demo --client`` is the planner side only, against a node that is already running: make run
+starts ``ros2 launch gemma_spec_ros orin.launch.py`` and this client as separate processes (scripts/run.sh).
+Without --client it first starts the node itself as a subprocess, as orin.launch.py would
+(``python -m gemma_spec_ros node --ros-args --params-file ...``). Either way it waits until /diagnostics say the
+engine is ready, sends a chat goal and streams its tokens, sends the same goal with plain decoding for comparison,
+prints tau / latency / memory from the results and one /diagnostics sample, then serves until Ctrl-C.
 """
 
 import argparse
@@ -26,6 +28,10 @@ NODE_NAME = 'gemma_spec'
 SYSTEM = 'You are the task planner of a mobile manipulator. Answer with short Python code.'
 REQUEST = ('Write a Python function plan(robot) that drives to the kitchen table, picks up the red cup, '
            'places it in the sink and returns True when done.')
+TOOL_HINTS = '  python -m gemma_spec_ros client "def plan(robot):" --max-new-tokens 32\n  python -m gemma_spec_ros diag'
+ROS2_CLI_HINTS = ('  ros2 action send_goal /gemma_spec/generate gemma_spec_msgs/action/Generate '
+                  '"{prompt: \'def plan(robot):\', max_new_tokens: 32}" --feedback\n'
+                  '  ros2 topic echo --once /diagnostics\n' + TOOL_HINTS)
 
 
 def default_params_file() -> str:
@@ -96,6 +102,8 @@ def print_diagnostics(latest):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros demo', description=__doc__.strip().split('\n')[0])
+    parser.add_argument('--client', action='store_true',
+                        help='only the planner client, against a node already running (e.g. from ros2 launch)')
     parser.add_argument('--params-file', default=None, help='node parameters (default config/orin.yaml)')
     parser.add_argument('-p', '--param', action='append', default=[], metavar='NAME:=VALUE',
                         help='extra node parameter, e.g. engine.device:=cpu (repeatable)')
@@ -104,24 +112,28 @@ def main(argv=None) -> int:
     parser.add_argument('--once', action='store_true', help='stop the node after the demo goals (no serving)')
     parser.add_argument('--ready-timeout', type=float, default=600.0, help='seconds to wait for the models')
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    params_file = os.path.abspath(args.params_file or default_params_file())
-    if not os.path.exists(params_file):
+    if args.client and (args.params_file or args.param):
+        parser.error('--params-file and --param configure the node this demo starts; --client starts none')
+    params_file = None if args.client else os.path.abspath(args.params_file or default_params_file())
+    if params_file is not None and not os.path.exists(params_file):
         print('demo: params file {} not found'.format(params_file), file=sys.stderr)
         return 2
 
     for signum in (signal.SIGINT, signal.SIGTERM):  # also when started with SIGINT ignored (background)
         signal.signal(signum, signal.default_int_handler)
-    node = NodeProcess(params_file, args.param)
+    node = None if args.client else NodeProcess(params_file, args.param)
     rclpy.init(args=['demo'], signal_handler_options=SignalHandlerOptions.NO)
     client = GenerateClient('/{}/generate'.format(NODE_NAME), 'gemma_spec_demo')
     code = 0
     try:
-        if not client.wait_for_server(args.ready_timeout) or not node.alive():
-            raise RuntimeError('the node did not start (see the [node] lines above)')
+        if not client.wait_for_server(args.ready_timeout) or (node is not None and not node.alive()):
+            raise RuntimeError('the node did not start (see the [node] lines above)' if node is not None else
+                               'no action server /{}/generate within {} s'.format(NODE_NAME, args.ready_timeout))
         started = time.monotonic()
         client.wait_until_ready(NODE_NAME, args.ready_timeout)
         print('node ready ({:.1f} s after the action server appeared)'.format(time.monotonic() - started))
-        node.quiet = True
+        if node is not None:
+            node.quiet = True
         goal = dict(messages=[('system', SYSTEM), ('user', REQUEST)], max_new_tokens=args.max_new_tokens)
         print('\nplanner request: ' + REQUEST)
         spec = run_goal(client, 'speculative (node default drafter)', make_goal(**goal), stream=True)
@@ -135,21 +147,21 @@ def main(argv=None) -> int:
         if latest:
             print_diagnostics(latest)
         if not args.once:
-            print('\nserving /{}/generate until Ctrl-C; try:\n  python -m gemma_spec_ros client "def plan(robot):" '
-                  '--max-new-tokens 32\n  python -m gemma_spec_ros diag'.format(NODE_NAME), flush=True)
-            while node.alive():
+            print('\nserving /{}/generate until Ctrl-C; try:\n{}'.format(
+                NODE_NAME, ROS2_CLI_HINTS if node is None else TOOL_HINTS), flush=True)
+            while node is None or node.alive():
                 time.sleep(0.5)
             print('the node exited', file=sys.stderr)
             code = 1
     except KeyboardInterrupt:
-        print('\nCtrl-C: stopping the node')
+        print('\nCtrl-C: stopping the ' + ('client' if node is None else 'node'), flush=True)
     except RuntimeError as error:
         print('demo: {}'.format(error), file=sys.stderr)
         code = 1
     finally:
         client.close()
         rclpy.try_shutdown()
-        node_code = node.stop()
+        node_code = 0 if node is None else node.stop()
     if node_code not in (0, -signal.SIGINT):
         print('demo: the node exited with code {}'.format(node_code), file=sys.stderr)
         code = code or 1
