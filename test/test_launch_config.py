@@ -23,7 +23,7 @@ from gemma_spec_ros.ros.node import GemmaSpecNode
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_FILE = REPO / 'launch' / 'orin.launch.py'
 CONFIG = REPO / 'config' / 'orin.yaml'
-ARGUMENTS = {'params_file', 'namespace', 'log_level', 'device', 'drafter'}
+ARGUMENTS = {'params_file', 'namespace', 'log_level', 'device', 'drafter', 'backend', 'vllm_url'}
 DOMAIN_ID = 11 + (os.getpid() + 67) % 80
 
 

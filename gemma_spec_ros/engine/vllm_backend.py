@@ -50,6 +50,7 @@ from .types import (
 
 UNKNOWN_FLOAT = math.nan
 UNKNOWN_INT = -1
+SERVER_WIDE_WARNING = 'tau and acceptance are server-wide: other requests ran on the server during this one'
 SERVER_DRAFTER = 'server'    # drafter label when the server speculates with a method not named in the config
 _METRIC_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -570,8 +571,7 @@ class VllmBackend:
             stats.drafted_tokens, stats.accepted_tokens = int(window.drafted_tokens), int(window.accepted_tokens)
         else:
             result.server_wide = True
-            result.warnings.append('tau and acceptance are server-wide: other requests ran on the server '
-                                   'during this one')
+            result.warnings.append(SERVER_WIDE_WARNING)
 
     def _scrape_after(self, before: ServerCounters, new_tokens: int, finish_reason: str) -> ServerCounters | None:
         """Scrape after the stream; vLLM records an iteration's counters just after streaming it: wait briefly."""
