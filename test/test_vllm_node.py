@@ -82,7 +82,7 @@ def test_a_goal_streams_and_succeeds(context, server):
         assert outcome.status == 'succeeded', outcome.result.error
         result = outcome.result
         assert result.finish_reason == 'length' and result.stats.new_tokens == 48 and result.stats.drafter == 'ngram'
-        assert len(outcome.feedback) > 1 and outcome.streamed_text() == result.text and result.text.strip()
+        assert len(outcome.feedback) > 1 and outcome.streamed_text == result.text and result.text.strip()
         level, message, values = engine_status(client, 'vllm_node_a', lambda e: e[0] == 'OK')[:3]
         assert server.url in message and values['url'] == server.url and values['model'] == 'target'
         assert values['speculation'] == 'on' and int(values['K']) == NGRAM_K
@@ -115,7 +115,7 @@ def test_server_down_aborts_then_back_recovers_without_restart(context, server):
 
             lost = client.send(make_goal(CODE_PROMPT, max_new_tokens=1500), on_feedback=on_feedback)
             assert lost.status == 'aborted' and lost.result.finish_reason == 'error' and url in lost.result.error
-            assert lost.result.text and lost.result.text == lost.streamed_text()
+            assert lost.result.text and lost.result.text == lost.streamed_text
             assert 0 < lost.result.stats.new_tokens < 1500
             proxy.start()
             again = client.send(make_goal(CODE_PROMPT, max_new_tokens=8))
