@@ -28,7 +28,7 @@ from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
-from gemma_spec_ros.engine.vllm_backend import VllmBackend
+from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING, VllmBackend
 from gemma_spec_ros.ros import diagnostics, parameters
 from gemma_spec_ros.ros.conversions import delta_to_feedback, goal_to_request, result_to_msg
 from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
@@ -218,8 +218,9 @@ class GemmaSpecNode(Node):
         """Set the goal's terminal state and build its result."""
         engine_finish = job.result.finish_reason if job.result is not None else ''
         if job.result is not None:
-            for warning in job.result.warnings:
-                self.get_logger().warning('goal {}: {}'.format(_short_id(goal_handle), warning))
+            for warning in job.result.warnings:  # a vLLM server's overlapping requests are normal: debug
+                log = self.get_logger().debug if warning == SERVER_WIDE_WARNING else self.get_logger().warning
+                log('goal {}: {}'.format(_short_id(goal_handle), warning))
         if job.client_cancelled and engine_finish in ('cancelled', ''):
             result = result_to_msg(job.result, finish_reason='cancelled')
             deadline = time.monotonic() + CANCEL_STATE_TIMEOUT
