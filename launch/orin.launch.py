@@ -9,15 +9,17 @@ from launch_ros.actions import Node
 
 from launch import LaunchDescription
 
-OVERRIDES = ('device', 'drafter')  # launch arguments that override engine.<name> when not empty
+# launch argument -> the parameter it overrides when not empty
+OVERRIDES = {'device': 'engine.device', 'drafter': 'engine.drafter', 'backend': 'engine.backend',
+             'vllm_url': 'vllm.url'}
 
 
 def _node(context):
     overrides = {}
-    for name in OVERRIDES:
-        value = LaunchConfiguration(name).perform(context)
+    for argument, parameter in OVERRIDES.items():
+        value = LaunchConfiguration(argument).perform(context)
         if value:
-            overrides['engine.' + name] = value
+            overrides[parameter] = value
     return [Node(
         package='gemma_spec_ros',
         executable='gemma_spec_node',
@@ -42,5 +44,9 @@ def generate_launch_description():
                               description="override engine.device: auto|cpu|cuda ('' = keep the params file's)"),
         DeclareLaunchArgument('drafter', default_value='',
                               description="override engine.drafter: none|mtp|draft|ngram ('' = keep the file's)"),
+        DeclareLaunchArgument('backend', default_value='',
+                              description="override engine.backend: local|vllm ('' = keep the file's)"),
+        DeclareLaunchArgument('vllm_url', default_value='',
+                              description="override vllm.url, the vLLM server of backend vllm ('' = keep the file's)"),
         OpaqueFunction(function=_node),
     ])

@@ -16,6 +16,7 @@ from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 
 from gemma_spec_ros.engine.types import DisabledDrafter, EngineStatus, GenerationStats
+from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING, VllmStatus, unknown_stats
 from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.ros.diagnostics import ERROR, OK, STALE, WARN, PeriodStatus, Updater
 
@@ -70,6 +71,37 @@ def test_disabled_drafter_is_an_error_naming_role_path_and_cause():
         assert part in stat.message, part
     assert values(stat)['speculation'] == 'off (drafter disabled)'
     assert values(stat)['disabled drafter mtp'] == 'MTP assistant /models/assistant: ' + broken.cause
+
+
+def test_server_backend_status_error_with_the_url_else_its_figures():
+    metrics = diagnostics.GenerationMetrics()
+    url = 'http://gpu-server:8000'
+    down = VllmStatus(url=url, error='vLLM server at {} is unreachable: refused'.format(url))
+    stat = diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', down, metrics)
+    assert stat.level == ERROR and url in stat.message and values(stat)['url'] == url
+    assert values(stat)['state'] == 'ready'   # the node serves on: goals end with the reason
+    up = VllmStatus(url=url, reachable=True, model='gemma', drafter='ngram', speculating=True, num_draft_tokens=4,
+                    requests_running=2, requests_waiting=1, kv_cache_usage=0.25, tau_lifetime=1.5)
+    stat = diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', up, metrics)
+    assert stat.level == OK and url in stat.message and 'gemma' in stat.message
+    assert (values(stat)['requests running'], values(stat)['requests waiting']) == ('2', '1')
+    assert (values(stat)['KV-cache usage'], values(stat)['tau (lifetime)']) == ('0.250', '1.500')
+    unknown = VllmStatus(url=url, reachable=True, model='gemma', drafter='none')   # NaN figures: 'unknown'
+    assert values(diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', unknown, metrics))[
+        'KV-cache usage'] == 'unknown'
+
+
+def test_unknown_server_figures_stay_out_of_the_window():
+    metrics = diagnostics.GenerationMetrics()
+    metrics.record('succeeded', result(new_tokens=10, passes=5, drafted=8, accepted=5))
+    server_wide = unknown_stats()   # tau NaN, counts -1: another request overlapped on the server
+    server_wide.new_tokens, server_wide.tokens_per_second = 12, 40.0
+    metrics.record('succeeded', SimpleNamespace(stats=server_wide, warnings=[SERVER_WIDE_WARNING]),
+                   [(0.0, 0), (0.2, 4), (0.3, 8)], accepted_at=0.0)
+    snap = metrics.snapshot()
+    assert snap['goals_in_window'] == 2 and snap['tau'] == pytest.approx(2.0)
+    assert snap['acceptance_rate'] == pytest.approx(5 / 8) and snap['ttft_p50'] == pytest.approx(0.15)
+    assert snap['drafter_fallbacks'] == 0 and snap['last_warning'] == SERVER_WIDE_WARNING
 
 
 def test_generation_task_window_and_latency_budget():

@@ -23,7 +23,7 @@ from gemma_spec_ros.ros.node import GemmaSpecNode
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_FILE = REPO / 'launch' / 'orin.launch.py'
 CONFIG = REPO / 'config' / 'orin.yaml'
-ARGUMENTS = {'params_file', 'namespace', 'log_level', 'device', 'drafter'}
+ARGUMENTS = {'params_file', 'namespace', 'log_level', 'device', 'drafter', 'backend', 'vllm_url'}
 DOMAIN_ID = 11 + (os.getpid() + 67) % 80
 
 
@@ -163,3 +163,27 @@ def test_yaml_runs_the_node_on_cpu_with_client_and_diag_tools():
         output, _ = node.communicate(timeout=30)
     assert node.returncode == 0, output
     assert 'ready in' in output and 'gemma4-spec-target' in output
+
+
+def test_vllm_dev_launch_starts_the_server_and_a_node_with_backend_vllm():
+    launch = pytest.importorskip('launch', reason='needs the launch API (the ROS 2 tools wheelhouse)')
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('vllm_dev_launch', REPO / 'launch' / 'vllm_dev.launch.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    description = module.generate_launch_description()
+    context = launch.LaunchContext()
+    declared = [a for a in description.entities if type(a).__name__ == 'DeclareLaunchArgument']
+    assert {a.name for a in declared} == {'port', 'ngram', 'venv', 'setup', 'params_file', 'namespace', 'log_level'}
+    context.launch_configurations.update({a.name: a.default_value[0].perform(context) for a in declared})
+    context.launch_configurations.update(port='8123', ngram='0')
+    server, node = module._server_and_node(context)
+    command = [''.join(part.perform(context) for part in argument) for argument in server.cmd]
+    assert command[1:] == ['-m', 'gemma_spec_ros.engine.vllm_server', '--port', '8123', '--ngram', '0', '--venv',
+                           str(module.DEFAULT_VENV)]
+    assert type(node).__name__ == 'Node'
+    context.launch_configurations['setup'] = 'true'
+    command = [''.join(part.perform(context) for part in argument) for argument in
+               module._server_and_node(context)[0].cmd]
+    assert command[:4] == ['bash', '-c', 'bash "$0" && exec "$@"', str(module.SETUP_SCRIPT)]
+    assert module.SETUP_SCRIPT.exists()

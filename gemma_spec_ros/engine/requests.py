@@ -1,8 +1,8 @@
 """
 Every rule about a config and a request, in one place; request planning turns a request into a RequestPlan.
 
-The node, the CLI and the benchmark go through these functions (via Engine.validate and Engine.from_config); no
-other copy of a rule exists. Imports no torch: the tokenizer is passed in.
+The node, the CLI and the benchmark go through these functions (via Engine.validate and Engine.from_config, or
+VllmBackend.validate); no other copy of a rule exists. Imports no torch: the tokenizer is passed in.
 """
 
 import dataclasses
@@ -151,6 +151,18 @@ def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return ids + (tokenizer(rest, add_special_tokens=False).input_ids if rest else [])
 
 
+def check_prompt_size(request: GenerationRequest, config: EngineConfig) -> None:
+    """Raise ValueError when a text prompt or the messages are longer than max_prompt_chars."""
+    if request.prompt_ids:
+        return
+    characters = sum(len(str(m.get('content', ''))) for m in request.messages if isinstance(m, dict)) \
+        if request.messages else len(request.prompt)
+    if characters > config.max_prompt_chars:
+        raise ValueError('{} {} characters, more than {} = {}'.format(
+            'messages have' if request.messages else 'prompt has', characters, parameter_name('max_prompt_chars'),
+            config.max_prompt_chars))
+
+
 def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: EngineConfig) -> list[int]:
     """Tokenize the request's input (prompt_ids, else messages, else prompt) within the size limits."""
     if request.prompt_ids:
@@ -158,12 +170,7 @@ def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: E
         if any(not 0 <= token < vocab_size for token in ids):
             raise ValueError('prompt_ids must be token ids in [0, {})'.format(vocab_size))
         return ids
-    characters = sum(len(str(m.get('content', ''))) for m in request.messages if isinstance(m, dict)) \
-        if request.messages else len(request.prompt)
-    if characters > config.max_prompt_chars:
-        raise ValueError('{} {} characters, more than {} = {}'.format(
-            'messages have' if request.messages else 'prompt has', characters, parameter_name('max_prompt_chars'),
-            config.max_prompt_chars))
+    check_prompt_size(request, config)
     if request.messages:
         return encode_messages(tokenizer, request.messages)
     if request.prompt:
@@ -171,13 +178,8 @@ def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: E
     raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
 
 
-def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context_limit: int, config: EngineConfig,
-                 loaded_drafters, default_drafter: str, default_k: int, constraints) -> RequestPlan:
-    """
-    Validate a request, tokenize its prompt and compile its constraint; ValueError with a planner-readable message.
-
-    constraints: the engine's grammar.ConstraintCompiler (passed in, so that this module imports no torch).
-    """
+def check_fields(request: GenerationRequest, config: EngineConfig) -> SamplingParams:
+    """Check the fields every backend checks alike (stop strings, sampling, seed); return the sampling settings."""
     if len(request.stop) > config.max_stop_strings:
         raise ValueError('request has {} stop strings, more than {} = {}'.format(
             len(request.stop), parameter_name('max_stop_strings'), config.max_stop_strings))
@@ -187,6 +189,17 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
     if not -1 <= request.seed <= INT64_MAX:
         raise ValueError('seed must be between 0 and {} (int64), or -1 for a random seed, got {}'.format(
             INT64_MAX, request.seed))
+    return sampling
+
+
+def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context_limit: int, config: EngineConfig,
+                 loaded_drafters, default_drafter: str, default_k: int, constraints) -> RequestPlan:
+    """
+    Validate a request, tokenize its prompt and compile its constraint; ValueError with a planner-readable message.
+
+    constraints: the engine's grammar.ConstraintCompiler (passed in, so that this module imports no torch).
+    """
+    sampling = check_fields(request, config)
     drafter = request.drafter or default_drafter
     check_drafter(drafter, loaded_drafters)
     check_num_draft_tokens(request.num_draft_tokens, config)

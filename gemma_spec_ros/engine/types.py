@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .drafters import DRAFTERS
 
+BACKENDS = ('local', 'vllm')
 DEVICES = ('auto', 'cpu', 'cuda')
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 # the engine ends with stop, length or cancelled; the node adds error, busy (queue full) and timeout
@@ -52,6 +53,9 @@ class EngineConfig:
     max_new_tokens_limit: int = _parameter(2048, 'largest max_new_tokens a request may ask for',
                                            limits=(1, INT32_MAX))
     num_threads: int = _parameter(0, 'torch CPU threads; 0 = torch default', limits=(0, 1024))
+    backend: str = _parameter('local', 'local: this process runs the models; vllm: the vLLM server at vllm.url '
+                              'serves every goal (engine.drafter and the model paths are then ignored)',
+                              choices=BACKENDS)
     max_prompt_chars: int = _parameter(32768, 'longest prompt (all messages together) a request may send',
                                        limits=(1, INT32_MAX), group='generation')
     max_stop_strings: int = _parameter(16, 'most stop strings a request may send', limits=(0, 1024),

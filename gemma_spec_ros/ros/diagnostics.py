@@ -6,6 +6,7 @@ The node builds a ``diagnostic_updater.Updater`` (period from the parameter ``di
 :class:`PeriodStatus`; the updater prefixes each status name with the node name ('gemma_spec: engine').
 """
 
+import math
 import threading
 from collections import deque
 
@@ -13,6 +14,7 @@ from diagnostic_msgs.msg import DiagnosticStatus
 from diagnostic_updater import FrequencyStatus, FrequencyStatusParam, Updater  # noqa: F401 (Updater: the node's)
 
 from gemma_spec_ros.engine.stats import MIB, percentile, read_process_memory, token_gaps
+from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING
 
 OK = DiagnosticStatus.OK
 WARN = DiagnosticStatus.WARN
@@ -83,6 +85,7 @@ class GenerationMetrics:
         a round of n tokens that arrived g seconds after the previous one adds n gaps of g / n.
         accepted_at: monotonic time the goal was accepted; queue wait and time to first token are measured from it
         (else time to first token is the engine's, from the start of generation).
+        Unknown figures (NaN or -1, from a server backend) stay out of the window's tau and acceptance.
         """
         gaps = token_gaps(feedback_times[1:])
         with self._lock:
@@ -90,15 +93,19 @@ class GenerationMetrics:
             if result is None:
                 return
             if result.warnings:
-                self._drafter_fallbacks += len(result.warnings)
                 self._last_warning = result.warnings[-1]
+                self._drafter_fallbacks += sum(warning != SERVER_WIDE_WARNING for warning in result.warnings)
             stats = result.stats
             if stats.new_tokens > 0:
                 from_acceptance = accepted_at is not None and len(feedback_times) > 1
+                tau_known = _known(stats.tau) and _known(stats.target_passes)
+                acceptance_known = _known(stats.drafted_tokens) and _known(stats.accepted_tokens)
+                ttft = feedback_times[1][0] - accepted_at if from_acceptance else stats.time_to_first_token
                 self._window.append({
-                    'tau': stats.tau, 'target_passes': stats.target_passes,
-                    'drafted': stats.drafted_tokens, 'accepted': stats.accepted_tokens,
-                    'ttft': feedback_times[1][0] - accepted_at if from_acceptance else stats.time_to_first_token,
+                    'tau': stats.tau if tau_known else 0.0, 'target_passes': stats.target_passes if tau_known else 0,
+                    'drafted': stats.drafted_tokens if acceptance_known else 0,
+                    'accepted': stats.accepted_tokens if acceptance_known else 0,
+                    'ttft': ttft if _known(ttft) else 0.0,
                     'queue_wait': feedback_times[0][0] - accepted_at if from_acceptance else 0.0,
                     'decode_tokens': max(0, stats.new_tokens - 1),
                     'decode_time': (stats.new_tokens - 1) / stats.tokens_per_second
@@ -126,6 +133,39 @@ class GenerationMetrics:
         return snap
 
 
+def _known(value) -> bool:
+    """Tell whether a figure is known: a server backend marks unknown floats NaN and unknown counts -1."""
+    return not (isinstance(value, float) and math.isnan(value)) and value != -1
+
+
+def _figure(value, digits=3) -> str:
+    return '{:.{}f}'.format(value, digits) if _known(value) else 'unknown'
+
+
+def fill_server_status(stat, status, snap):
+    """Fill the engine task of a server backend (VllmStatus): ERROR with the URL while the server is unreachable."""
+    if not status.reachable:
+        stat.summary(ERROR, status.error or 'vLLM server at {} is unreachable'.format(status.url))
+        stat.add('url', status.url)
+        return stat
+    stat.summary(OK, 'ready, vLLM server {} serving {}{}'.format(
+        status.url, status.model, ', speculating ({})'.format(status.drafter) if status.speculating else ''))
+    for key, value in (
+            ('url', status.url), ('model', status.model), ('drafter', status.drafter or '-'),
+            ('speculation', 'on' if status.speculating else 'off'), ('K', status.num_draft_tokens),
+            ('requests running', status.requests_running), ('requests waiting', status.requests_waiting),
+            ('KV-cache usage', _figure(status.kv_cache_usage)),
+            ('requests in flight (this node)', status.requests_in_flight),
+            ('tau (window)', '{:.3f}'.format(snap['tau'])),
+            ('tau (lifetime)', _figure(status.tau_lifetime)),
+            ('acceptance rate (window)', '{:.3f}'.format(snap['acceptance_rate'])),
+            ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime))):
+        stat.add(key, str(value))
+    if snap['last_warning']:
+        stat.add('last warning', str(snap['last_warning']))
+    return stat
+
+
 def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0):
     """
     Fill the engine task: ERROR when the models or a drafter's model failed to load, OK while serving.
@@ -144,6 +184,8 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0)
         stat.summary(WARN, error or 'not serving')
         return stat
     snap = metrics.snapshot()
+    if getattr(status, 'backend', 'local') != 'local':
+        return fill_server_status(stat, status, snap)
     disabled = {d.name: d for d in status.disabled_drafters}
     if status.drafter == 'none':
         speculation = 'off'

@@ -6,6 +6,9 @@ a ROS-free queue (goal_queue.py) to one worker thread, messages are converted in
 goals with the reason in ``result.error``. Every goal is accepted: a full queue ends it at once as busy. A timer
 ends goals past queue.goal_timeout and goals whose every possible receiver (the action's feedback and status
 subscribers at acceptance) left the ROS graph.
+
+With engine.backend vllm the engine is a VllmBackend: the vLLM server at vllm.url serves the goals, nothing loads
+here (ready at once, even while the server is down), and a server fault aborts the goal with its partial text.
 """
 
 import signal
@@ -25,6 +28,7 @@ from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
+from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING, VllmBackend
 from gemma_spec_ros.ros import diagnostics, parameters
 from gemma_spec_ros.ros.conversions import delta_to_feedback, goal_to_request, result_to_msg
 from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
@@ -133,6 +137,12 @@ class GemmaSpecNode(Node):
         logger = self.get_logger()
         try:
             config = self.engine_config()
+            if config.backend == 'vllm' and self._engine_factory is None:
+                self._engine = VllmBackend(config, parameters.vllm_config(self))
+                if self._queue.set_ready():
+                    logger.info('ready: action {} served by the vLLM server at {}'.format(
+                        self.resolve_action_name(), self._engine.url))
+                return
             logger.info('loading engine: target {} drafter {} device {}'.format(
                 config.target_path, config.drafter, config.device))
             if self._engine_factory is not None:
@@ -208,8 +218,9 @@ class GemmaSpecNode(Node):
         """Set the goal's terminal state and build its result."""
         engine_finish = job.result.finish_reason if job.result is not None else ''
         if job.result is not None:
-            for warning in job.result.warnings:
-                self.get_logger().warning('goal {}: {}'.format(_short_id(goal_handle), warning))
+            for warning in job.result.warnings:  # a vLLM server's overlapping requests are normal: debug
+                log = self.get_logger().debug if warning == SERVER_WIDE_WARNING else self.get_logger().warning
+                log('goal {}: {}'.format(_short_id(goal_handle), warning))
         if job.client_cancelled and engine_finish in ('cancelled', ''):
             result = result_to_msg(job.result, finish_reason='cancelled')
             deadline = time.monotonic() + CANCEL_STATE_TIMEOUT
@@ -250,6 +261,8 @@ class GemmaSpecNode(Node):
         try:
             plan = job.plan if job.plan is not None else self._engine.validate(job.request)
             job.result = self._engine.generate(plan, on_delta=on_delta, cancel=job.cancel)
+            if job.result.finish_reason == 'error':  # a server backend's fault: abort with the partial text
+                job.error = job.result.error
         except ValueError as error:
             job.error = str(error)
         except Exception as error:  # noqa: BLE001 (the goal is aborted, the node keeps serving)
@@ -259,7 +272,7 @@ class GemmaSpecNode(Node):
     # ---- diagnostics -------------------------------------------------------------------------
 
     def _engine_task(self, stat):
-        engine = self._engine
+        engine = self._engine  # status() of a VllmBackend asks the server over HTTP: never under a lock
         return diagnostics.fill_engine_status(
             stat, self.state, self._queue.reason, engine.status() if engine is not None else None, self._metrics,
             loading_seconds=time.monotonic() - self._load_started)
@@ -273,7 +286,7 @@ class GemmaSpecNode(Node):
 
     def _memory_task(self, stat):
         engine = self._engine
-        device = engine.status().device if engine is not None else 'cpu'
+        device = engine.status().device if engine is not None and not isinstance(engine, VllmBackend) else 'cpu'
         return diagnostics.fill_memory_status(
             stat, diagnostics.read_memory(device),
             rss_budget_mb=self._param('diagnostics.rss_budget_mb'),

