@@ -241,7 +241,7 @@ def markdown(document: dict, cells: list[Cell]) -> str:
 def run(settings: Settings, spec_path: str, per_category: int, out: Path, command: str,
         say: Callable[[str], None], on_step: Callable[[str], None]) -> None:
     """Measure the constrained category; write results.json and results.md under out."""
-    started = time.time()
+    started, machine = time.time(), machine_description(settings.threads)
     spec = load_spec(spec_path)
     prompts = take_per_category(spec.prompts, per_category)
     engine = load_engine(settings, say)
@@ -250,7 +250,7 @@ def run(settings: Settings, spec_path: str, per_category: int, out: Path, comman
     cells = summarize(settings, samples)
     document = {
         'schema': SCHEMA, 'created_utc': datetime.fromtimestamp(started, UTC).strftime('%Y-%m-%dT%H:%M:%SZ'),
-        'duration_s': time.time() - started, 'command': command, 'machine': machine_description(settings.threads),
+        'duration_s': time.time() - started, 'command': command, 'machine': machine,
         'load_average_end': list(machine_description(settings.threads)['load_average']),
         'settings': asdict(settings), 'spec': spec_path, 'json_schema': json.loads(spec.json_schema),
         'prompts': [{'id': p.id, 'prompt_tokens': len(engine.tokenizer(p.text).input_ids)} for p in prompts],
