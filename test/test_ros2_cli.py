@@ -101,7 +101,9 @@ def test_topic_echo_shows_the_engine_status_with_tau(launched):
             break
         time.sleep(2)
     assert code == 0, output
-    assert "name: 'gemma_spec: engine'" in output and 'ready, speculating with mtp' in output, output
+    assert "name: 'gemma_spec: engine'" in output and "message: 'ready" in output, output
+    # speculating or paused by the profit gate (normal operation: how the first goals went decides it), drafter mtp
+    assert 'speculating with mtp' in output or 'drafter mtp does not beat plain decoding' in output, output
     assert 'key: tau (window)' in output and 'key: tau (lifetime)' in output and 'key: break-even tau' in output
     assert "name: 'gemma_spec: diagnostics period'" in output and 'hardware_id: gemma-spec-dev' in output
 

@@ -438,8 +438,8 @@ class VllmBackend:
         with self._lock:
             overlapped = overlapped or self._in_flight > 1
         stats = self._stats(collected, new_tokens, started, finished)
-        result = VllmResult(''.join(collected.pieces), collected.token_ids, finish_reason, stats, [], error,
-                            collected.request_id)
+        result = VllmResult(''.join(collected.pieces), collected.token_ids, finish_reason, stats, error=error,
+                            request_id=collected.request_id)
         if after is not None or self.drafter == 'none':
             self._fill_speculation(result, before, after, new_tokens, overlapped or after is None or after.busy)
         return result
