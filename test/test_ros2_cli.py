@@ -8,6 +8,7 @@ starts is stopped at the end. Everything runs on this module's own ROS domain, o
 """
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -101,7 +102,7 @@ def test_topic_echo_shows_the_engine_status_with_tau(launched):
             break
         time.sleep(2)
     assert code == 0, output
-    assert "name: 'gemma_spec: engine'" in output and "message: 'ready" in output, output
+    assert "name: 'gemma_spec: engine'" in output and re.search(r"message: '?ready", output), output
     # speculating or paused by the profit gate (normal operation: how the first goals went decides it), drafter mtp
     assert 'speculating with mtp' in output or 'drafter mtp does not beat plain decoding' in output, output
     assert 'key: tau (window)' in output and 'key: tau (lifetime)' in output and 'key: break-even tau' in output
