@@ -1,0 +1,437 @@
+"""
+A lean Gemma 4 text forward over the weights of a loaded transformers model, for a static KV cache.
+
+transformers stays the loader and the reference; this module only references its parameters (nothing is copied).
+A step over q tokens takes token ids [1, q] and positions [q] as tensors; K/V slots and attention masks are computed
+from them, so one graph (compiled or captured) serves every position. The only Python values a step depends on are
+q, the number of logits kept and the full-attention key length (``kv_len``), which the runner fixes per graph.
+
+Covered (each tested for parity against transformers): sliding and full layers with per-layer head_dim and KV heads,
+q/k/v norms, rope per layer type (default and proportional / partial rotary), per-layer embeddings (PLE), KV sharing,
+attention_k_eq_v, final logit softcapping, Gemma4ForConditionalGeneration's text model, and the MTP assistant
+(Gemma4AssistantForCausalLM, including its ordered-embedding head). Not covered: MoE blocks (ValueError).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .cache import EMPTY_POSITION, FULL, SLIDING, KvLayerSpec, StaticKvCache
+
+
+@dataclass
+class StepOutput:
+    """What a lean pass returns, for the last n positions it was asked to keep."""
+
+    logits: torch.Tensor   # [1, n, vocab] (final softcapping applied)
+    hidden: torch.Tensor   # [1, n, hidden] final-norm hidden states (what the MTP assistant reads)
+
+
+@dataclass
+class _Attention:
+    layer_type: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_proj: torch.Tensor
+    q_bias: torch.Tensor | None
+    q_norm: torch.Tensor
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    kv_index: int                        # which cache buffer it reads (its own, or its producer's when KV-shared)
+    k_proj: torch.Tensor | None = None   # None: KV-shared layer (reads, never writes)
+    k_bias: torch.Tensor | None = None
+    v_proj: torch.Tensor | None = None   # None with attention_k_eq_v: values are the raw key projection
+    v_bias: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class _Layer:
+    attention: _Attention
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    post_feedforward_norm: torch.Tensor
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    layer_scalar: torch.Tensor
+    per_layer_gate: torch.Tensor | None = None        # PLE
+    per_layer_projection: torch.Tensor | None = None
+    per_layer_norm: torch.Tensor | None = None
+
+
+def _text_parts(model):
+    """(text model, lm_head, text config, multimodal config or None) of a Gemma 4 causal LM of either class."""
+    inner = model.model
+    if hasattr(inner, 'language_model'):    # Gemma4ForConditionalGeneration
+        return inner.language_model, model.lm_head, model.config.get_text_config(), model.config
+    return inner, model.lm_head, model.config, None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # as Gemma4RMSNorm: in float32, weight applied directly (no 1 + weight)
+    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).type_as(x)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [q, heads, head_dim], cos/sin [q, 1, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """query [q, heads, d], keys/values [kv_heads, L, d], mask [q, L] bool -> [q, heads * d] (scale 1, GQA)."""
+    out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                         scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
+    return out[0].transpose(0, 1).reshape(query.shape[0], -1)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+class _Rope:
+    """cos/sin tables per layer type for positions 0..max_positions-1, computed as transformers computes them."""
+
+    def __init__(self, rotary_emb, layer_types, max_positions: int, dtype: torch.dtype, device: torch.device):
+        self.cos: dict[str, torch.Tensor] = {}
+        self.sin: dict[str, torch.Tensor] = {}
+        positions = torch.arange(max_positions, device=device)
+        for layer_type in sorted(set(layer_types)):
+            inv_freq = getattr(rotary_emb, '{}_inv_freq'.format(layer_type)).to(device=device, dtype=torch.float)
+            scaling = getattr(rotary_emb, '{}_attention_scaling'.format(layer_type))
+            freqs = positions[:, None].float() * inv_freq[None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)
+            self.cos[layer_type] = (angles.cos() * scaling).to(dtype)  # [max_positions, head_dim]
+            self.sin[layer_type] = (angles.sin() * scaling).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.cos.values(), *self.sin.values()))
+
+    def at(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer_type: (cos, sin)} each [q, 1, head_dim] for positions [q]."""
+        return {kind: (self.cos[kind][positions][:, None], self.sin[kind][positions][:, None]) for kind in self.cos}
+
+
+def _attention_parts(attn, kv_index: int, num_heads: int) -> _Attention:
+    parts = _Attention(
+        layer_type=attn.layer_type, num_heads=num_heads, num_kv_heads=num_heads // attn.num_key_value_groups,
+        head_dim=attn.head_dim, q_proj=attn.q_proj.weight, q_bias=attn.q_proj.bias, q_norm=attn.q_norm.weight,
+        o_proj=attn.o_proj.weight, o_bias=attn.o_proj.bias, kv_index=kv_index)
+    if not attn.is_kv_shared_layer:
+        parts.k_proj, parts.k_bias, parts.k_norm = attn.k_proj.weight, attn.k_proj.bias, attn.k_norm.weight
+        if attn.v_proj is not None:
+            parts.v_proj, parts.v_bias = attn.v_proj.weight, attn.v_proj.bias
+    return parts
+
+
+def _layer_parts(layer, attention: _Attention) -> _Layer:
+    if getattr(layer, 'enable_moe_block', False):
+        raise ValueError('the fast path does not cover Gemma 4 MoE layers (enable_moe_block); use compile=off '
+                         'with the transformers forward')
+    parts = _Layer(
+        attention=attention, input_norm=layer.input_layernorm.weight,
+        post_attention_norm=layer.post_attention_layernorm.weight,
+        pre_feedforward_norm=layer.pre_feedforward_layernorm.weight,
+        post_feedforward_norm=layer.post_feedforward_layernorm.weight,
+        gate_proj=layer.mlp.gate_proj.weight, up_proj=layer.mlp.up_proj.weight, down_proj=layer.mlp.down_proj.weight,
+        layer_scalar=layer.layer_scalar)
+    if layer.hidden_size_per_layer_input:
+        parts.per_layer_gate = layer.per_layer_input_gate.weight
+        parts.per_layer_projection = layer.per_layer_projection.weight
+        parts.per_layer_norm = layer.post_per_layer_input_norm.weight
+    return parts
+
+
+def _check_activation(config) -> None:
+    if config.hidden_activation != 'gelu_pytorch_tanh':
+        raise ValueError('the fast path supports hidden_activation gelu_pytorch_tanh, got {!r}'.format(
+            config.hidden_activation))
+
+
+@dataclass
+class _Pass:
+    """What every layer of one pass reads besides its weights."""
+
+    cache: StaticKvCache
+    positions: torch.Tensor                           # [q] positions of the new tokens
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    masks: dict[str, torch.Tensor]                    # layer type -> [q, keys] bool
+    kv_len: int                                       # full layers read slots 0..kv_len-1
+    # prefill only: new sliding K/V per cache buffer, read beside the old ring and written into it after the pass
+    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+class _Decoder:
+    """Decoder layers shared by the causal LM and the assistant."""
+
+    eps: float
+    layers: list[_Layer]
+
+    def _layer(self, layer: _Layer, hidden: torch.Tensor, state: _Pass,
+               per_layer_input: torch.Tensor | None) -> torch.Tensor:
+        residual = hidden
+        x = self._attention(layer.attention, _rms_norm(hidden, layer.input_norm, self.eps), state)
+        hidden = residual + _rms_norm(x, layer.post_attention_norm, self.eps)
+        residual = hidden
+        x = _rms_norm(hidden, layer.pre_feedforward_norm, self.eps)
+        x = _linear(F.gelu(_linear(x, layer.gate_proj), approximate='tanh') * _linear(x, layer.up_proj),
+                    layer.down_proj)
+        hidden = residual + _rms_norm(x, layer.post_feedforward_norm, self.eps)
+        if per_layer_input is not None:
+            residual = hidden
+            x = F.gelu(_linear(hidden, layer.per_layer_gate), approximate='tanh') * per_layer_input
+            hidden = residual + _rms_norm(_linear(x, layer.per_layer_projection), layer.per_layer_norm, self.eps)
+        return hidden * layer.layer_scalar
+
+    def _attention(self, attn: _Attention, x: torch.Tensor, state: _Pass) -> torch.Tensor:
+        q = x.shape[0]
+        cos, sin = state.rope[attn.layer_type]
+        query = _linear(x, attn.q_proj, attn.q_bias).view(q, attn.num_heads, attn.head_dim)
+        query = _rotate(_rms_norm(query, attn.q_norm, self.eps), cos, sin)
+        cache = state.cache
+        keys, values = cache.keys[attn.kv_index], cache.values[attn.kv_index]
+        if attn.k_proj is not None:
+            raw_keys = _linear(x, attn.k_proj, attn.k_bias).view(q, attn.num_kv_heads, attn.head_dim)
+            new_values = raw_keys if attn.v_proj is None else _linear(x, attn.v_proj, attn.v_bias).view(
+                q, attn.num_kv_heads, attn.head_dim)
+            new_keys = _rotate(_rms_norm(raw_keys, attn.k_norm, self.eps), cos, sin).transpose(0, 1)
+            new_values = _rms_norm(new_values, None, self.eps).transpose(0, 1)
+            if state.pending is not None and attn.layer_type == SLIDING:
+                state.pending[attn.kv_index] = (new_keys, new_values)
+            else:
+                slots = cache.write_slots(attn.layer_type, state.positions)
+                keys.index_copy_(1, slots, new_keys)
+                values.index_copy_(1, slots, new_values)
+        if attn.layer_type == FULL:
+            keys, values = keys[:, :state.kv_len], values[:, :state.kv_len]
+        elif state.pending is not None:
+            new_keys, new_values = state.pending[attn.kv_index]
+            keys, values = torch.cat((keys, new_keys), dim=1), torch.cat((values, new_values), dim=1)
+        out = _attend(query, keys, values, state.masks[attn.layer_type])
+        return _linear(out, attn.o_proj, attn.o_bias)
+
+
+class LeanGemma4(_Decoder):
+    """
+    Gemma4ForCausalLM or Gemma4ForConditionalGeneration (text only) as a lean, static-shape forward.
+
+    Build it after the model is on its final device and dtype: it keeps references to the model's parameters.
+    max_positions bounds the positions it can run (the rope tables are precomputed for them).
+    """
+
+    def __init__(self, model, max_positions: int):
+        text_model, lm_head, config, multimodal = _text_parts(model)
+        _check_activation(config)
+        if getattr(config, 'use_bidirectional_attention', None) == 'all':
+            raise ValueError('the fast path needs causal attention; use_bidirectional_attention="all" is not covered')
+        self.config = config
+        self.eps = config.rms_norm_eps
+        self.sliding_window = config.sliding_window
+        self.softcap = config.final_logit_softcapping
+        self.max_positions = max_positions
+        weight = text_model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.embed = weight                                  # [vocab, hidden]
+        self.embed_scale = text_model.embed_tokens.embed_scale.to(self.dtype)
+        self.lm_head = lm_head.weight                        # [vocab, hidden]
+        self.final_norm = text_model.norm.weight
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        # multimodal placeholder ids are replaced by pad before embedding, as Gemma4Model does
+        self.placeholder_ids = [] if multimodal is None else [
+            getattr(multimodal, name) for name in ('image_token_id', 'video_token_id', 'audio_token_id')
+            if getattr(multimodal, name, None) is not None]
+        self.pad_token_id = config.pad_token_id
+        self.per_layer_size = config.hidden_size_per_layer_input
+        if self.per_layer_size:
+            self.per_layer_embed = text_model.embed_tokens_per_layer.weight
+            self.per_layer_embed_scale = text_model.embed_tokens_per_layer.embed_scale.to(self.dtype)
+            self.per_layer_model_projection = text_model.per_layer_model_projection.weight
+            self.per_layer_projection_scale = text_model.per_layer_model_projection_scale
+            self.per_layer_projection_norm = text_model.per_layer_projection_norm.weight
+            self.per_layer_input_scale = text_model.per_layer_input_scale
+
+        self.kv_specs: list[KvLayerSpec] = []
+        producer_of: dict[str, int] = {}
+        self.layers = []
+        for index, layer in enumerate(text_model.layers[:config.num_hidden_layers]):
+            attn = layer.self_attn
+            if attn.is_kv_shared_layer:
+                kv_index = producer_of[attn.layer_type]
+            else:
+                kv_index = len(self.kv_specs)
+                num_kv_heads = attn.k_proj.out_features // attn.head_dim
+                self.kv_specs.append(KvLayerSpec(index, attn.layer_type, num_kv_heads, attn.head_dim))
+                producer_of[attn.layer_type] = kv_index
+            self.layers.append(_layer_parts(layer, _attention_parts(attn, kv_index, config.num_attention_heads)))
+        self.rope = _Rope(text_model.rotary_emb, config.layer_types, max_positions, self.dtype, self.device)
+
+    def new_cache(self, context_limit: int, max_query: int) -> StaticKvCache:
+        """A static cache for this model: context_limit tokens, steps of up to max_query tokens."""
+        if context_limit > self.max_positions:
+            raise ValueError('context_limit {} exceeds the model max_positions {}'.format(
+                context_limit, self.max_positions))
+        return StaticKvCache(self.kv_specs, context_limit, self.sliding_window, max_query, self.device, self.dtype)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Scaled token embedding [..., hidden] (what the MTP assistant's input starts with)."""
+        return F.embedding(input_ids, self.embed) * self.embed_scale
+
+    def _inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [q] -> embeddings [q, hidden] and per-layer inputs [q, layers, per_layer] (or None)."""
+        for placeholder in self.placeholder_ids:
+            input_ids = torch.where(input_ids == placeholder, self.pad_token_id, input_ids)
+        embeds = self.embed_tokens(input_ids)
+        if not self.per_layer_size:
+            return embeds, None
+        q = input_ids.shape[0]
+        token_part = (F.embedding(input_ids, self.per_layer_embed) * self.per_layer_embed_scale).view(
+            q, len(self.layers), self.per_layer_size)
+        context_part = _linear(embeds, self.per_layer_model_projection) * self.per_layer_projection_scale
+        context_part = _rms_norm(context_part.view(q, len(self.layers), self.per_layer_size),
+                                 self.per_layer_projection_norm, self.eps)
+        return embeds, (context_part + token_part) * self.per_layer_input_scale
+
+    def _head(self, hidden: torch.Tensor) -> StepOutput:
+        hidden = _rms_norm(hidden, self.final_norm, self.eps)
+        logits = _linear(hidden, self.lm_head)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return StepOutput(logits.unsqueeze(0), hidden.unsqueeze(0))
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticKvCache, kv_len: int,
+             logits_to_keep: int) -> StepOutput:
+        """
+        One static-shape pass: input_ids [1, q] at positions [q] (consecutive), K/V written into the cache.
+
+        Full layers attend over cache slots 0..kv_len-1 (kv_len > the last position), sliding layers over their
+        ring; masks come from the position tensors. Keeps the last logits_to_keep positions. No host syncs, no
+        Python value depends on the positions: safe to compile or capture. The caller records the write
+        (``cache.advance``).
+        """
+        hidden, per_layer = self._inputs(input_ids[0])
+        cache.ring_positions.index_copy_(0, positions % cache.ring_size, positions)
+        query_positions = positions[:, None]
+        ring = cache.ring_positions[None, :]
+        masks = {FULL: cache.key_positions[None, :kv_len] <= query_positions,
+                 SLIDING: (ring <= query_positions) & (ring > query_positions - self.sliding_window)}
+        state = _Pass(cache, positions, self.rope.at(positions), masks, kv_len)
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(layer, hidden, state, None if per_layer is None else per_layer[:, index])
+        return self._head(hidden[-logits_to_keep:])
+
+    def prefill(self, input_ids: torch.Tensor, cache: StaticKvCache, start: int, logits_to_keep: int) -> StepOutput:
+        """
+        Any number of tokens [1, n] at positions start.. (eager, dynamic shapes): the prompt, or a long extension.
+
+        Sliding layers attend over [ring entries before start, new keys]; the last ring_size new keys are written
+        into the ring after the pass. Records the write in the cache.
+        """
+        count = input_ids.shape[1]
+        cache.check_write(start, count)
+        positions = torch.arange(start, start + count, device=self.device)
+        hidden, per_layer = self._inputs(input_ids[0])
+        query_positions = positions[:, None]
+        old_ring = cache.ring_positions
+        old_ring = torch.where(old_ring < start, old_ring, torch.full_like(old_ring, EMPTY_POSITION))
+        sliding_keys = torch.cat((old_ring, positions))[None, :]
+        masks = {FULL: cache.key_positions[None, :start + count] <= query_positions,
+                 SLIDING: (sliding_keys <= query_positions) & (sliding_keys > query_positions - self.sliding_window)}
+        state = _Pass(cache, positions, self.rope.at(positions), masks, start + count, pending={})
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(layer, hidden, state, None if per_layer is None else per_layer[:, index])
+        kept = positions[-cache.ring_size:]
+        slots = kept % cache.ring_size
+        for kv_index, (new_keys, new_values) in state.pending.items():
+            cache.keys[kv_index].index_copy_(1, slots, new_keys[:, -cache.ring_size:])
+            cache.values[kv_index].index_copy_(1, slots, new_values[:, -cache.ring_size:])
+        cache.ring_positions.index_copy_(0, slots, kept)
+        cache.advance(start, count)
+        return self._head(hidden[-logits_to_keep:])
+
+
+class LeanAssistant(_Decoder):
+    """
+    Gemma4AssistantForCausalLM as one static-shape MTP draft step reading the target's static cache.
+
+    Every layer reads the K/V of the target's last producing layer of its type. For the assistant at position p
+    (the last emitted token, not yet in the target cache), full layers see positions 0..p-1 and sliding layers
+    the window + 1 positions p-window-1..p-1: what transformers' assistant sees when it is handed the target's
+    shared K/V after prefill or after a round that accepted a draft.
+    """
+
+    def __init__(self, assistant, target: LeanGemma4):
+        text_model = assistant.model
+        config = assistant.config.get_text_config()
+        _check_activation(config)
+        if assistant.config.backbone_hidden_size != target.hidden_size:
+            raise ValueError('MTP assistant backbone_hidden_size {} differs from the target hidden_size {}'.format(
+                assistant.config.backbone_hidden_size, target.hidden_size))
+        if SLIDING in config.layer_types and config.sliding_window > target.sliding_window:
+            raise ValueError('MTP assistant sliding_window {} exceeds the target sliding_window {}: the target '
+                             'cache does not keep that much'.format(config.sliding_window, target.sliding_window))
+        self.eps = config.rms_norm_eps
+        self.sliding_window = config.sliding_window
+        self.target = target
+        producers = {spec.layer_type: index for index, spec in enumerate(target.kv_specs)}  # last one of each type
+        self.layers = []
+        for index, layer in enumerate(text_model.layers[:config.num_hidden_layers]):
+            attn = layer.self_attn
+            if attn.layer_type not in producers:
+                raise ValueError('MTP assistant layer {} reads {} K/V, which the target does not produce'.format(
+                    index, attn.layer_type))
+            parts = _attention_parts(attn, producers[attn.layer_type], config.num_attention_heads)
+            spec = target.kv_specs[parts.kv_index]
+            if (parts.head_dim, parts.num_kv_heads) != (spec.head_dim, spec.num_kv_heads):
+                raise ValueError('MTP assistant layer {} ({}) expects head_dim {} and {} KV heads but the target '
+                                 'provides {} and {}'.format(index, attn.layer_type, parts.head_dim,
+                                                             parts.num_kv_heads, spec.head_dim, spec.num_kv_heads))
+            self.layers.append(_layer_parts(layer, parts))
+        self.pre_projection = assistant.pre_projection.weight      # [hidden, 2 * backbone]
+        self.post_projection = assistant.post_projection.weight    # [backbone, hidden]
+        self.final_norm = text_model.norm.weight
+        self.lm_head = assistant.lm_head.weight
+        self.rope = _Rope(text_model.rotary_emb, config.layer_types, target.max_positions, target.dtype,
+                          target.device)
+        embedder = assistant.masked_embedding
+        self.ordered = embedder is not None
+        if self.ordered:
+            self.centroids = embedder.centroids.weight               # [num_centroids, hidden]
+            self.top_k = embedder.centroid_intermediate_top_k
+            self.token_ordering = embedder.token_ordering             # [vocab] (a buffer: read at every step)
+            self.num_centroids = embedder.num_centroids
+
+    def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: torch.Tensor, cache: StaticKvCache,
+             kv_len: int) -> StepOutput:
+        """
+        One draft step: token_ids [1, 1] (the last token), hidden [1, 1, backbone] (the target state that predicted
+        it, or the previous step's output), position [1]. Returns logits [1, 1, vocab] and the projected hidden
+        [1, 1, backbone] to feed the next step. kv_len > position bounds the full-layer keys read.
+        """
+        inputs = torch.cat((self.target.embed_tokens(token_ids[0]), hidden[0]), dim=-1)  # [1, 2 * backbone]
+        x = _linear(inputs, self.pre_projection)
+        before = position[:, None] - 1
+        ring = cache.ring_positions[None, :]
+        masks = {FULL: cache.key_positions[None, :kv_len] <= before,
+                 SLIDING: (ring <= before) & (ring >= before - self.sliding_window)}
+        state = _Pass(cache, position, self.rope.at(position), masks, kv_len)
+        for layer in self.layers:
+            x = self._layer(layer, x, state, None)
+        x = _rms_norm(x, self.final_norm, self.eps)
+        logits = self._ordered_logits(x) if self.ordered else _linear(x, self.lm_head)
+        return StepOutput(logits.unsqueeze(0), _linear(x, self.post_projection).unsqueeze(0))
+
+    def _ordered_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, hidden] -> [1, vocab]: exact logits for the tokens of the top centroids, the rest below their min."""
+        top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices                # [1, top_k]
+        clusters = self.token_ordering.long().view(self.num_centroids, -1)
+        selected = clusters[top].reshape(1, -1)                                                  # [1, top_k * per]
+        selected_logits = (self.lm_head[selected[0]] @ x[0]).unsqueeze(0)                       # [1, top_k * per]
+        floor = selected_logits.min() - 1.0
+        return floor.expand(1, self.lm_head.shape[0]).clone().scatter_(-1, selected, selected_logits)
