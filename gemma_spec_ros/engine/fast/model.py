@@ -13,6 +13,7 @@ attention_k_eq_v, final logit softcapping, Gemma4ForConditionalGeneration's text
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,28 +29,19 @@ class StepOutput:
     hidden: torch.Tensor   # [1, n, hidden] final-norm hidden states (what the MTP assistant reads)
 
 
-@dataclass
-class _Attention:
-    layer_type: str
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+class _Weights(NamedTuple):
+    """One decoder layer's parameters (references into the transformers model); None where the layer has none."""
+
     q_proj: torch.Tensor
     q_bias: torch.Tensor | None
     q_norm: torch.Tensor
+    k_proj: torch.Tensor | None          # None: KV-shared layer (reads its producer's K/V, writes nothing)
+    k_bias: torch.Tensor | None
+    v_proj: torch.Tensor | None          # None with attention_k_eq_v: values are the raw key projection
+    v_bias: torch.Tensor | None
+    k_norm: torch.Tensor | None
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
-    kv_index: int                        # which cache buffer it reads (its own, or its producer's when KV-shared)
-    k_proj: torch.Tensor | None = None   # None: KV-shared layer (reads, never writes)
-    k_bias: torch.Tensor | None = None
-    v_proj: torch.Tensor | None = None   # None with attention_k_eq_v: values are the raw key projection
-    v_bias: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-
-
-@dataclass
-class _Layer:
-    attention: _Attention
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
     pre_feedforward_norm: torch.Tensor
@@ -58,9 +50,27 @@ class _Layer:
     up_proj: torch.Tensor
     down_proj: torch.Tensor
     layer_scalar: torch.Tensor
-    per_layer_gate: torch.Tensor | None = None        # PLE
-    per_layer_projection: torch.Tensor | None = None
-    per_layer_norm: torch.Tensor | None = None
+    per_layer_gate: torch.Tensor | None        # per-layer embeddings (PLE)
+    per_layer_projection: torch.Tensor | None
+    per_layer_norm: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The Python constants of one decoder layer."""
+
+    layer_type: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+@dataclass
+class _Layer:
+    shape: _Shape
+    kv_index: int        # the cache buffer it reads: its own, or its producer's when KV-shared
+    weights: _Weights
 
 
 def _text_parts(model):
@@ -118,34 +128,76 @@ class _Rope:
         return {kind: (self.cos[kind][positions][:, None], self.sin[kind][positions][:, None]) for kind in self.cos}
 
 
-def _attention_parts(attn, kv_index: int, num_heads: int) -> _Attention:
-    parts = _Attention(
-        layer_type=attn.layer_type, num_heads=num_heads, num_kv_heads=num_heads // attn.num_key_value_groups,
-        head_dim=attn.head_dim, q_proj=attn.q_proj.weight, q_bias=attn.q_proj.bias, q_norm=attn.q_norm.weight,
-        o_proj=attn.o_proj.weight, o_bias=attn.o_proj.bias, kv_index=kv_index)
-    if not attn.is_kv_shared_layer:
-        parts.k_proj, parts.k_bias, parts.k_norm = attn.k_proj.weight, attn.k_proj.bias, attn.k_norm.weight
-        if attn.v_proj is not None:
-            parts.v_proj, parts.v_bias = attn.v_proj.weight, attn.v_proj.bias
-    return parts
-
-
-def _layer_parts(layer, attention: _Attention) -> _Layer:
+def _layer_parts(layer, kv_index: int, num_heads: int, eps: float) -> _Layer:
     if getattr(layer, 'enable_moe_block', False):
         raise ValueError('the fast path does not cover Gemma 4 MoE layers (enable_moe_block); use compile=off '
                          'with the transformers forward')
-    parts = _Layer(
-        attention=attention, input_norm=layer.input_layernorm.weight,
-        post_attention_norm=layer.post_attention_layernorm.weight,
+    attn = layer.self_attn
+    shared = attn.is_kv_shared_layer
+    ple = bool(layer.hidden_size_per_layer_input)
+    v_proj = None if shared else attn.v_proj
+    weights = _Weights(
+        q_proj=attn.q_proj.weight, q_bias=attn.q_proj.bias, q_norm=attn.q_norm.weight,
+        k_proj=None if shared else attn.k_proj.weight, k_bias=None if shared else attn.k_proj.bias,
+        v_proj=None if v_proj is None else v_proj.weight, v_bias=None if v_proj is None else v_proj.bias,
+        k_norm=None if shared else attn.k_norm.weight, o_proj=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+        input_norm=layer.input_layernorm.weight, post_attention_norm=layer.post_attention_layernorm.weight,
         pre_feedforward_norm=layer.pre_feedforward_layernorm.weight,
         post_feedforward_norm=layer.post_feedforward_layernorm.weight,
         gate_proj=layer.mlp.gate_proj.weight, up_proj=layer.mlp.up_proj.weight, down_proj=layer.mlp.down_proj.weight,
-        layer_scalar=layer.layer_scalar)
-    if layer.hidden_size_per_layer_input:
-        parts.per_layer_gate = layer.per_layer_input_gate.weight
-        parts.per_layer_projection = layer.per_layer_projection.weight
-        parts.per_layer_norm = layer.post_per_layer_input_norm.weight
-    return parts
+        layer_scalar=layer.layer_scalar,
+        per_layer_gate=layer.per_layer_input_gate.weight if ple else None,
+        per_layer_projection=layer.per_layer_projection.weight if ple else None,
+        per_layer_norm=layer.post_per_layer_input_norm.weight if ple else None)
+    shape = _Shape(attn.layer_type, num_heads, num_heads // attn.num_key_value_groups, attn.head_dim, eps)
+    return _Layer(shape, kv_index, weights)
+
+
+def _project(shape: _Shape, w: _Weights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Input norm, query and (producing layers) new keys and values: [q, heads, d], [kv_heads, q, d] x 2."""
+    q = hidden.shape[0]
+    x = _rms_norm(hidden, w.input_norm, shape.eps)
+    query = _linear(x, w.q_proj, w.q_bias).view(q, shape.num_heads, shape.head_dim)
+    query = _rotate(_rms_norm(query, w.q_norm, shape.eps), cos, sin)
+    if w.k_proj is None:
+        return query, None, None
+    raw_keys = _linear(x, w.k_proj, w.k_bias).view(q, shape.num_kv_heads, shape.head_dim)
+    values = raw_keys if w.v_proj is None else _linear(x, w.v_proj, w.v_bias).view(
+        q, shape.num_kv_heads, shape.head_dim)
+    keys = _rotate(_rms_norm(raw_keys, w.k_norm, shape.eps), cos, sin).transpose(0, 1)
+    return query, keys, _rms_norm(values, None, shape.eps).transpose(0, 1)
+
+
+def _finish(shape: _Shape, w: _Weights, hidden: torch.Tensor, attended: torch.Tensor,
+            per_layer_input: torch.Tensor | None) -> torch.Tensor:
+    """Output projection, feed-forward and per-layer input of a decoder layer, given the attention output."""
+    eps = shape.eps
+    hidden = hidden + _rms_norm(_linear(attended, w.o_proj, w.o_bias), w.post_attention_norm, eps)
+    x = _rms_norm(hidden, w.pre_feedforward_norm, eps)
+    x = _linear(F.gelu(_linear(x, w.gate_proj), approximate='tanh') * _linear(x, w.up_proj), w.down_proj)
+    hidden = hidden + _rms_norm(x, w.post_feedforward_norm, eps)
+    if per_layer_input is not None:
+        x = F.gelu(_linear(hidden, w.per_layer_gate), approximate='tanh') * per_layer_input
+        hidden = hidden + _rms_norm(_linear(x, w.per_layer_projection), w.per_layer_norm, eps)
+    return hidden * w.layer_scalar
+
+
+@torch.compiler.nested_compile_region
+def _step_layer(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_input: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+    """
+    One decoder layer of a step: new K/V written at slots, attention over keys/values [kv_heads, slots, d] masked
+    by mask [q, L] (full layers read the first L slots). Compiled once per layer shape and reused (hierarchical
+    compilation), which keeps compile time independent of depth.
+    """
+    query, new_keys, new_values = _project(shape, w, hidden, cos, sin)
+    if new_keys is not None:
+        keys.index_copy_(1, slots, new_keys)
+        values.index_copy_(1, slots, new_values)
+    if shape.layer_type == FULL:
+        keys, values = keys[:, :mask.shape[-1]], values[:, :mask.shape[-1]]
+    return _finish(shape, w, hidden, _attend(query, keys, values, mask), per_layer_input)
 
 
 def _check_activation(config) -> None:
@@ -170,51 +222,37 @@ class _Pass:
 class _Decoder:
     """Decoder layers shared by the causal LM and the assistant."""
 
-    eps: float
     layers: list[_Layer]
 
-    def _layer(self, layer: _Layer, hidden: torch.Tensor, state: _Pass,
-               per_layer_input: torch.Tensor | None) -> torch.Tensor:
-        residual = hidden
-        x = self._attention(layer.attention, _rms_norm(hidden, layer.input_norm, self.eps), state)
-        hidden = residual + _rms_norm(x, layer.post_attention_norm, self.eps)
-        residual = hidden
-        x = _rms_norm(hidden, layer.pre_feedforward_norm, self.eps)
-        x = _linear(F.gelu(_linear(x, layer.gate_proj), approximate='tanh') * _linear(x, layer.up_proj),
-                    layer.down_proj)
-        hidden = residual + _rms_norm(x, layer.post_feedforward_norm, self.eps)
-        if per_layer_input is not None:
-            residual = hidden
-            x = F.gelu(_linear(hidden, layer.per_layer_gate), approximate='tanh') * per_layer_input
-            hidden = residual + _rms_norm(_linear(x, layer.per_layer_projection), layer.per_layer_norm, self.eps)
-        return hidden * layer.layer_scalar
-
-    def _attention(self, attn: _Attention, x: torch.Tensor, state: _Pass) -> torch.Tensor:
-        q = x.shape[0]
-        cos, sin = state.rope[attn.layer_type]
-        query = _linear(x, attn.q_proj, attn.q_bias).view(q, attn.num_heads, attn.head_dim)
-        query = _rotate(_rms_norm(query, attn.q_norm, self.eps), cos, sin)
+    def _layers(self, hidden: torch.Tensor, state: _Pass, per_layer: torch.Tensor | None) -> torch.Tensor:
         cache = state.cache
-        keys, values = cache.keys[attn.kv_index], cache.values[attn.kv_index]
-        if attn.k_proj is not None:
-            raw_keys = _linear(x, attn.k_proj, attn.k_bias).view(q, attn.num_kv_heads, attn.head_dim)
-            new_values = raw_keys if attn.v_proj is None else _linear(x, attn.v_proj, attn.v_bias).view(
-                q, attn.num_kv_heads, attn.head_dim)
-            new_keys = _rotate(_rms_norm(raw_keys, attn.k_norm, self.eps), cos, sin).transpose(0, 1)
-            new_values = _rms_norm(new_values, None, self.eps).transpose(0, 1)
-            if state.pending is not None and attn.layer_type == SLIDING:
-                state.pending[attn.kv_index] = (new_keys, new_values)
+        slots = {kind: cache.write_slots(kind, state.positions) for kind in (FULL, SLIDING)}
+        for index, layer in enumerate(self.layers):
+            kind = layer.shape.layer_type
+            cos, sin = state.rope[kind]
+            per_layer_input = None if per_layer is None else per_layer[:, index]
+            keys, values = cache.keys[layer.kv_index], cache.values[layer.kv_index]
+            if state.pending is None:
+                hidden = _step_layer(layer.shape, layer.weights, hidden, per_layer_input, cos, sin,
+                                     state.masks[kind], keys, values, slots[kind])
+                continue
+            # prefill: full layers write all new K/V first; sliding layers read the old ring beside the new K/V,
+            # which go into the ring after the pass
+            query, new_keys, new_values = _project(layer.shape, layer.weights, hidden, cos, sin)
+            if new_keys is not None:
+                if kind == FULL:
+                    keys.index_copy_(1, slots[kind], new_keys)
+                    values.index_copy_(1, slots[kind], new_values)
+                else:
+                    state.pending[layer.kv_index] = (new_keys, new_values)
+            if kind == FULL:
+                keys, values = keys[:, :state.kv_len], values[:, :state.kv_len]
             else:
-                slots = cache.write_slots(attn.layer_type, state.positions)
-                keys.index_copy_(1, slots, new_keys)
-                values.index_copy_(1, slots, new_values)
-        if attn.layer_type == FULL:
-            keys, values = keys[:, :state.kv_len], values[:, :state.kv_len]
-        elif state.pending is not None:
-            new_keys, new_values = state.pending[attn.kv_index]
-            keys, values = torch.cat((keys, new_keys), dim=1), torch.cat((values, new_values), dim=1)
-        out = _attend(query, keys, values, state.masks[attn.layer_type])
-        return _linear(out, attn.o_proj, attn.o_bias)
+                new_keys, new_values = state.pending[layer.kv_index]
+                keys, values = torch.cat((keys, new_keys), dim=1), torch.cat((values, new_values), dim=1)
+            hidden = _finish(layer.shape, layer.weights, hidden, _attend(query, keys, values, state.masks[kind]),
+                             per_layer_input)
+        return hidden
 
 
 class LeanGemma4(_Decoder):
@@ -269,7 +307,7 @@ class LeanGemma4(_Decoder):
                 num_kv_heads = attn.k_proj.out_features // attn.head_dim
                 self.kv_specs.append(KvLayerSpec(index, attn.layer_type, num_kv_heads, attn.head_dim))
                 producer_of[attn.layer_type] = kv_index
-            self.layers.append(_layer_parts(layer, _attention_parts(attn, kv_index, config.num_attention_heads)))
+            self.layers.append(_layer_parts(layer, kv_index, config.num_attention_heads, self.eps))
         self.rope = _Rope(text_model.rotary_emb, config.layer_types, max_positions, self.dtype, self.device)
 
     def new_cache(self, context_limit: int, max_query: int) -> StaticKvCache:
@@ -321,9 +359,7 @@ class LeanGemma4(_Decoder):
         ring = cache.ring_positions[None, :]
         masks = {FULL: cache.key_positions[None, :kv_len] <= query_positions,
                  SLIDING: (ring <= query_positions) & (ring > query_positions - self.sliding_window)}
-        state = _Pass(cache, positions, self.rope.at(positions), masks, kv_len)
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer(layer, hidden, state, None if per_layer is None else per_layer[:, index])
+        hidden = self._layers(hidden, _Pass(cache, positions, self.rope.at(positions), masks, kv_len), per_layer)
         return self._head(hidden[-logits_to_keep:])
 
     def prefill(self, input_ids: torch.Tensor, cache: StaticKvCache, start: int, logits_to_keep: int) -> StepOutput:
@@ -344,8 +380,7 @@ class LeanGemma4(_Decoder):
         masks = {FULL: cache.key_positions[None, :start + count] <= query_positions,
                  SLIDING: (sliding_keys <= query_positions) & (sliding_keys > query_positions - self.sliding_window)}
         state = _Pass(cache, positions, self.rope.at(positions), masks, start + count, pending={})
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer(layer, hidden, state, None if per_layer is None else per_layer[:, index])
+        hidden = self._layers(hidden, state, per_layer)
         kept = positions[-cache.ring_size:]
         slots = kept % cache.ring_size
         for kv_index, (new_keys, new_values) in state.pending.items():
@@ -386,13 +421,14 @@ class LeanAssistant(_Decoder):
             if attn.layer_type not in producers:
                 raise ValueError('MTP assistant layer {} reads {} K/V, which the target does not produce'.format(
                     index, attn.layer_type))
-            parts = _attention_parts(attn, producers[attn.layer_type], config.num_attention_heads)
+            parts = _layer_parts(layer, producers[attn.layer_type], config.num_attention_heads, self.eps)
             spec = target.kv_specs[parts.kv_index]
-            if (parts.head_dim, parts.num_kv_heads) != (spec.head_dim, spec.num_kv_heads):
+            if (parts.shape.head_dim, parts.shape.num_kv_heads) != (spec.head_dim, spec.num_kv_heads):
                 raise ValueError('MTP assistant layer {} ({}) expects head_dim {} and {} KV heads but the target '
-                                 'provides {} and {}'.format(index, attn.layer_type, parts.head_dim,
-                                                             parts.num_kv_heads, spec.head_dim, spec.num_kv_heads))
-            self.layers.append(_layer_parts(layer, parts))
+                                 'provides {} and {}'.format(index, attn.layer_type, parts.shape.head_dim,
+                                                             parts.shape.num_kv_heads, spec.head_dim,
+                                                             spec.num_kv_heads))
+            self.layers.append(parts)
         self.pre_projection = assistant.pre_projection.weight      # [hidden, 2 * backbone]
         self.post_projection = assistant.post_projection.weight    # [backbone, hidden]
         self.final_norm = text_model.norm.weight
@@ -420,9 +456,7 @@ class LeanAssistant(_Decoder):
         ring = cache.ring_positions[None, :]
         masks = {FULL: cache.key_positions[None, :kv_len] <= before,
                  SLIDING: (ring <= before) & (ring >= before - self.sliding_window)}
-        state = _Pass(cache, position, self.rope.at(position), masks, kv_len)
-        for layer in self.layers:
-            x = self._layer(layer, x, state, None)
+        x = self._layers(x, _Pass(cache, position, self.rope.at(position), masks, kv_len), None)
         x = _rms_norm(x, self.final_norm, self.eps)
         logits = self._ordered_logits(x) if self.ordered else _linear(x, self.lm_head)
         return StepOutput(logits.unsqueeze(0), _linear(x, self.post_projection).unsqueeze(0))

@@ -90,33 +90,52 @@ class _Graph:
 
 
 class _Steps:
-    """Runs a step function per key in the chosen mode, creating (compiling, capturing) each variant on first use."""
+    """
+    Runs a step function per variant in the chosen mode, creating (compiling, capturing) each on first use.
+
+    On CPU with inductor the variants are q = 1 and q >= 2 (query and key lengths dynamic), so two graphs serve
+    every step. Otherwise a variant is one q and, unless eager, one full-attention key-length bucket.
+    """
 
     def __init__(self, mode: str, device: torch.device, context_limit: int):
         self.mode = mode
-        self.device = device
         self.context_limit = context_limit
+        self.dynamic = mode == 'inductor' and device.type == 'cpu'
         self._variants: dict[tuple, Callable] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == 'cudagraph' else None
-        self._dynamic_kv = mode == 'inductor' and device.type == 'cpu'
-
-    def key_length(self, needed: int) -> int:
-        """Full-attention key length for a pass whose last position is needed - 1."""
-        if self.mode in ('off',) or self._dynamic_kv:
-            return max(needed, 2)  # 2: keep the dynamic dimension off torch's 0/1 specialisation
-        return next(size for size in _buckets(self.context_limit) if size >= needed)
 
     @property
     def count(self) -> int:
         return len(self._variants)
 
+    def key_lengths(self) -> list[int]:
+        """The full-attention key lengths that get their own variant ([0]: one for all)."""
+        return [0] if self.mode == 'off' or self.dynamic else _buckets(self.context_limit)
+
+    def key_length(self, needed: int) -> int:
+        """Full-attention key length for a pass whose last position is needed - 1."""
+        if self.mode == 'off' or self.dynamic:
+            return max(needed, 2)  # 2: keeps the dynamic dimension off torch's 0/1 specialisation
+        return next(size for size in _buckets(self.context_limit) if size >= needed)
+
     def run(self, key: tuple, make: Callable[[], Callable], inputs: tuple[torch.Tensor, ...],
-            kv_positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            kv_positions: torch.Tensor, dynamic_dims: tuple[int | None, ...] = ()) -> tuple[torch.Tensor, ...]:
+        """
+        Run the variant for key (created by make() on first use) on inputs + kv_positions.
+
+        dynamic_dims: per input, its query-length dimension (None: none), made dynamic for q >= 2 on CPU.
+        """
         if self.mode != 'off':  # compiled graphs guard on inference-mode tensors, as warm-up makes them
             inputs = tuple(tensor if tensor.is_inference() else tensor.clone() for tensor in inputs)
-        variant_key = key if self._dynamic_kv else (*key, kv_positions.shape[0])
+        q = next((inputs[index].shape[dim] for index, dim in enumerate(dynamic_dims) if dim is not None), 1)
+        variant_key = (*key, min(q, 2)) if self.dynamic else (*key, q, kv_positions.shape[0])
         variant = self._variants.get(variant_key)
         if variant is None:
+            if self.dynamic:
+                torch._dynamo.mark_dynamic(kv_positions, 0)
+                for tensor, dim in zip(inputs, dynamic_dims):
+                    if dim is not None and q >= 2:
+                        torch._dynamo.mark_dynamic(tensor, dim)
             variant = self._create(make(), (*inputs, kv_positions))
             self._variants[variant_key] = variant
         return variant(*inputs, kv_positions)
@@ -126,8 +145,7 @@ class _Steps:
             return function
         if self.mode == 'cudagraph':
             return _Graph(function, inputs, self._pool)
-        if self._dynamic_kv:
-            torch._dynamo.mark_dynamic(inputs[-1], 0)
+        if self.dynamic:
             return torch.compile(_fresh(function), fullgraph=True, dynamic=False)
         return torch.compile(_fresh(function), fullgraph=True, dynamic=False, mode='reduce-overhead')
 
@@ -180,9 +198,9 @@ class FastCausalLM:
         self.cache.check_write(start, q)
         positions = torch.arange(start, start + q, device=self.lean.device)
         kv_positions = self.cache.key_positions[:self._steps.key_length(start + q)]
-        keep = logits_to_keep or q
-        logits, hidden = self._steps.run((q, keep), lambda: self._step_function(keep), (input_ids, positions),
-                                         kv_positions)
+        keep = 0 if logits_to_keep in (0, q) else logits_to_keep
+        logits, hidden = self._steps.run((keep,), lambda: self._step_function(keep), (input_ids, positions),
+                                         kv_positions, dynamic_dims=(1, 0))
         self.cache.advance(start, q)
         return StepOutput(logits, hidden)
 
@@ -195,24 +213,22 @@ class FastCausalLM:
         return step
 
     @torch.inference_mode()
-    def warmup(self, queries: Iterable[tuple[int, int]], progress: Progress | None = None) -> WarmupReport:
+    def warmup(self, logits_to_keep: int = 0, progress: Progress | None = None) -> WarmupReport:
         """
-        Create the step variants for (q, logits_to_keep) pairs before the first request; the cache is reset after.
+        Create the step variants for q = 1..max_query before the first request; the cache is reset after.
 
-        On CUDA every key-length bucket is captured. Returns the mode, the number of variants and the seconds.
+        logits_to_keep as the steps will use it (0: all, the target's verify pass; 1: a draft model). Returns the
+        mode, the number of variants created and the seconds it took.
         """
         say = progress or (lambda message: None)
         started = time.perf_counter()
-        queries = list(queries)
-        lengths = [self.max_query + 1] if self._steps.mode in ('off',) or self._steps._dynamic_kv else [
-            size for size in _buckets(self.cache.context_limit) if size > self.max_query]
-        for index, (q, keep) in enumerate(queries):
-            for length in lengths:
+        queries = [1, 2] if self._steps.dynamic else range(1, self.max_query + 1)
+        for q in queries:
+            for length in self._steps.key_lengths():
                 self.cache.reset()
-                self.cache.advance(0, length - q - 1)  # a step whose last position needs exactly this bucket
-                self.step(torch.zeros((1, q), dtype=torch.long, device=self.lean.device), keep)
-            say('warm-up {}/{}: q={} ({} mode, {:.1f} s)'.format(index + 1, len(queries), q, self.mode,
-                                                                 time.perf_counter() - started))
+                self.cache.advance(0, max(0, length - q - 1))  # the step's last position needs this key length
+                self.step(torch.zeros((1, q), dtype=torch.long, device=self.lean.device), logits_to_keep)
+            say('warm-up: q={} done ({} mode, {:.1f} s)'.format(q, self.mode, time.perf_counter() - started))
         self.cache.reset()
         return WarmupReport(self.mode, self._steps.count, time.perf_counter() - started)
 
@@ -256,13 +272,12 @@ class FastAssistant:
         say = progress or (lambda message: None)
         started = time.perf_counter()
         cache, device = self.target.cache, self.target.lean.device
-        lengths = [2] if self._steps.mode == 'off' or self._steps._dynamic_kv else _buckets(cache.context_limit)
-        for length in lengths:
+        for length in self._steps.key_lengths():
             cache.reset()
-            cache.advance(0, length)
+            cache.advance(0, max(length, 2))
             self.step(torch.zeros((1, 1), dtype=torch.long, device=device),
                       torch.zeros((1, 1, self.target.lean.hidden_size), dtype=self.target.lean.dtype, device=device),
-                      length)
+                      cache.length)
         cache.reset()
         say('warm-up: MTP assistant ({} mode, {:.1f} s)'.format(self.mode, time.perf_counter() - started))
         return WarmupReport(self.mode, self._steps.count, time.perf_counter() - started)

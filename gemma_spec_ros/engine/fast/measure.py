@@ -1,0 +1,217 @@
+"""
+Measure the fast path against transformers' eager forward (figures for issue 12; not a test).
+
+    python -m gemma_spec_ros.engine.fast.measure decode   # ms/token, greedy plain decoding: hf | lean | compiled
+    python -m gemma_spec_ros.engine.fast.measure verify   # one target pass of q = 1..9 tokens
+    python -m gemma_spec_ros.engine.fast.measure threads  # 1 vs 2 threads, idle / other core busy, OMP wait policy
+
+Systems: ``hf`` is transformers' forward on a DynamicCache driven as the engine drives it, ``lean`` the lean forward
+eager on the static cache, ``compiled`` the same through the inductor step graphs. Repeats are interleaved and the
+medians reported (the machine is shared: figures are noisy). Thread CPU time is reported beside wall time.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+TARGET = 'models/gemma4-spec-target'
+SYSTEMS = ('hf', 'lean', 'compiled')
+
+
+def _load(model_dir: str, threads: int):
+    import torch
+
+    torch.set_num_threads(threads)
+    from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from gemma_spec_ros.engine import models
+
+    model = models.load_causal_lm(model_dir, 'target', torch.device('cpu'), torch.float32)
+    tokenizer = models.load_tokenizer(model_dir)
+    prompt = next(p for p in load_prompts(DEFAULT_PROMPTS) if p.category == 'code')
+    return model, tokenizer(prompt.text).input_ids
+
+
+class _Hf:
+    """transformers' eager forward on a DynamicCache, as engine.Engine._forward drives it."""
+
+    name = 'hf'
+
+    def __init__(self, model):
+        self.model = model
+
+    def reset(self):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.cache.activate_past_recording()
+        self.length = 0
+
+    def forward(self, ids):  # ids [1, q] -> logits [q, vocab]
+        import torch
+
+        from gemma_spec_ros.engine.drafters import single_token_masks
+
+        positions = torch.arange(self.length, self.length + ids.shape[1]).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=0,
+                         attention_mask=single_token_masks(ids))
+        self.length += ids.shape[1]
+        return out.logits[0]
+
+    def crop(self, count):
+        self.cache.crop(-count)
+        self.length -= count
+
+
+class _Fast:
+    name = 'lean'
+
+    def __init__(self, model, context_limit, mode, progress):
+        from .runner import FastCausalLM
+
+        self.fast = FastCausalLM(model, context_limit, 9, mode)
+        self.warmup_seconds = self.fast.warmup(0, progress).seconds if mode != 'off' else 0.0
+        self.name = 'compiled' if mode != 'off' else 'lean'
+
+    def reset(self):
+        self.fast.reset()
+
+    def forward(self, ids):
+        if self.fast.length == 0 or ids.shape[1] > self.fast.max_query:
+            return self.fast.prefill(ids, 0).logits[0]
+        return self.fast.step(ids).logits[0]
+
+    def crop(self, count):
+        self.fast.crop(-count)
+
+
+def _systems(names, model, context_limit, say):
+    built = []
+    for name in names:
+        if name == 'hf':
+            built.append(_Hf(model))
+        else:
+            system = _Fast(model, context_limit, 'off' if name == 'lean' else 'inductor', say)
+            if name == 'compiled':
+                say('compiled: warm-up {:.1f} s'.format(system.warmup_seconds))
+            built.append(system)
+    return built
+
+
+def _decode(system, prompt_ids, new_tokens):
+    """Greedy plain decoding; returns (tokens, wall s/token, thread-CPU s/token) over the decode steps."""
+    import torch
+
+    with torch.inference_mode():
+        system.reset()
+        token = system.forward(torch.tensor([prompt_ids]))[-1].argmax().view(1, 1)
+        tokens = [token.item()]
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(new_tokens - 1):
+            token = system.forward(token)[-1].argmax().view(1, 1)
+            tokens.append(token.item())
+            system.crop(0)
+        steps = new_tokens - 1
+        return tokens, (time.perf_counter() - wall) / steps, (time.thread_time() - cpu) / steps
+
+
+def decode(args) -> dict:
+    model, prompt_ids = _load(args.model, args.threads)
+    say = (lambda message: print(message, file=sys.stderr, flush=True))
+    systems = _systems(args.systems.split(','), model, len(prompt_ids) + args.new_tokens + 16, say)
+    wall: dict[str, list[float]] = {s.name: [] for s in systems}
+    cpu: dict[str, list[float]] = {s.name: [] for s in systems}
+    outputs = {}
+    for _ in range(args.repeats):
+        for system in systems:
+            tokens, per_token, per_token_cpu = _decode(system, prompt_ids, args.new_tokens)
+            outputs[system.name] = tokens
+            wall[system.name].append(per_token * 1e3)
+            cpu[system.name].append(per_token_cpu * 1e3)
+    reference = next(iter(outputs.values()))
+    result = {'prompt_tokens': len(prompt_ids), 'new_tokens': args.new_tokens, 'threads': args.threads,
+              'omp_wait_policy': os.environ.get('OMP_WAIT_POLICY', ''), 'identical': all(
+                  tokens == reference for tokens in outputs.values()),
+              'ms_per_token': {name: statistics.median(values) for name, values in wall.items()},
+              'cpu_ms_per_token': {name: statistics.median(values) for name, values in cpu.items()},
+              'wall_samples': wall}
+    for system in systems:
+        if system.name == 'compiled':
+            result['warmup_seconds'] = system.warmup_seconds
+    return result
+
+
+def verify(args) -> dict:
+    import torch
+
+    model, prompt_ids = _load(args.model, args.threads)
+    say = (lambda message: print(message, file=sys.stderr, flush=True))
+    systems = _systems(args.systems.split(','), model, len(prompt_ids) + 32, say)
+    samples: dict[str, dict[int, list[float]]] = {s.name: {q: [] for q in range(1, 10)} for s in systems}
+    with torch.inference_mode():
+        for system in systems:
+            system.reset()
+            system.forward(torch.tensor([prompt_ids]))
+        for _ in range(args.repeats):
+            for q in range(1, 10):
+                ids = torch.tensor([prompt_ids[-q:]])
+                for system in systems:
+                    start = time.perf_counter()
+                    system.forward(ids)
+                    samples[system.name][q].append((time.perf_counter() - start) * 1e3)
+                    system.crop(q)
+    return {'context': len(prompt_ids), 'threads': args.threads,
+            'ms_per_pass': {name: {q: statistics.median(v) for q, v in by_q.items()} for name, by_q in samples.items()}}
+
+
+def threads(args) -> dict:
+    """Each configuration in its own process (the wait policy is read when torch loads), repeats interleaved."""
+    configs = [(count, busy, policy) for policy in ('', 'PASSIVE') for busy in (False, True) for count in (1, 2)]
+    rows: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for count, busy, policy in configs:
+            env = dict(os.environ, OMP_NUM_THREADS=str(count))
+            env.pop('OMP_WAIT_POLICY', None)
+            if policy:
+                env['OMP_WAIT_POLICY'] = policy
+            spinner = subprocess.Popen([sys.executable, '-c', 'while True: pass']) if busy else None
+            try:
+                out = subprocess.run(
+                    [sys.executable, '-m', 'gemma_spec_ros.engine.fast.measure', 'decode', '--systems', args.systems,
+                     '--threads', str(count), '--new-tokens', str(args.new_tokens), '--repeats', '1',
+                     '--model', args.model], env=env, capture_output=True, text=True, check=True).stdout
+            finally:
+                if spinner is not None:
+                    spinner.kill()
+                    spinner.wait()
+            result = json.loads(out)
+            for name, value in result['ms_per_token'].items():
+                key = '{} threads={} other_core={} OMP_WAIT_POLICY={}'.format(
+                    name, count, 'busy' if busy else 'as-is', policy or 'default')
+                rows.setdefault(key, []).append(value)
+    return {'new_tokens': args.new_tokens, 'ms_per_token_median': {k: statistics.median(v) for k, v in rows.items()},
+            'samples': rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.engine.fast.measure', description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('what', choices=('decode', 'verify', 'threads'))
+    parser.add_argument('--model', default=TARGET)
+    parser.add_argument('--systems', default=','.join(SYSTEMS), help='comma-separated: hf, lean, compiled')
+    parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--new-tokens', type=int, default=128)
+    parser.add_argument('--repeats', type=int, default=5)
+    args = parser.parse_args(argv)
+    if any(name not in SYSTEMS for name in args.systems.split(',')):
+        parser.error('--systems takes a comma-separated subset of {}'.format(', '.join(SYSTEMS)))
+    result = {'decode': decode, 'verify': verify, 'threads': threads}[args.what](args)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
