@@ -1,0 +1,11 @@
+"""
+The fast decode path: a static KV cache, a lean Gemma 4 forward over the loaded weights, and per-q step functions
+run eager, inductor-compiled (CPU) or captured as CUDA graphs (GPU). transformers stays the loader and reference.
+"""
+
+from .cache import StaticKvCache
+from .model import LeanAssistant, LeanGemma4, StepOutput
+from .runner import COMPILE_MODES, FastAssistant, FastCausalLM, WarmupReport, resolve_compile_mode
+
+__all__ = ['COMPILE_MODES', 'FastAssistant', 'FastCausalLM', 'LeanAssistant', 'LeanGemma4', 'StaticKvCache',
+           'StepOutput', 'WarmupReport', 'resolve_compile_mode']

@@ -22,6 +22,10 @@ TARGET = 'models/gemma4-spec-target'
 SYSTEMS = ('hf', 'lean', 'compiled')
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _load(model_dir: str, threads: int):
     import torch
 
@@ -80,9 +84,7 @@ class _Fast:
         self.fast.reset()
 
     def forward(self, ids):
-        if self.fast.length == 0 or ids.shape[1] > self.fast.max_query:
-            return self.fast.prefill(ids, 0).logits[0]
-        return self.fast.step(ids).logits[0]
+        return self.fast.append(ids).logits[0]
 
     def crop(self, count):
         self.fast.crop(-count)
@@ -120,8 +122,7 @@ def _decode(system, prompt_ids, new_tokens):
 
 def decode(args) -> dict:
     model, prompt_ids = _load(args.model, args.threads)
-    say = (lambda message: print(message, file=sys.stderr, flush=True))
-    systems = _systems(args.systems.split(','), model, len(prompt_ids) + args.new_tokens + 16, say)
+    systems = _systems(args.systems.split(','), model, len(prompt_ids) + args.new_tokens + 16, _say)
     wall: dict[str, list[float]] = {s.name: [] for s in systems}
     cpu: dict[str, list[float]] = {s.name: [] for s in systems}
     outputs = {}
@@ -148,8 +149,7 @@ def verify(args) -> dict:
     import torch
 
     model, prompt_ids = _load(args.model, args.threads)
-    say = (lambda message: print(message, file=sys.stderr, flush=True))
-    systems = _systems(args.systems.split(','), model, len(prompt_ids) + 32, say)
+    systems = _systems(args.systems.split(','), model, len(prompt_ids) + 32, _say)
     samples: dict[str, dict[int, list[float]]] = {s.name: {q: [] for q in range(1, 10)} for s in systems}
     with torch.inference_mode():
         for system in systems:

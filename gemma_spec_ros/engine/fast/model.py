@@ -94,7 +94,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """query [q, heads, d], keys/values [kv_heads, L, d], mask [q, L] bool -> [q, heads * d] (scale 1, GQA)."""
+    """Attend query [q, heads, d] to keys/values [kv_heads, L, d] where mask [q, L] -> [q, heads * d] (scale 1)."""
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                          scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
     return out[0].transpose(0, 1).reshape(query.shape[0], -1)
@@ -187,9 +187,11 @@ def _step_layer(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_inpu
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
     """
-    One decoder layer of a step: new K/V written at slots, attention over keys/values [kv_heads, slots, d] masked
-    by mask [q, L] (full layers read the first L slots). Compiled once per layer shape and reused (hierarchical
-    compilation), which keeps compile time independent of depth.
+    Run one decoder layer of a step.
+
+    New K/V are written at slots, then the query attends to keys/values [kv_heads, slots, d] where mask [q, L]
+    (full layers read the first L slots). Compiled once per layer shape and reused (hierarchical compilation),
+    which keeps the compile time independent of the depth.
     """
     query, new_keys, new_values = _project(shape, w, hidden, cos, sin)
     if new_keys is not None:
@@ -311,7 +313,7 @@ class LeanGemma4(_Decoder):
         self.rope = _Rope(text_model.rotary_emb, config.layer_types, max_positions, self.dtype, self.device)
 
     def new_cache(self, context_limit: int, max_query: int) -> StaticKvCache:
-        """A static cache for this model: context_limit tokens, steps of up to max_query tokens."""
+        """Make a static cache for this model: context_limit tokens, steps of up to max_query tokens."""
         if context_limit > self.max_positions:
             raise ValueError('context_limit {} exceeds the model max_positions {}'.format(
                 context_limit, self.max_positions))
@@ -446,8 +448,10 @@ class LeanAssistant(_Decoder):
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: torch.Tensor, cache: StaticKvCache,
              kv_len: int) -> StepOutput:
         """
-        One draft step: token_ids [1, 1] (the last token), hidden [1, 1, backbone] (the target state that predicted
-        it, or the previous step's output), position [1]. Returns logits [1, 1, vocab] and the projected hidden
+        Run one draft step.
+
+        token_ids [1, 1] is the last token, hidden [1, 1, backbone] the target state that predicted it (or the
+        previous step's output), position [1] its position. Returns logits [1, 1, vocab] and the projected hidden
         [1, 1, backbone] to feed the next step. kv_len > position bounds the full-layer keys read.
         """
         inputs = torch.cat((self.target.embed_tokens(token_ids[0]), hidden[0]), dim=-1)  # [1, 2 * backbone]
@@ -462,7 +466,7 @@ class LeanAssistant(_Decoder):
         return StepOutput(logits.unsqueeze(0), _linear(x, self.post_projection).unsqueeze(0))
 
     def _ordered_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [1, hidden] -> [1, vocab]: exact logits for the tokens of the top centroids, the rest below their min."""
+        """Logits [1, vocab] from x [1, hidden]: exact for the tokens of the top centroids, the rest below their min."""
         top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices                # [1, top_k]
         clusters = self.token_ordering.long().view(self.num_centroids, -1)
         selected = clusters[top].reshape(1, -1)                                                  # [1, top_k * per]

@@ -10,10 +10,9 @@ Step functions per query length over the lean forward and the static cache: eage
 - ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU (see measure.py for the figures behind it).
 """
 
-import os
 import time
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +37,8 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
-def use_compile_cache(directory: str) -> None:
-    """Keep inductor's compiled kernels in directory, so that later runs (and processes) reuse them."""
-    os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', directory)
-
-
 def _fresh(function):
-    """A copy of function with its own code object: torch.compile then keeps one cache (and guard set) per step."""
+    """Copy function with its own code object: torch.compile then keeps one cache (and guard set) per step."""
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
 
@@ -109,7 +103,7 @@ class _Steps:
         return len(self._variants)
 
     def key_lengths(self) -> list[int]:
-        """The full-attention key lengths that get their own variant ([0]: one for all)."""
+        """List the full-attention key lengths that get their own variant ([0]: one for all)."""
         return [0] if self.mode == 'off' or self.dynamic else _buckets(self.context_limit)
 
     def key_length(self, needed: int) -> int:
@@ -119,21 +113,21 @@ class _Steps:
         return next(size for size in _buckets(self.context_limit) if size >= needed)
 
     def run(self, key: tuple, make: Callable[[], Callable], inputs: tuple[torch.Tensor, ...],
-            kv_positions: torch.Tensor, dynamic_dims: tuple[int | None, ...] = ()) -> tuple[torch.Tensor, ...]:
+            kv_positions: torch.Tensor, dynamic_dims: tuple[int | None, ...]) -> tuple[torch.Tensor, ...]:
         """
         Run the variant for key (created by make() on first use) on inputs + kv_positions.
 
         dynamic_dims: per input, its query-length dimension (None: none), made dynamic for q >= 2 on CPU.
         """
-        if self.mode != 'off':  # compiled graphs guard on inference-mode tensors, as warm-up makes them
-            inputs = tuple(tensor if tensor.is_inference() else tensor.clone() for tensor in inputs)
+        if self.mode != 'off':  # compiled graphs guard on strides and on inference-mode tensors: normalise both
+            inputs = tuple(tensor.clone(memory_format=torch.contiguous_format) for tensor in inputs)
         q = next((inputs[index].shape[dim] for index, dim in enumerate(dynamic_dims) if dim is not None), 1)
         variant_key = (*key, min(q, 2)) if self.dynamic else (*key, q, kv_positions.shape[0])
         variant = self._variants.get(variant_key)
         if variant is None:
             if self.dynamic:
                 torch._dynamo.mark_dynamic(kv_positions, 0)
-                for tensor, dim in zip(inputs, dynamic_dims):
+                for tensor, dim in zip(inputs, dynamic_dims, strict=True):
                     if dim is not None and q >= 2:
                         torch._dynamo.mark_dynamic(tensor, dim)
             variant = self._create(make(), (*inputs, kv_positions))
@@ -147,7 +141,12 @@ class _Steps:
             return _Graph(function, inputs, self._pool)
         if self.dynamic:
             return torch.compile(_fresh(function), fullgraph=True, dynamic=False)
-        return torch.compile(_fresh(function), fullgraph=True, dynamic=False, mode='reduce-overhead')
+        compiled = torch.compile(_fresh(function), fullgraph=True, dynamic=False, mode='reduce-overhead')
+
+        def run_captured(*inputs):  # outputs of inductor's CUDA graphs are overwritten by the next replay: copy
+            torch.compiler.cudagraph_mark_step_begin()
+            return tuple(output.clone() for output in compiled(*inputs))
+        return run_captured
 
 
 class FastCausalLM:
@@ -170,6 +169,11 @@ class FastCausalLM:
         """Tokens in the cache."""
         return self.cache.length
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this adds to the model's weights: the KV cache and the rope tables."""
+        return self.cache.nbytes + self.lean.rope.nbytes
+
     def reset(self) -> None:
         """Start a new request (the cache forgets every token)."""
         self.cache.reset()
@@ -180,8 +184,14 @@ class FastCausalLM:
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, logits_to_keep: int = 1) -> StepOutput:
-        """Append input_ids [1, n] (any n) at the cache end, eager; logits and hidden of the last logits_to_keep."""
+        """Append input_ids [1, n] (any n) eager; logits and hidden of the last logits_to_keep (0: all)."""
         return self.lean.prefill(input_ids, self.cache, self.cache.length, logits_to_keep)
+
+    def append(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> StepOutput:
+        """Append input_ids [1, n]: through the step for n when n <= max_query, else through prefill."""
+        if input_ids.shape[1] <= self.max_query:
+            return self.step(input_ids, logits_to_keep)
+        return self.prefill(input_ids, logits_to_keep)
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> StepOutput:
@@ -242,6 +252,11 @@ class FastAssistant:
         self.mode = resolve_compile_mode(compile_mode, target.lean.device)
         self._steps = _Steps(self.mode, target.lean.device, target.cache.context_limit)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this adds to the assistant's weights: its rope tables."""
+        return self.lean.rope.nbytes
+
     @torch.inference_mode()
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int) -> StepOutput:
         """
@@ -255,7 +270,8 @@ class FastAssistant:
                 cache.length, position))
         positions = torch.tensor([position], device=self.target.lean.device)
         kv_positions = cache.key_positions[:self._steps.key_length(position)]
-        logits, projected = self._steps.run((1,), self._step_function, (token_ids, hidden, positions), kv_positions)
+        logits, projected = self._steps.run((1,), self._step_function, (token_ids, hidden, positions), kv_positions,
+                                            dynamic_dims=(None, None, None))
         return StepOutput(logits, projected)
 
     def _step_function(self):
