@@ -1,6 +1,8 @@
 """
-The fast decode path: a static KV cache, a lean Gemma 4 forward over the loaded weights, and per-q step functions
-run eager, inductor-compiled (CPU) or captured as CUDA graphs (GPU). transformers stays the loader and reference.
+The fast decode path (issue 12).
+
+A static KV cache, a lean Gemma 4 forward over the loaded weights, and per-q step functions run eager,
+inductor-compiled (CPU) or captured as CUDA graphs (GPU). transformers stays the loader and the reference.
 """
 
 from .cache import StaticKvCache

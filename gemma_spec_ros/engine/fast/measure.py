@@ -6,7 +6,8 @@ Measure the fast path against transformers' eager forward (figures for issue 12;
     python -m gemma_spec_ros.engine.fast.measure threads  # 1 vs 2 threads, idle / other core busy, OMP wait policy
 
 Systems: ``hf`` is transformers' forward on a DynamicCache driven as the engine drives it, ``lean`` the lean forward
-eager on the static cache, ``compiled`` the same through the inductor step graphs. Repeats are interleaved and the
+eager on the static cache, ``compiled`` the same through the inductor step graphs, ``cudagraph`` through captured
+CUDA graphs (``--device cuda``). Repeats are interleaved and the
 medians reported (the machine is shared: figures are noisy). Thread CPU time is reported beside wall time.
 """
 
@@ -19,22 +20,24 @@ import sys
 import time
 
 TARGET = 'models/gemma4-spec-target'
-SYSTEMS = ('hf', 'lean', 'compiled')
+SYSTEMS = ('hf', 'lean', 'compiled', 'cudagraph')
+MODES = {'lean': 'off', 'compiled': 'inductor', 'cudagraph': 'cudagraph'}
 
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _load(model_dir: str, threads: int):
+def _load(args):
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
     from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, load_prompts
     from gemma_spec_ros.engine import models
 
-    model = models.load_causal_lm(model_dir, 'target', torch.device('cpu'), torch.float32)
-    tokenizer = models.load_tokenizer(model_dir)
+    device = models.resolve_device(args.device)
+    model = models.load_causal_lm(args.model, 'target', device, models.resolve_dtype(args.dtype, device))
+    tokenizer = models.load_tokenizer(args.model)
     prompt = next(p for p in load_prompts(DEFAULT_PROMPTS) if p.category == 'code')
     return model, tokenizer(prompt.text).input_ids
 
@@ -59,7 +62,7 @@ class _Hf:
 
         from gemma_spec_ros.engine.drafters import single_token_masks
 
-        positions = torch.arange(self.length, self.length + ids.shape[1]).unsqueeze(0)
+        positions = torch.arange(self.length, self.length + ids.shape[1], device=ids.device).unsqueeze(0)
         out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=0,
                          attention_mask=single_token_masks(ids))
         self.length += ids.shape[1]
@@ -71,14 +74,14 @@ class _Hf:
 
 
 class _Fast:
-    name = 'lean'
+    """The lean forward on the static cache in one compile mode."""
 
-    def __init__(self, model, context_limit, mode, progress):
+    def __init__(self, name, model, context_limit, progress):
         from .runner import FastCausalLM
 
-        self.fast = FastCausalLM(model, context_limit, 9, mode)
-        self.warmup_seconds = self.fast.warmup(0, progress).seconds if mode != 'off' else 0.0
-        self.name = 'compiled' if mode != 'off' else 'lean'
+        self.name = name
+        self.fast = FastCausalLM(model, context_limit, 9, MODES[name])
+        self.warmup_seconds = self.fast.warmup(0, progress).seconds if name != 'lean' else 0.0
 
     def reset(self):
         self.fast.reset()
@@ -93,13 +96,10 @@ class _Fast:
 def _systems(names, model, context_limit, say):
     built = []
     for name in names:
-        if name == 'hf':
-            built.append(_Hf(model))
-        else:
-            system = _Fast(model, context_limit, 'off' if name == 'lean' else 'inductor', say)
-            if name == 'compiled':
-                say('compiled: warm-up {:.1f} s'.format(system.warmup_seconds))
-            built.append(system)
+        system = _Hf(model) if name == 'hf' else _Fast(name, model, context_limit, say)
+        if name not in ('hf', 'lean'):
+            say('{}: warm-up {:.1f} s'.format(name, system.warmup_seconds))
+        built.append(system)
     return built
 
 
@@ -109,19 +109,20 @@ def _decode(system, prompt_ids, new_tokens):
 
     with torch.inference_mode():
         system.reset()
-        token = system.forward(torch.tensor([prompt_ids]))[-1].argmax().view(1, 1)
+        device = next(system.model.parameters()).device if isinstance(system, _Hf) else system.fast.lean.device
+        token = system.forward(torch.tensor([prompt_ids], device=device))[-1].argmax().view(1, 1)
         tokens = [token.item()]
         wall, cpu = time.perf_counter(), time.thread_time()
         for _ in range(new_tokens - 1):
             token = system.forward(token)[-1].argmax().view(1, 1)
-            tokens.append(token.item())
+            tokens.append(token.item())  # the host sync of every decoding step
             system.crop(0)
         steps = new_tokens - 1
         return tokens, (time.perf_counter() - wall) / steps, (time.thread_time() - cpu) / steps
 
 
 def decode(args) -> dict:
-    model, prompt_ids = _load(args.model, args.threads)
+    model, prompt_ids = _load(args)
     systems = _systems(args.systems.split(','), model, len(prompt_ids) + args.new_tokens + 16, _say)
     wall: dict[str, list[float]] = {s.name: [] for s in systems}
     cpu: dict[str, list[float]] = {s.name: [] for s in systems}
@@ -133,38 +134,43 @@ def decode(args) -> dict:
             wall[system.name].append(per_token * 1e3)
             cpu[system.name].append(per_token_cpu * 1e3)
     reference = next(iter(outputs.values()))
-    result = {'prompt_tokens': len(prompt_ids), 'new_tokens': args.new_tokens, 'threads': args.threads,
+    result = {'device': str(next(model.parameters()).device), 'dtype': str(next(model.parameters()).dtype),
+              'prompt_tokens': len(prompt_ids), 'new_tokens': args.new_tokens, 'threads': args.threads,
               'omp_wait_policy': os.environ.get('OMP_WAIT_POLICY', ''), 'identical': all(
                   tokens == reference for tokens in outputs.values()),
               'ms_per_token': {name: statistics.median(values) for name, values in wall.items()},
               'cpu_ms_per_token': {name: statistics.median(values) for name, values in cpu.items()},
               'wall_samples': wall}
-    for system in systems:
-        if system.name == 'compiled':
-            result['warmup_seconds'] = system.warmup_seconds
+    result['warmup_seconds'] = {s.name: s.warmup_seconds for s in systems if s.name not in ('hf', 'lean')}
     return result
 
 
 def verify(args) -> dict:
     import torch
 
-    model, prompt_ids = _load(args.model, args.threads)
+    model, prompt_ids = _load(args)
     systems = _systems(args.systems.split(','), model, len(prompt_ids) + 32, _say)
-    samples: dict[str, dict[int, list[float]]] = {s.name: {q: [] for q in range(1, 10)} for s in systems}
+    device = next(model.parameters()).device
+    wall: dict[str, dict[int, list[float]]] = {s.name: {q: [] for q in range(1, 10)} for s in systems}
+    cpu: dict[str, dict[int, list[float]]] = {s.name: {q: [] for q in range(1, 10)} for s in systems}
     with torch.inference_mode():
         for system in systems:
             system.reset()
-            system.forward(torch.tensor([prompt_ids]))
+            system.forward(torch.tensor([prompt_ids], device=device))
         for _ in range(args.repeats):
             for q in range(1, 10):
-                ids = torch.tensor([prompt_ids[-q:]])
+                ids = torch.tensor([prompt_ids[-q:]], device=device)
                 for system in systems:
-                    start = time.perf_counter()
-                    system.forward(ids)
-                    samples[system.name][q].append((time.perf_counter() - start) * 1e3)
+                    start, start_cpu = time.perf_counter(), time.thread_time()
+                    system.forward(ids)[-1, 0].item()  # wait for the pass (CUDA)
+                    wall[system.name][q].append((time.perf_counter() - start) * 1e3)
+                    cpu[system.name][q].append((time.thread_time() - start_cpu) * 1e3)
                     system.crop(q)
-    return {'context': len(prompt_ids), 'threads': args.threads,
-            'ms_per_pass': {name: {q: statistics.median(v) for q, v in by_q.items()} for name, by_q in samples.items()}}
+
+    def medians(samples):
+        return {name: {q: round(statistics.median(v), 3) for q, v in by_q.items()} for name, by_q in samples.items()}
+    return {'device': str(device), 'context': len(prompt_ids), 'threads': args.threads,
+            'ms_per_pass': medians(wall), 'cpu_ms_per_pass': medians(cpu)}
 
 
 def threads(args) -> dict:
@@ -182,7 +188,8 @@ def threads(args) -> dict:
                 out = subprocess.run(
                     [sys.executable, '-m', 'gemma_spec_ros.engine.fast.measure', 'decode', '--systems', args.systems,
                      '--threads', str(count), '--new-tokens', str(args.new_tokens), '--repeats', '1',
-                     '--model', args.model], env=env, capture_output=True, text=True, check=True).stdout
+                     '--model', args.model, '--device', 'cpu'],
+                    env=env, capture_output=True, text=True, check=True).stdout
             finally:
                 if spinner is not None:
                     spinner.kill()
@@ -201,8 +208,10 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('what', choices=('decode', 'verify', 'threads'))
     parser.add_argument('--model', default=TARGET)
-    parser.add_argument('--systems', default=','.join(SYSTEMS), help='comma-separated: hf, lean, compiled')
+    parser.add_argument('--systems', default='hf,lean,compiled', help='comma-separated: ' + ', '.join(SYSTEMS))
     parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--device', default='cpu', help='cpu|cuda|auto')
+    parser.add_argument('--dtype', default='auto', help='auto|float32|bfloat16|float16')
     parser.add_argument('--new-tokens', type=int, default=128)
     parser.add_argument('--repeats', type=int, default=5)
     args = parser.parse_args(argv)

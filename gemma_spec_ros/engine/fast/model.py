@@ -105,27 +105,22 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 class _Rope:
-    """cos/sin tables per layer type for positions 0..max_positions-1, computed as transformers computes them."""
+    """cos/sin per layer type from the model's inverse frequencies, computed as transformers computes them."""
 
-    def __init__(self, rotary_emb, layer_types, max_positions: int, dtype: torch.dtype, device: torch.device):
-        self.cos: dict[str, torch.Tensor] = {}
-        self.sin: dict[str, torch.Tensor] = {}
-        positions = torch.arange(max_positions, device=device)
-        for layer_type in sorted(set(layer_types)):
-            inv_freq = getattr(rotary_emb, '{}_inv_freq'.format(layer_type)).to(device=device, dtype=torch.float)
-            scaling = getattr(rotary_emb, '{}_attention_scaling'.format(layer_type))
-            freqs = positions[:, None].float() * inv_freq[None, :]
-            angles = torch.cat((freqs, freqs), dim=-1)
-            self.cos[layer_type] = (angles.cos() * scaling).to(dtype)  # [max_positions, head_dim]
-            self.sin[layer_type] = (angles.sin() * scaling).to(dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.cos.values(), *self.sin.values()))
+    def __init__(self, rotary_emb, layer_types, dtype: torch.dtype):
+        self.dtype = dtype
+        self.inv_freq = {kind: getattr(rotary_emb, '{}_inv_freq'.format(kind)) for kind in sorted(set(layer_types))}
+        self.scaling = {kind: getattr(rotary_emb, '{}_attention_scaling'.format(kind)) for kind in self.inv_freq}
 
     def at(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """{layer_type: (cos, sin)} each [q, 1, head_dim] for positions [q]."""
-        return {kind: (self.cos[kind][positions][:, None], self.sin[kind][positions][:, None]) for kind in self.cos}
+        rope = {}
+        for kind, inv_freq in self.inv_freq.items():
+            freqs = positions[:, None].float() * inv_freq.float()[None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+            scaling = self.scaling[kind]
+            rope[kind] = ((angles.cos() * scaling).to(self.dtype), (angles.sin() * scaling).to(self.dtype))
+        return rope
 
 
 def _layer_parts(layer, kv_index: int, num_heads: int, eps: float) -> _Layer:
@@ -262,10 +257,9 @@ class LeanGemma4(_Decoder):
     Gemma4ForCausalLM or Gemma4ForConditionalGeneration (text only) as a lean, static-shape forward.
 
     Build it after the model is on its final device and dtype: it keeps references to the model's parameters.
-    max_positions bounds the positions it can run (the rope tables are precomputed for them).
     """
 
-    def __init__(self, model, max_positions: int):
+    def __init__(self, model):
         text_model, lm_head, config, multimodal = _text_parts(model)
         _check_activation(config)
         if getattr(config, 'use_bidirectional_attention', None) == 'all':
@@ -274,7 +268,6 @@ class LeanGemma4(_Decoder):
         self.eps = config.rms_norm_eps
         self.sliding_window = config.sliding_window
         self.softcap = config.final_logit_softcapping
-        self.max_positions = max_positions
         weight = text_model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.embed = weight                                  # [vocab, hidden]
@@ -310,13 +303,10 @@ class LeanGemma4(_Decoder):
                 self.kv_specs.append(KvLayerSpec(index, attn.layer_type, num_kv_heads, attn.head_dim))
                 producer_of[attn.layer_type] = kv_index
             self.layers.append(_layer_parts(layer, kv_index, config.num_attention_heads, self.eps))
-        self.rope = _Rope(text_model.rotary_emb, config.layer_types, max_positions, self.dtype, self.device)
+        self.rope = _Rope(text_model.rotary_emb, config.layer_types, self.dtype)
 
     def new_cache(self, context_limit: int, max_query: int) -> StaticKvCache:
         """Make a static cache for this model: context_limit tokens, steps of up to max_query tokens."""
-        if context_limit > self.max_positions:
-            raise ValueError('context_limit {} exceeds the model max_positions {}'.format(
-                context_limit, self.max_positions))
         return StaticKvCache(self.kv_specs, context_limit, self.sliding_window, max_query, self.device, self.dtype)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -435,8 +425,7 @@ class LeanAssistant(_Decoder):
         self.post_projection = assistant.post_projection.weight    # [backbone, hidden]
         self.final_norm = text_model.norm.weight
         self.lm_head = assistant.lm_head.weight
-        self.rope = _Rope(text_model.rotary_emb, config.layer_types, target.max_positions, target.dtype,
-                          target.device)
+        self.rope = _Rope(text_model.rotary_emb, config.layer_types, target.dtype)
         embedder = assistant.masked_embedding
         self.ordered = embedder is not None
         if self.ordered:

@@ -2,9 +2,9 @@
 Step functions per query length over the lean forward and the static cache: eager, inductor-compiled or captured.
 
 - ``off``: the lean forward runs eager on the static cache.
-- ``inductor``: one torch.compile graph per (q, logits kept). On CPU the full-attention key length is a dynamic
-  dimension, so one graph serves every position. On CUDA it is bucketed and inductor captures CUDA graphs
-  (mode reduce-overhead).
+- ``inductor``: torch.compile graphs. On CPU two per step function, q = 1 and q >= 2, with the query length and the
+  full-attention key length dynamic, so they serve every q and position. On CUDA one per (q, key-length bucket),
+  captured as CUDA graphs by inductor (mode reduce-overhead).
 - ``cudagraph`` (CUDA only): the eager lean forward captured as a torch.cuda.CUDAGraph per (q, logits kept,
   key-length bucket), replayed on static input buffers.
 - ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU (see measure.py for the figures behind it).
@@ -119,10 +119,15 @@ class _Steps:
 
         dynamic_dims: per input, its query-length dimension (None: none), made dynamic for q >= 2 on CPU.
         """
-        if self.mode != 'off':  # compiled graphs guard on strides and on inference-mode tensors: normalise both
+        if self.mode == 'inductor':  # compiled graphs guard on strides and on inference-mode tensors: normalise both
             inputs = tuple(tensor.clone(memory_format=torch.contiguous_format) for tensor in inputs)
         q = next((inputs[index].shape[dim] for index, dim in enumerate(dynamic_dims) if dim is not None), 1)
-        variant_key = (*key, min(q, 2)) if self.dynamic else (*key, q, kv_positions.shape[0])
+        if self.mode == 'off':
+            variant_key = key
+        elif self.dynamic:
+            variant_key = (*key, min(q, 2))
+        else:
+            variant_key = (*key, q, kv_positions.shape[0])
         variant = self._variants.get(variant_key)
         if variant is None:
             if self.dynamic:
@@ -158,7 +163,7 @@ class FastCausalLM:
     """
 
     def __init__(self, model, context_limit: int, max_query: int, compile_mode: str = 'auto'):
-        self.lean = LeanGemma4(model, context_limit)
+        self.lean = LeanGemma4(model)
         self.cache: StaticKvCache = self.lean.new_cache(context_limit, max_query)
         self.max_query = max_query
         self.mode = resolve_compile_mode(compile_mode, self.lean.device)
@@ -171,8 +176,8 @@ class FastCausalLM:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this adds to the model's weights: the KV cache and the rope tables."""
-        return self.cache.nbytes + self.lean.rope.nbytes
+        """Bytes this adds to the model's weights: the KV cache."""
+        return self.cache.nbytes
 
     def reset(self) -> None:
         """Start a new request (the cache forgets every token)."""
@@ -251,11 +256,6 @@ class FastAssistant:
         self.target = target
         self.mode = resolve_compile_mode(compile_mode, target.lean.device)
         self._steps = _Steps(self.mode, target.lean.device, target.cache.context_limit)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this adds to the assistant's weights: its rope tables."""
-        return self.lean.rope.nbytes
 
     @torch.inference_mode()
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int) -> StepOutput:
