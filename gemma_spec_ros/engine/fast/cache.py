@@ -71,13 +71,6 @@ class StaticKvCache:
         """How far past the final length writes may go and still be rolled back (sliding-ring slack)."""
         return self.ring_size - self.sliding_window - 1 if self.ring_size < self.context_limit else self.context_limit
 
-    def producer(self, layer_type: str) -> int:
-        """Index in ``keys`` of the last producing layer of a type: what KV-shared layers and the assistant read."""
-        matches = [index for index, spec in enumerate(self.specs) if spec.layer_type == layer_type]
-        if not matches:
-            raise ValueError('the model has no KV-producing {} layer'.format(layer_type))
-        return matches[-1]
-
     def reset(self) -> None:
         """Forget every token (a new request); the buffers are kept."""
         self.ring_positions.fill_(EMPTY_POSITION)

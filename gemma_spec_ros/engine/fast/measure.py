@@ -3,7 +3,7 @@ Measure the fast path against transformers' eager forward (figures for issue 12;
 
     python -m gemma_spec_ros.engine.fast.measure decode   # ms/token, greedy plain decoding: hf | lean | compiled
     python -m gemma_spec_ros.engine.fast.measure verify   # one target pass of q = 1..9 tokens
-    python -m gemma_spec_ros.engine.fast.measure threads  # 1 vs 2 threads, idle / other core busy, OMP wait policy
+    python -m gemma_spec_ros.engine.fast.measure threads  # 1 vs 2 threads, with a busy-loop or not, OMP wait policy
 
 Systems: ``hf`` is transformers' forward on a DynamicCache driven as the engine drives it, ``lean`` the lean forward
 eager on the static cache, ``compiled`` the same through the inductor step graphs, ``cudagraph`` through captured
@@ -157,10 +157,10 @@ def verify(args) -> dict:
         for system in systems:
             system.reset()
             system.forward(torch.tensor([prompt_ids], device=device))
-        for _ in range(args.repeats):
-            for q in range(1, 10):
-                ids = torch.tensor([prompt_ids[-q:]], device=device)
-                for system in systems:
+        for system in systems:  # one system at a time (others would evict its caches), q interleaved
+            for _ in range(args.repeats):
+                for q in range(1, 10):
+                    ids = torch.tensor([prompt_ids[-q:]], device=device)
                     start, start_cpu = time.perf_counter(), time.thread_time()
                     system.forward(ids)[-1, 0].item()  # wait for the pass (CUDA)
                     wall[system.name][q].append((time.perf_counter() - start) * 1e3)
@@ -173,32 +173,48 @@ def verify(args) -> dict:
             'ms_per_pass': medians(wall), 'cpu_ms_per_pass': medians(cpu)}
 
 
-def threads(args) -> dict:
-    """Each configuration in its own process (the wait policy is read when torch loads), repeats interleaved."""
-    configs = [(count, busy, policy) for policy in ('', 'PASSIVE') for busy in (False, True) for count in (1, 2)]
+def thread_matrix(args) -> dict:
+    """1 and 2 threads, the machine as it is and with a busy-loop process added, in this process (one wait policy)."""
+    import torch
+
+    model, prompt_ids = _load(args)
+    systems = _systems(args.systems.split(','), model, len(prompt_ids) + args.new_tokens + 16, _say)
     rows: dict[str, list[float]] = {}
     for _ in range(args.repeats):
-        for count, busy, policy in configs:
-            env = dict(os.environ, OMP_NUM_THREADS=str(count))
-            env.pop('OMP_WAIT_POLICY', None)
-            if policy:
-                env['OMP_WAIT_POLICY'] = policy
+        for busy in (False, True):
             spinner = subprocess.Popen([sys.executable, '-c', 'while True: pass']) if busy else None
             try:
-                out = subprocess.run(
-                    [sys.executable, '-m', 'gemma_spec_ros.engine.fast.measure', 'decode', '--systems', args.systems,
-                     '--threads', str(count), '--new-tokens', str(args.new_tokens), '--repeats', '1',
-                     '--model', args.model, '--device', 'cpu'],
-                    env=env, capture_output=True, text=True, check=True).stdout
+                for count in (1, 2):
+                    torch.set_num_threads(count)
+                    for system in systems:  # compiled graphs recompile for a new thread count: not timed
+                        _decode(system, prompt_ids, 4)
+                    for system in systems:
+                        per_token = _decode(system, prompt_ids, args.new_tokens)[1]
+                        key = '{} threads={} load={} OMP_WAIT_POLICY={}'.format(
+                            system.name, count, '+busy-loop' if busy else 'as-is',
+                            os.environ.get('OMP_WAIT_POLICY', 'default'))
+                        rows.setdefault(key, []).append(per_token * 1e3)
             finally:
                 if spinner is not None:
                     spinner.kill()
                     spinner.wait()
-            result = json.loads(out)
-            for name, value in result['ms_per_token'].items():
-                key = '{} threads={} other_core={} OMP_WAIT_POLICY={}'.format(
-                    name, count, 'busy' if busy else 'as-is', policy or 'default')
-                rows.setdefault(key, []).append(value)
+    return rows
+
+
+def threads(args) -> dict:
+    """Run thread_matrix once per OMP wait policy (read when torch loads, so in child processes), alternating."""
+    rows: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for policy in ('', 'PASSIVE'):
+            env = {key: value for key, value in os.environ.items() if key not in ('OMP_WAIT_POLICY', 'OMP_NUM_THREADS')}
+            if policy:
+                env['OMP_WAIT_POLICY'] = policy
+            out = subprocess.run(
+                [sys.executable, '-m', 'gemma_spec_ros.engine.fast.measure', 'thread-matrix', '--systems',
+                 args.systems, '--new-tokens', str(args.new_tokens), '--repeats', '1', '--model', args.model],
+                env=env, capture_output=True, text=True, check=True).stdout
+            for key, values in json.loads(out).items():
+                rows.setdefault(key, []).extend(values)
     return {'new_tokens': args.new_tokens, 'ms_per_token_median': {k: statistics.median(v) for k, v in rows.items()},
             'samples': rows}
 
@@ -206,7 +222,7 @@ def threads(args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.engine.fast.measure', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('what', choices=('decode', 'verify', 'threads'))
+    parser.add_argument('what', choices=('decode', 'verify', 'threads', 'thread-matrix'))
     parser.add_argument('--model', default=TARGET)
     parser.add_argument('--systems', default='hf,lean,compiled', help='comma-separated: ' + ', '.join(SYSTEMS))
     parser.add_argument('--threads', type=int, default=1)
@@ -217,7 +233,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if any(name not in SYSTEMS for name in args.systems.split(',')):
         parser.error('--systems takes a comma-separated subset of {}'.format(', '.join(SYSTEMS)))
-    result = {'decode': decode, 'verify': verify, 'threads': threads}[args.what](args)
+    result = {'decode': decode, 'verify': verify, 'threads': threads, 'thread-matrix': thread_matrix}[args.what](args)
     print(json.dumps(result, indent=1))
     return 0
 

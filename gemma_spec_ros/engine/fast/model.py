@@ -264,7 +264,6 @@ class LeanGemma4(_Decoder):
         _check_activation(config)
         if getattr(config, 'use_bidirectional_attention', None) == 'all':
             raise ValueError('the fast path needs causal attention; use_bidirectional_attention="all" is not covered')
-        self.config = config
         self.eps = config.rms_norm_eps
         self.sliding_window = config.sliding_window
         self.softcap = config.final_logit_softcapping
@@ -275,7 +274,6 @@ class LeanGemma4(_Decoder):
         self.lm_head = lm_head.weight                        # [vocab, hidden]
         self.final_norm = text_model.norm.weight
         self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
         # multimodal placeholder ids are replaced by pad before embedding, as Gemma4Model does
         self.placeholder_ids = [] if multimodal is None else [
             getattr(multimodal, name) for name in ('image_token_id', 'video_token_id', 'audio_token_id')
