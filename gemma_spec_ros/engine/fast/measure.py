@@ -1,0 +1,242 @@
+"""
+Measure the fast path against transformers' eager forward (figures for issue 12; not a test).
+
+    python -m gemma_spec_ros.engine.fast.measure decode   # ms/token, greedy plain decoding: hf | lean | compiled
+    python -m gemma_spec_ros.engine.fast.measure verify   # one target pass of q = 1..9 tokens
+    python -m gemma_spec_ros.engine.fast.measure threads  # 1 vs 2 threads, with a busy-loop or not, OMP wait policy
+
+Systems: ``hf`` is transformers' forward on a DynamicCache driven as the engine drives it, ``lean`` the lean forward
+eager on the static cache, ``compiled`` the same through the inductor step graphs, ``cudagraph`` through captured
+CUDA graphs (``--device cuda``). Repeats are interleaved and the
+medians reported (the machine is shared: figures are noisy). Thread CPU time is reported beside wall time.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+TARGET = 'models/gemma4-spec-target'
+SYSTEMS = ('hf', 'lean', 'compiled', 'cudagraph')
+MODES = {'lean': 'off', 'compiled': 'inductor', 'cudagraph': 'cudagraph'}
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _load(args):
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from gemma_spec_ros.engine import models
+
+    device = models.resolve_device(args.device)
+    model = models.load_causal_lm(args.model, 'target', device, models.resolve_dtype(args.dtype, device))
+    tokenizer = models.load_tokenizer(args.model)
+    prompt = next(p for p in load_prompts(DEFAULT_PROMPTS) if p.category == 'code')
+    return model, tokenizer(prompt.text).input_ids
+
+
+class _Hf:
+    """transformers' eager forward on a DynamicCache, as engine.Engine._forward drives it."""
+
+    name = 'hf'
+
+    def __init__(self, model):
+        self.model = model
+
+    def reset(self):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.cache.activate_past_recording()
+        self.length = 0
+
+    def forward(self, ids):  # ids [1, q] -> logits [q, vocab]
+        import torch
+
+        from gemma_spec_ros.engine.drafters import single_token_masks
+
+        positions = torch.arange(self.length, self.length + ids.shape[1], device=ids.device).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=0,
+                         attention_mask=single_token_masks(ids))
+        self.length += ids.shape[1]
+        return out.logits[0]
+
+    def crop(self, count):
+        self.cache.crop(-count)
+        self.length -= count
+
+
+class _Fast:
+    """The lean forward on the static cache in one compile mode."""
+
+    def __init__(self, name, model, context_limit, progress):
+        from .runner import FastCausalLM
+
+        self.name = name
+        self.fast = FastCausalLM(model, context_limit, 9, MODES[name])
+        self.warmup_seconds = self.fast.warmup(0, progress).seconds if name != 'lean' else 0.0
+
+    def reset(self):
+        self.fast.reset()
+
+    def forward(self, ids):
+        return self.fast.append(ids).logits[0]
+
+    def crop(self, count):
+        self.fast.crop(-count)
+
+
+def _systems(names, model, context_limit, say):
+    built = []
+    for name in names:
+        system = _Hf(model) if name == 'hf' else _Fast(name, model, context_limit, say)
+        if name not in ('hf', 'lean'):
+            say('{}: warm-up {:.1f} s'.format(name, system.warmup_seconds))
+        built.append(system)
+    return built
+
+
+def _decode(system, prompt_ids, new_tokens):
+    """Greedy plain decoding; returns (tokens, wall s/token, thread-CPU s/token) over the decode steps."""
+    import torch
+
+    with torch.inference_mode():
+        system.reset()
+        device = next(system.model.parameters()).device if isinstance(system, _Hf) else system.fast.lean.device
+        token = system.forward(torch.tensor([prompt_ids], device=device))[-1].argmax().view(1, 1)
+        tokens = [token.item()]
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(new_tokens - 1):
+            token = system.forward(token)[-1].argmax().view(1, 1)
+            tokens.append(token.item())  # the host sync of every decoding step
+            system.crop(0)
+        steps = new_tokens - 1
+        return tokens, (time.perf_counter() - wall) / steps, (time.thread_time() - cpu) / steps
+
+
+def decode(args) -> dict:
+    model, prompt_ids = _load(args)
+    systems = _systems(args.systems.split(','), model, len(prompt_ids) + args.new_tokens + 16, _say)
+    wall: dict[str, list[float]] = {s.name: [] for s in systems}
+    cpu: dict[str, list[float]] = {s.name: [] for s in systems}
+    outputs = {}
+    for _ in range(args.repeats):
+        for system in systems:
+            tokens, per_token, per_token_cpu = _decode(system, prompt_ids, args.new_tokens)
+            outputs[system.name] = tokens
+            wall[system.name].append(per_token * 1e3)
+            cpu[system.name].append(per_token_cpu * 1e3)
+    reference = next(iter(outputs.values()))
+    result = {'device': str(next(model.parameters()).device), 'dtype': str(next(model.parameters()).dtype),
+              'prompt_tokens': len(prompt_ids), 'new_tokens': args.new_tokens, 'threads': args.threads,
+              'omp_wait_policy': os.environ.get('OMP_WAIT_POLICY', ''), 'identical': all(
+                  tokens == reference for tokens in outputs.values()),
+              'ms_per_token': {name: statistics.median(values) for name, values in wall.items()},
+              'cpu_ms_per_token': {name: statistics.median(values) for name, values in cpu.items()},
+              'wall_samples': wall}
+    result['warmup_seconds'] = {s.name: s.warmup_seconds for s in systems if s.name not in ('hf', 'lean')}
+    return result
+
+
+def verify(args) -> dict:
+    import torch
+
+    model, prompt_ids = _load(args)
+    systems = _systems(args.systems.split(','), model, len(prompt_ids) + 32, _say)
+    device = next(model.parameters()).device
+    wall: dict[str, dict[int, list[float]]] = {s.name: {q: [] for q in range(1, 10)} for s in systems}
+    cpu: dict[str, dict[int, list[float]]] = {s.name: {q: [] for q in range(1, 10)} for s in systems}
+    with torch.inference_mode():
+        for system in systems:
+            system.reset()
+            system.forward(torch.tensor([prompt_ids], device=device))
+        for system in systems:  # one system at a time (others would evict its caches), q interleaved
+            for _ in range(args.repeats):
+                for q in range(1, 10):
+                    ids = torch.tensor([prompt_ids[-q:]], device=device)
+                    start, start_cpu = time.perf_counter(), time.thread_time()
+                    system.forward(ids)[-1, 0].item()  # wait for the pass (CUDA)
+                    wall[system.name][q].append((time.perf_counter() - start) * 1e3)
+                    cpu[system.name][q].append((time.thread_time() - start_cpu) * 1e3)
+                    system.crop(q)
+
+    def medians(samples):
+        return {name: {q: round(statistics.median(v), 3) for q, v in by_q.items()} for name, by_q in samples.items()}
+    return {'device': str(device), 'context': len(prompt_ids), 'threads': args.threads,
+            'ms_per_pass': medians(wall), 'cpu_ms_per_pass': medians(cpu)}
+
+
+def thread_matrix(args) -> dict:
+    """1 and 2 threads, the machine as it is and with a busy-loop process added, in this process (one wait policy)."""
+    import torch
+
+    model, prompt_ids = _load(args)
+    systems = _systems(args.systems.split(','), model, len(prompt_ids) + args.new_tokens + 16, _say)
+    rows: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for busy in (False, True):
+            spinner = subprocess.Popen([sys.executable, '-c', 'while True: pass']) if busy else None
+            try:
+                for count in (1, 2):
+                    torch.set_num_threads(count)
+                    for system in systems:  # compiled graphs recompile for a new thread count: not timed
+                        _decode(system, prompt_ids, 4)
+                    for system in systems:
+                        per_token = _decode(system, prompt_ids, args.new_tokens)[1]
+                        key = '{} threads={} load={} OMP_WAIT_POLICY={}'.format(
+                            system.name, count, '+busy-loop' if busy else 'as-is',
+                            os.environ.get('OMP_WAIT_POLICY', 'default'))
+                        rows.setdefault(key, []).append(per_token * 1e3)
+            finally:
+                if spinner is not None:
+                    spinner.kill()
+                    spinner.wait()
+    return rows
+
+
+def threads(args) -> dict:
+    """Run thread_matrix once per OMP wait policy (read when torch loads, so in child processes), alternating."""
+    rows: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for policy in ('', 'PASSIVE'):
+            env = {key: value for key, value in os.environ.items() if key not in ('OMP_WAIT_POLICY', 'OMP_NUM_THREADS')}
+            if policy:
+                env['OMP_WAIT_POLICY'] = policy
+            out = subprocess.run(
+                [sys.executable, '-m', 'gemma_spec_ros.engine.fast.measure', 'thread-matrix', '--systems',
+                 args.systems, '--new-tokens', str(args.new_tokens), '--repeats', '1', '--model', args.model],
+                env=env, capture_output=True, text=True, check=True).stdout
+            for key, values in json.loads(out).items():
+                rows.setdefault(key, []).extend(values)
+    return {'new_tokens': args.new_tokens, 'ms_per_token_median': {k: statistics.median(v) for k, v in rows.items()},
+            'samples': rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.engine.fast.measure', description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('what', choices=('decode', 'verify', 'threads', 'thread-matrix'))
+    parser.add_argument('--model', default=TARGET)
+    parser.add_argument('--systems', default='hf,lean,compiled', help='comma-separated: ' + ', '.join(SYSTEMS))
+    parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--device', default='cpu', help='cpu|cuda|auto')
+    parser.add_argument('--dtype', default='auto', help='auto|float32|bfloat16|float16')
+    parser.add_argument('--new-tokens', type=int, default=128)
+    parser.add_argument('--repeats', type=int, default=5)
+    args = parser.parse_args(argv)
+    if any(name not in SYSTEMS for name in args.systems.split(',')):
+        parser.error('--systems takes a comma-separated subset of {}'.format(', '.join(SYSTEMS)))
+    result = {'decode': decode, 'verify': verify, 'threads': threads, 'thread-matrix': thread_matrix}[args.what](args)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,462 @@
+"""
+A lean Gemma 4 text forward over the weights of a loaded transformers model, for a static KV cache.
+
+transformers stays the loader and the reference; this module only references its parameters (nothing is copied).
+A step over q tokens takes token ids [1, q] and positions [q] as tensors; K/V slots and attention masks are computed
+from them, so one graph (compiled or captured) serves every position. The only Python values a step depends on are
+q, the number of logits kept and the full-attention key length (``kv_len``), which the runner fixes per graph.
+
+Covered (each tested for parity against transformers): sliding and full layers with per-layer head_dim and KV heads,
+q/k/v norms, rope per layer type (default and proportional / partial rotary), per-layer embeddings (PLE), KV sharing,
+attention_k_eq_v, final logit softcapping, Gemma4ForConditionalGeneration's text model, and the MTP assistant
+(Gemma4AssistantForCausalLM, including its ordered-embedding head). Not covered: MoE blocks (ValueError).
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .cache import EMPTY_POSITION, FULL, SLIDING, KvLayerSpec, StaticKvCache
+
+
+@dataclass
+class StepOutput:
+    """What a lean pass returns, for the last n positions it was asked to keep."""
+
+    logits: torch.Tensor   # [1, n, vocab] (final softcapping applied)
+    hidden: torch.Tensor   # [1, n, hidden] final-norm hidden states (what the MTP assistant reads)
+
+
+class _Weights(NamedTuple):
+    """One decoder layer's parameters (references into the transformers model); None where the layer has none."""
+
+    q_proj: torch.Tensor
+    q_bias: torch.Tensor | None
+    q_norm: torch.Tensor
+    k_proj: torch.Tensor | None          # None: KV-shared layer (reads its producer's K/V, writes nothing)
+    k_bias: torch.Tensor | None
+    v_proj: torch.Tensor | None          # None with attention_k_eq_v: values are the raw key projection
+    v_bias: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    post_feedforward_norm: torch.Tensor
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    layer_scalar: torch.Tensor
+    per_layer_gate: torch.Tensor | None        # per-layer embeddings (PLE)
+    per_layer_projection: torch.Tensor | None
+    per_layer_norm: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The Python constants of one decoder layer."""
+
+    layer_type: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+@dataclass
+class _Layer:
+    shape: _Shape
+    kv_index: int        # the cache buffer it reads: its own, or its producer's when KV-shared
+    weights: _Weights
+
+
+def _text_parts(model):
+    """(text model, lm_head, text config, multimodal config or None) of a Gemma 4 causal LM of either class."""
+    inner = model.model
+    if hasattr(inner, 'language_model'):    # Gemma4ForConditionalGeneration
+        return inner.language_model, model.lm_head, model.config.get_text_config(), model.config
+    return inner, model.lm_head, model.config, None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # as Gemma4RMSNorm: in float32, weight applied directly (no 1 + weight)
+    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).type_as(x)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [q, heads, head_dim], cos/sin [q, 1, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attend query [q, heads, d] to keys/values [kv_heads, L, d] where mask [q, L] -> [q, heads * d] (scale 1)."""
+    out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                         scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
+    return out[0].transpose(0, 1).reshape(query.shape[0], -1)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+class _Rope:
+    """cos/sin per layer type from the model's inverse frequencies, computed as transformers computes them."""
+
+    def __init__(self, rotary_emb, layer_types, dtype: torch.dtype):
+        self.dtype = dtype
+        self.inv_freq = {kind: getattr(rotary_emb, '{}_inv_freq'.format(kind)) for kind in sorted(set(layer_types))}
+        self.scaling = {kind: getattr(rotary_emb, '{}_attention_scaling'.format(kind)) for kind in self.inv_freq}
+
+    def at(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer_type: (cos, sin)} each [q, 1, head_dim] for positions [q]."""
+        rope = {}
+        for kind, inv_freq in self.inv_freq.items():
+            freqs = positions[:, None].float() * inv_freq.float()[None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+            scaling = self.scaling[kind]
+            rope[kind] = ((angles.cos() * scaling).to(self.dtype), (angles.sin() * scaling).to(self.dtype))
+        return rope
+
+
+def _layer_parts(layer, kv_index: int, num_heads: int, eps: float) -> _Layer:
+    if getattr(layer, 'enable_moe_block', False):
+        raise ValueError('the fast path does not cover Gemma 4 MoE layers (enable_moe_block); use compile=off '
+                         'with the transformers forward')
+    attn = layer.self_attn
+    shared = attn.is_kv_shared_layer
+    ple = bool(layer.hidden_size_per_layer_input)
+    v_proj = None if shared else attn.v_proj
+    weights = _Weights(
+        q_proj=attn.q_proj.weight, q_bias=attn.q_proj.bias, q_norm=attn.q_norm.weight,
+        k_proj=None if shared else attn.k_proj.weight, k_bias=None if shared else attn.k_proj.bias,
+        v_proj=None if v_proj is None else v_proj.weight, v_bias=None if v_proj is None else v_proj.bias,
+        k_norm=None if shared else attn.k_norm.weight, o_proj=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+        input_norm=layer.input_layernorm.weight, post_attention_norm=layer.post_attention_layernorm.weight,
+        pre_feedforward_norm=layer.pre_feedforward_layernorm.weight,
+        post_feedforward_norm=layer.post_feedforward_layernorm.weight,
+        gate_proj=layer.mlp.gate_proj.weight, up_proj=layer.mlp.up_proj.weight, down_proj=layer.mlp.down_proj.weight,
+        layer_scalar=layer.layer_scalar,
+        per_layer_gate=layer.per_layer_input_gate.weight if ple else None,
+        per_layer_projection=layer.per_layer_projection.weight if ple else None,
+        per_layer_norm=layer.post_per_layer_input_norm.weight if ple else None)
+    shape = _Shape(attn.layer_type, num_heads, num_heads // attn.num_key_value_groups, attn.head_dim, eps)
+    return _Layer(shape, kv_index, weights)
+
+
+def _project(shape: _Shape, w: _Weights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Input norm, query and (producing layers) new keys and values: [q, heads, d], [kv_heads, q, d] x 2."""
+    q = hidden.shape[0]
+    x = _rms_norm(hidden, w.input_norm, shape.eps)
+    query = _linear(x, w.q_proj, w.q_bias).view(q, shape.num_heads, shape.head_dim)
+    query = _rotate(_rms_norm(query, w.q_norm, shape.eps), cos, sin)
+    if w.k_proj is None:
+        return query, None, None
+    raw_keys = _linear(x, w.k_proj, w.k_bias).view(q, shape.num_kv_heads, shape.head_dim)
+    values = raw_keys if w.v_proj is None else _linear(x, w.v_proj, w.v_bias).view(
+        q, shape.num_kv_heads, shape.head_dim)
+    keys = _rotate(_rms_norm(raw_keys, w.k_norm, shape.eps), cos, sin).transpose(0, 1)
+    return query, keys, _rms_norm(values, None, shape.eps).transpose(0, 1)
+
+
+def _finish(shape: _Shape, w: _Weights, hidden: torch.Tensor, attended: torch.Tensor,
+            per_layer_input: torch.Tensor | None) -> torch.Tensor:
+    """Output projection, feed-forward and per-layer input of a decoder layer, given the attention output."""
+    eps = shape.eps
+    hidden = hidden + _rms_norm(_linear(attended, w.o_proj, w.o_bias), w.post_attention_norm, eps)
+    x = _rms_norm(hidden, w.pre_feedforward_norm, eps)
+    x = _linear(F.gelu(_linear(x, w.gate_proj), approximate='tanh') * _linear(x, w.up_proj), w.down_proj)
+    hidden = hidden + _rms_norm(x, w.post_feedforward_norm, eps)
+    if per_layer_input is not None:
+        x = F.gelu(_linear(hidden, w.per_layer_gate), approximate='tanh') * per_layer_input
+        hidden = hidden + _rms_norm(_linear(x, w.per_layer_projection), w.per_layer_norm, eps)
+    return hidden * w.layer_scalar
+
+
+@torch.compiler.nested_compile_region
+def _step_layer(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_input: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+    """
+    Run one decoder layer of a step.
+
+    New K/V are written at slots, then the query attends to keys/values [kv_heads, slots, d] where mask [q, L]
+    (full layers read the first L slots). Compiled once per layer shape and reused (hierarchical compilation),
+    which keeps the compile time independent of the depth.
+    """
+    query, new_keys, new_values = _project(shape, w, hidden, cos, sin)
+    if new_keys is not None:
+        keys.index_copy_(1, slots, new_keys)
+        values.index_copy_(1, slots, new_values)
+    if shape.layer_type == FULL:
+        keys, values = keys[:, :mask.shape[-1]], values[:, :mask.shape[-1]]
+    return _finish(shape, w, hidden, _attend(query, keys, values, mask), per_layer_input)
+
+
+def _check_activation(config) -> None:
+    if config.hidden_activation != 'gelu_pytorch_tanh':
+        raise ValueError('the fast path supports hidden_activation gelu_pytorch_tanh, got {!r}'.format(
+            config.hidden_activation))
+
+
+@dataclass
+class _Pass:
+    """What every layer of one pass reads besides its weights."""
+
+    cache: StaticKvCache
+    positions: torch.Tensor                           # [q] positions of the new tokens
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    masks: dict[str, torch.Tensor]                    # layer type -> [q, keys] bool
+    kv_len: int                                       # full layers read slots 0..kv_len-1
+    # prefill only: new sliding K/V per cache buffer, read beside the old ring and written into it after the pass
+    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+class _Decoder:
+    """Decoder layers shared by the causal LM and the assistant."""
+
+    layers: list[_Layer]
+
+    def _layers(self, hidden: torch.Tensor, state: _Pass, per_layer: torch.Tensor | None) -> torch.Tensor:
+        cache = state.cache
+        slots = {kind: cache.write_slots(kind, state.positions) for kind in (FULL, SLIDING)}
+        for index, layer in enumerate(self.layers):
+            kind = layer.shape.layer_type
+            cos, sin = state.rope[kind]
+            per_layer_input = None if per_layer is None else per_layer[:, index]
+            keys, values = cache.keys[layer.kv_index], cache.values[layer.kv_index]
+            if state.pending is None:
+                hidden = _step_layer(layer.shape, layer.weights, hidden, per_layer_input, cos, sin,
+                                     state.masks[kind], keys, values, slots[kind])
+                continue
+            # prefill: full layers write all new K/V first; sliding layers read the old ring beside the new K/V,
+            # which go into the ring after the pass
+            query, new_keys, new_values = _project(layer.shape, layer.weights, hidden, cos, sin)
+            if new_keys is not None:
+                if kind == FULL:
+                    keys.index_copy_(1, slots[kind], new_keys)
+                    values.index_copy_(1, slots[kind], new_values)
+                else:
+                    state.pending[layer.kv_index] = (new_keys, new_values)
+            if kind == FULL:
+                keys, values = keys[:, :state.kv_len], values[:, :state.kv_len]
+            else:
+                new_keys, new_values = state.pending[layer.kv_index]
+                keys, values = torch.cat((keys, new_keys), dim=1), torch.cat((values, new_values), dim=1)
+            hidden = _finish(layer.shape, layer.weights, hidden, _attend(query, keys, values, state.masks[kind]),
+                             per_layer_input)
+        return hidden
+
+
+class LeanGemma4(_Decoder):
+    """
+    Gemma4ForCausalLM or Gemma4ForConditionalGeneration (text only) as a lean, static-shape forward.
+
+    Build it after the model is on its final device and dtype: it keeps references to the model's parameters.
+    """
+
+    def __init__(self, model):
+        text_model, lm_head, config, multimodal = _text_parts(model)
+        _check_activation(config)
+        if getattr(config, 'use_bidirectional_attention', None) == 'all':
+            raise ValueError('the fast path needs causal attention; use_bidirectional_attention="all" is not covered')
+        self.eps = config.rms_norm_eps
+        self.sliding_window = config.sliding_window
+        self.softcap = config.final_logit_softcapping
+        weight = text_model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.embed = weight                                  # [vocab, hidden]
+        self.embed_scale = text_model.embed_tokens.embed_scale.to(self.dtype)
+        self.lm_head = lm_head.weight                        # [vocab, hidden]
+        self.final_norm = text_model.norm.weight
+        self.hidden_size = config.hidden_size
+        # multimodal placeholder ids are replaced by pad before embedding, as Gemma4Model does
+        self.placeholder_ids = [] if multimodal is None else [
+            getattr(multimodal, name) for name in ('image_token_id', 'video_token_id', 'audio_token_id')
+            if getattr(multimodal, name, None) is not None]
+        self.pad_token_id = config.pad_token_id
+        self.per_layer_size = config.hidden_size_per_layer_input
+        if self.per_layer_size:
+            self.per_layer_embed = text_model.embed_tokens_per_layer.weight
+            self.per_layer_embed_scale = text_model.embed_tokens_per_layer.embed_scale.to(self.dtype)
+            self.per_layer_model_projection = text_model.per_layer_model_projection.weight
+            self.per_layer_projection_scale = text_model.per_layer_model_projection_scale
+            self.per_layer_projection_norm = text_model.per_layer_projection_norm.weight
+            self.per_layer_input_scale = text_model.per_layer_input_scale
+
+        self.kv_specs: list[KvLayerSpec] = []
+        producer_of: dict[str, int] = {}
+        self.layers = []
+        for index, layer in enumerate(text_model.layers[:config.num_hidden_layers]):
+            attn = layer.self_attn
+            if attn.is_kv_shared_layer:
+                kv_index = producer_of[attn.layer_type]
+            else:
+                kv_index = len(self.kv_specs)
+                num_kv_heads = attn.k_proj.out_features // attn.head_dim
+                self.kv_specs.append(KvLayerSpec(index, attn.layer_type, num_kv_heads, attn.head_dim))
+                producer_of[attn.layer_type] = kv_index
+            self.layers.append(_layer_parts(layer, kv_index, config.num_attention_heads, self.eps))
+        self.rope = _Rope(text_model.rotary_emb, config.layer_types, self.dtype)
+
+    def new_cache(self, context_limit: int, max_query: int) -> StaticKvCache:
+        """Make a static cache for this model: context_limit tokens, steps of up to max_query tokens."""
+        return StaticKvCache(self.kv_specs, context_limit, self.sliding_window, max_query, self.device, self.dtype)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Scaled token embedding [..., hidden] (what the MTP assistant's input starts with)."""
+        return F.embedding(input_ids, self.embed) * self.embed_scale
+
+    def _inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [q] -> embeddings [q, hidden] and per-layer inputs [q, layers, per_layer] (or None)."""
+        for placeholder in self.placeholder_ids:
+            input_ids = torch.where(input_ids == placeholder, self.pad_token_id, input_ids)
+        embeds = self.embed_tokens(input_ids)
+        if not self.per_layer_size:
+            return embeds, None
+        q = input_ids.shape[0]
+        token_part = (F.embedding(input_ids, self.per_layer_embed) * self.per_layer_embed_scale).view(
+            q, len(self.layers), self.per_layer_size)
+        context_part = _linear(embeds, self.per_layer_model_projection) * self.per_layer_projection_scale
+        context_part = _rms_norm(context_part.view(q, len(self.layers), self.per_layer_size),
+                                 self.per_layer_projection_norm, self.eps)
+        return embeds, (context_part + token_part) * self.per_layer_input_scale
+
+    def _head(self, hidden: torch.Tensor) -> StepOutput:
+        hidden = _rms_norm(hidden, self.final_norm, self.eps)
+        logits = _linear(hidden, self.lm_head)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return StepOutput(logits.unsqueeze(0), hidden.unsqueeze(0))
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticKvCache, kv_len: int,
+             logits_to_keep: int) -> StepOutput:
+        """
+        One static-shape pass: input_ids [1, q] at positions [q] (consecutive), K/V written into the cache.
+
+        Full layers attend over cache slots 0..kv_len-1 (kv_len > the last position), sliding layers over their
+        ring; masks come from the position tensors. Keeps the last logits_to_keep positions. No host syncs, no
+        Python value depends on the positions: safe to compile or capture. The caller records the write
+        (``cache.advance``).
+        """
+        hidden, per_layer = self._inputs(input_ids[0])
+        cache.ring_positions.index_copy_(0, positions % cache.ring_size, positions)
+        query_positions = positions[:, None]
+        ring = cache.ring_positions[None, :]
+        masks = {FULL: cache.key_positions[None, :kv_len] <= query_positions,
+                 SLIDING: (ring <= query_positions) & (ring > query_positions - self.sliding_window)}
+        hidden = self._layers(hidden, _Pass(cache, positions, self.rope.at(positions), masks, kv_len), per_layer)
+        return self._head(hidden[-logits_to_keep:])
+
+    def prefill(self, input_ids: torch.Tensor, cache: StaticKvCache, start: int, logits_to_keep: int) -> StepOutput:
+        """
+        Any number of tokens [1, n] at positions start.. (eager, dynamic shapes): the prompt, or a long extension.
+
+        Sliding layers attend over [ring entries before start, new keys]; the last ring_size new keys are written
+        into the ring after the pass. Records the write in the cache.
+        """
+        count = input_ids.shape[1]
+        cache.check_write(start, count)
+        positions = torch.arange(start, start + count, device=self.device)
+        hidden, per_layer = self._inputs(input_ids[0])
+        query_positions = positions[:, None]
+        old_ring = cache.ring_positions
+        old_ring = torch.where(old_ring < start, old_ring, torch.full_like(old_ring, EMPTY_POSITION))
+        sliding_keys = torch.cat((old_ring, positions))[None, :]
+        masks = {FULL: cache.key_positions[None, :start + count] <= query_positions,
+                 SLIDING: (sliding_keys <= query_positions) & (sliding_keys > query_positions - self.sliding_window)}
+        state = _Pass(cache, positions, self.rope.at(positions), masks, start + count, pending={})
+        hidden = self._layers(hidden, state, per_layer)
+        kept = positions[-cache.ring_size:]
+        slots = kept % cache.ring_size
+        for kv_index, (new_keys, new_values) in state.pending.items():
+            cache.keys[kv_index].index_copy_(1, slots, new_keys[:, -cache.ring_size:])
+            cache.values[kv_index].index_copy_(1, slots, new_values[:, -cache.ring_size:])
+        cache.ring_positions.index_copy_(0, slots, kept)
+        cache.advance(start, count)
+        return self._head(hidden[-logits_to_keep:])
+
+
+class LeanAssistant(_Decoder):
+    """
+    Gemma4AssistantForCausalLM as one static-shape MTP draft step reading the target's static cache.
+
+    Every layer reads the K/V of the target's last producing layer of its type. For the assistant at position p
+    (the last emitted token, not yet in the target cache), full layers see positions 0..p-1 and sliding layers
+    the window + 1 positions p-window-1..p-1: what transformers' assistant sees when it is handed the target's
+    shared K/V after prefill or after a round that accepted a draft.
+    """
+
+    def __init__(self, assistant, target: LeanGemma4):
+        text_model = assistant.model
+        config = assistant.config.get_text_config()
+        _check_activation(config)
+        if assistant.config.backbone_hidden_size != target.hidden_size:
+            raise ValueError('MTP assistant backbone_hidden_size {} differs from the target hidden_size {}'.format(
+                assistant.config.backbone_hidden_size, target.hidden_size))
+        if SLIDING in config.layer_types and config.sliding_window > target.sliding_window:
+            raise ValueError('MTP assistant sliding_window {} exceeds the target sliding_window {}: the target '
+                             'cache does not keep that much'.format(config.sliding_window, target.sliding_window))
+        self.eps = config.rms_norm_eps
+        self.sliding_window = config.sliding_window
+        self.target = target
+        producers = {spec.layer_type: index for index, spec in enumerate(target.kv_specs)}  # last one of each type
+        self.layers = []
+        for index, layer in enumerate(text_model.layers[:config.num_hidden_layers]):
+            attn = layer.self_attn
+            if attn.layer_type not in producers:
+                raise ValueError('MTP assistant layer {} reads {} K/V, which the target does not produce'.format(
+                    index, attn.layer_type))
+            parts = _layer_parts(layer, producers[attn.layer_type], config.num_attention_heads, self.eps)
+            spec = target.kv_specs[parts.kv_index]
+            if (parts.shape.head_dim, parts.shape.num_kv_heads) != (spec.head_dim, spec.num_kv_heads):
+                raise ValueError('MTP assistant layer {} ({}) expects head_dim {} and {} KV heads but the target '
+                                 'provides {} and {}'.format(index, attn.layer_type, parts.shape.head_dim,
+                                                             parts.shape.num_kv_heads, spec.head_dim,
+                                                             spec.num_kv_heads))
+            self.layers.append(parts)
+        self.pre_projection = assistant.pre_projection.weight      # [hidden, 2 * backbone]
+        self.post_projection = assistant.post_projection.weight    # [backbone, hidden]
+        self.final_norm = text_model.norm.weight
+        self.lm_head = assistant.lm_head.weight
+        self.rope = _Rope(text_model.rotary_emb, config.layer_types, target.dtype)
+        embedder = assistant.masked_embedding
+        self.ordered = embedder is not None
+        if self.ordered:
+            self.centroids = embedder.centroids.weight               # [num_centroids, hidden]
+            self.top_k = embedder.centroid_intermediate_top_k
+            self.token_ordering = embedder.token_ordering             # [vocab] (a buffer: read at every step)
+            self.num_centroids = embedder.num_centroids
+
+    def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: torch.Tensor, cache: StaticKvCache,
+             kv_len: int) -> StepOutput:
+        """
+        Run one draft step.
+
+        token_ids [1, 1] is the last token, hidden [1, 1, backbone] the target state that predicted it (or the
+        previous step's output), position [1] its position. Returns logits [1, 1, vocab] and the projected hidden
+        [1, 1, backbone] to feed the next step. kv_len > position bounds the full-layer keys read.
+        """
+        inputs = torch.cat((self.target.embed_tokens(token_ids[0]), hidden[0]), dim=-1)  # [1, 2 * backbone]
+        x = _linear(inputs, self.pre_projection)
+        before = position[:, None] - 1
+        ring = cache.ring_positions[None, :]
+        masks = {FULL: cache.key_positions[None, :kv_len] <= before,
+                 SLIDING: (ring <= before) & (ring >= before - self.sliding_window)}
+        x = self._layers(x, _Pass(cache, position, self.rope.at(position), masks, kv_len), None)
+        x = _rms_norm(x, self.final_norm, self.eps)
+        logits = self._ordered_logits(x) if self.ordered else _linear(x, self.lm_head)
+        return StepOutput(logits.unsqueeze(0), _linear(x, self.post_projection).unsqueeze(0))
+
+    def _ordered_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [1, vocab] from x [1, hidden]: exact for the tokens of the top centroids, the rest below their min."""
+        top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices                # [1, top_k]
+        clusters = self.token_ordering.long().view(self.num_centroids, -1)
+        selected = clusters[top].reshape(1, -1)                                                  # [1, top_k * per]
+        selected_logits = (self.lm_head[selected[0]] @ x[0]).unsqueeze(0)                       # [1, top_k * per]
+        floor = selected_logits.min() - 1.0
+        return floor.expand(1, self.lm_head.shape[0]).clone().scatter_(-1, selected, selected_logits)

@@ -1,0 +1,309 @@
+"""The fast path (engine/fast): lean forward + static cache against transformers' Gemma 4, on tiny random models."""
+
+import os
+import random
+
+import pytest
+import torch
+
+from gemma_spec_ros.engine.fast.cache import StaticKvCache
+from gemma_spec_ros.engine.fast.runner import FastAssistant, FastCausalLM, resolve_compile_mode
+
+WINDOW = 8
+MAX_QUERY = 9          # K_max + 1 with K_max = 8
+CONTEXT = 256
+ATOL = 1e-4
+SLIDING, FULL = 'sliding_attention', 'full_attention'
+VOCAB = 512
+
+
+def _text_config(**extra):
+    from transformers import Gemma4TextConfig
+
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        layer_types=[SLIDING, FULL, SLIDING, FULL], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        global_head_dim=32, sliding_window=WINDOW, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        max_position_embeddings=1024, initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    settings.update(extra)
+    return Gemma4TextConfig(**settings)
+
+
+# every feature real Gemma 4 checkpoints use, in one text config: per-layer embeddings, KV sharing (the last
+# three layers reuse K/V), attention_k_eq_v with its own KV-head count on full layers, attention bias, final logit
+# softcapping, and proportional rope with partial rotary on full layers (the config default)
+FEATURES = dict(
+    num_hidden_layers=6, layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL], num_kv_shared_layers=3,
+    hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, attention_k_eq_v=True,
+    num_global_key_value_heads=1, attention_bias=True, final_logit_softcapping=5.0)
+
+
+def _build(kind: str):
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+
+    torch.manual_seed({'plain': 1, 'features': 2, 'multimodal': 3}[kind])
+    if kind == 'plain':
+        return Gemma4ForCausalLM(_text_config()).eval()
+    if kind == 'features':
+        return Gemma4ForCausalLM(_text_config(**FEATURES)).eval()
+    text = _text_config(**{**FEATURES, 'attention_k_eq_v': False, 'attention_bias': False})
+    return Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict(), vision_config=None,
+                                                       audio_config=None)).eval()
+
+
+@pytest.fixture(scope='module')
+def models():
+    torch.set_num_threads(1)
+    return {kind: _build(kind) for kind in ('plain', 'features', 'multimodal')}
+
+
+def _assistant(target, ordered: bool):
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    text = target.config.get_text_config()
+    torch.manual_seed(5)
+    config = Gemma4AssistantConfig(
+        text_config=_text_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 layer_types=[SLIDING, FULL], num_key_value_heads=text.num_key_value_heads),
+        backbone_hidden_size=text.hidden_size, use_ordered_embeddings=ordered, num_centroids=16,
+        centroid_intermediate_top_k=4)
+    assistant = Gemma4AssistantForCausalLM(config).eval()
+    if ordered:
+        assistant.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB))
+    return assistant
+
+
+class Reference:
+    """transformers' forward on a DynamicCache, driven the way the engine drives it."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.cache.activate_past_recording()
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int]):
+        token_ids = torch.tensor([ids])
+        positions = torch.arange(self.length, self.length + len(ids))[None]
+        out = self.model(input_ids=token_ids, position_ids=positions, cache=self.cache, use_cache=True,
+                         output_hidden_states=-1, return_shared_kv_states=True)
+        self.length += len(ids)
+        return out
+
+    def crop(self, count: int) -> None:
+        self.cache.crop(-count)
+        self.length -= count
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    assert (actual - expected).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize('kind', ['plain', 'features', 'multimodal'])
+def test_verify_steps_and_rollbacks_match_transformers(models, kind):
+    """Prefill, then rounds of q = 1..9 (and 19) tokens with random rollbacks, crossing the sliding window 20+ times."""
+    model = models[kind]
+    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'off')
+    reference = Reference(model)
+    rng = random.Random(kind)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(WINDOW + 5)]
+    expected = reference.forward(prompt)
+    out = fast.prefill(torch.tensor([prompt]))
+    _close(out.logits, expected.logits[:, -1:])
+    _close(out.hidden, expected.hidden_states[-1][:, -1:])
+    rounds = 0
+    while fast.length < 200:
+        # every 10th round appends more than a step takes, through prefill (a drafter catching up after plain rounds)
+        q = 2 * WINDOW + 3 if rounds % 10 == 5 else rounds % MAX_QUERY + 1
+        ids = [rng.randrange(3, VOCAB) for _ in range(q)]
+        expected = reference.forward(ids)
+        out = fast.append(torch.tensor([ids]), 0)
+        _close(out.logits, expected.logits)
+        _close(out.hidden, expected.hidden_states[-1])
+        rejected = rng.randrange(min(q, MAX_QUERY))  # a verify pass keeps its first token; slack is max_query
+        fast.crop(-rejected)
+        reference.crop(rejected)
+        rounds += 1
+    assert rounds > 40
+
+
+@pytest.mark.parametrize('kind', ['plain', 'features'])
+def test_rollback_at_the_window_edge(models, kind):
+    """Rollbacks that land where the sliding window fills, on a ring wrap, and the largest one allowed."""
+    model = models[kind]
+    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'off')
+    reference = Reference(model)
+    rng = random.Random(7)
+    ring = fast.cache.ring_size
+
+    def round_trip(q: int, rejected: int) -> None:
+        ids = [rng.randrange(3, VOCAB) for _ in range(q)]
+        expected = reference.forward(ids)
+        _close(fast.step(torch.tensor([ids])).logits, expected.logits)
+        fast.crop(-rejected)
+        reference.crop(rejected)
+
+    reference.forward([5, 6])
+    fast.prefill(torch.tensor([[5, 6]]))
+    round_trip(MAX_QUERY, MAX_QUERY - (WINDOW - 2))    # back to exactly WINDOW tokens: the window just filled
+    assert fast.length == WINDOW
+    round_trip(MAX_QUERY, MAX_QUERY - 1)                # WINDOW + 1
+    round_trip(MAX_QUERY, MAX_QUERY)                    # the largest rollback: nothing kept
+    assert fast.length == WINDOW + 1
+    while fast.length + MAX_QUERY < 2 * ring:
+        round_trip(MAX_QUERY, MAX_QUERY - 2)
+    target = 2 * ring - fast.length                     # land exactly on a ring wrap (length = 2 * ring)
+    round_trip(MAX_QUERY, MAX_QUERY - target)
+    assert fast.length == 2 * ring
+    for q in range(1, MAX_QUERY + 1):
+        round_trip(q, q - 1 if q > 1 else 0)
+    fast.step(torch.tensor([[7] * MAX_QUERY]))
+    fast.step(torch.tensor([[7]]))
+    with pytest.raises(ValueError, match='slack'):  # sliding K/V still needed was overwritten
+        fast.crop(-(MAX_QUERY + 1))
+
+
+def _greedy_reference(model, prompt: list[int], new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize('kind', ['plain', 'features', 'multimodal'])
+def test_greedy_decoding_matches_generate(models, kind):
+    """Plain greedy decoding and a speculative loop with partly wrong drafts give generate's tokens exactly."""
+    model = models[kind]
+    prompt = [2, *random.Random(3).sample(range(3, VOCAB), 11)]
+    expected = _greedy_reference(model, prompt, 80)
+
+    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'off')
+    token = fast.prefill(torch.tensor([prompt])).logits[0, -1].argmax()
+    plain = [token.item()]
+    while len(plain) < len(expected):
+        token = fast.step(token.view(1, 1)).logits[0, -1].argmax()
+        plain.append(token.item())
+    assert plain == expected
+
+    fast.reset()
+    rng = random.Random(11)
+    generated = [fast.prefill(torch.tensor([prompt])).logits[0, -1].argmax().item()]
+    while len(generated) < len(expected):
+        k = rng.randrange(1, MAX_QUERY)
+        drafts = list(expected[len(generated):len(generated) + k])
+        if drafts and rng.random() < 0.7:  # corrupt one draft, so that some rounds reject
+            drafts[rng.randrange(len(drafts))] = rng.randrange(3, VOCAB)
+        picks = fast.step(torch.tensor([[generated[-1], *drafts]])).logits[0].argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == picks[accepted]:
+            accepted += 1
+        fast.crop(-(len(drafts) - accepted))
+        generated += drafts[:accepted] + [picks[accepted]]
+    assert generated[:len(expected)] == expected
+
+
+@pytest.mark.parametrize('kind, ordered', [('plain', False), ('plain', True), ('multimodal', False)])
+def test_assistant_matches_transformers(models, kind, ordered):
+    """The MTP step reading the static cache equals transformers' assistant handed the target's shared K/V."""
+    target = models[kind]
+    assistant = _assistant(target, ordered)
+    fast = FastCausalLM(target, CONTEXT, MAX_QUERY, 'off')
+    fast_assistant = FastAssistant(assistant, fast, 'off')
+    reference = Reference(target)
+    rng = random.Random(13)
+    embed = target.get_input_embeddings()
+
+    def compare(out, num_kept: int, token: int) -> None:
+        hidden = out.hidden_states[-1][:, num_kept - 1:num_kept]
+        drop = out.hidden_states[-1].shape[1] - num_kept
+        shared = {kind: (keys[..., :keys.shape[-2] - drop, :], values[..., :values.shape[-2] - drop, :])
+                  for kind, (keys, values) in out.shared_kv_states.items()}
+        fast_hidden = hidden
+        ids = torch.tensor([[token]])
+        for _ in range(3):
+            with torch.inference_mode():
+                expected = assistant(inputs_embeds=torch.cat([embed(ids), hidden], -1),
+                                     position_ids=torch.tensor([[fast.length]]), shared_kv_states=shared)
+            actual = fast_assistant.step(ids, fast_hidden, fast.length)
+            _close(actual.logits, expected.logits)
+            _close(actual.hidden, expected.last_hidden_state)
+            ids = expected.logits[:, -1:].argmax(-1)
+            hidden, fast_hidden = expected.last_hidden_state, actual.hidden
+
+    prompt = [rng.randrange(3, VOCAB) for _ in range(3 * WINDOW)]
+    out = reference.forward(prompt)
+    fast.prefill(torch.tensor([prompt]))
+    compare(out, len(prompt), rng.randrange(3, VOCAB))
+    for _ in range(12):  # rounds that accept at least one draft hand over window + 1 sliding positions
+        q = rng.randrange(2, MAX_QUERY + 1)
+        ids = [rng.randrange(3, VOCAB) for _ in range(q)]
+        out = reference.forward(ids)
+        fast.step(torch.tensor([ids]))
+        accepted = rng.randrange(1, q)
+        fast.crop(-(q - 1 - accepted))
+        reference.crop(q - 1 - accepted)
+        compare(out, accepted + 1, rng.randrange(3, VOCAB))
+
+
+def test_cache_memory_and_limits(models):
+    fast = FastCausalLM(models['features'], CONTEXT, MAX_QUERY, 'off')
+    cache = fast.cache
+    # features: producing layers S, S, F (the last three reuse them); sliding rings hold window + max_query + 1
+    assert [spec.layer_type for spec in cache.specs] == [SLIDING, SLIDING, FULL]
+    assert cache.ring_size == WINDOW + MAX_QUERY + 1
+    elements = 2 * (2 * 2 * cache.ring_size * 16 + 1 * CONTEXT * 32)  # K and V: kv heads x slots x head_dim
+    assert cache.nbytes == elements * 4 + (cache.ring_size + CONTEXT) * 8
+    fast.prefill(torch.tensor([[3] * (CONTEXT - 2)]))
+    with pytest.raises(ValueError, match='context_limit'):
+        fast.step(torch.tensor([[3] * 3]))
+    with pytest.raises(ValueError, match='max_query'):
+        fast.step(torch.tensor([[3] * (MAX_QUERY + 1)]))
+    with pytest.raises(ValueError, match='negative'):
+        fast.crop(2)
+    with pytest.raises(ValueError, match='context_limit'):
+        StaticKvCache(cache.specs, 0, WINDOW, MAX_QUERY, 'cpu', torch.float32)
+
+
+def test_compile_modes():
+    with pytest.raises(ValueError, match='engine.compile'):
+        resolve_compile_mode('fast', torch.device('cpu'))
+    with pytest.raises(ValueError, match='CUDA'):
+        resolve_compile_mode('cudagraph', torch.device('cpu'))
+    assert resolve_compile_mode('auto', torch.device('cuda')) == 'cudagraph'
+    assert resolve_compile_mode('off', torch.device('cpu')) == 'off'
+
+
+@pytest.mark.skipif(os.environ.get('GEMMA_SPEC_COMPILE_TESTS') != '1',
+                    reason='inductor compiles take minutes on a shared CPU: set GEMMA_SPEC_COMPILE_TESTS=1')
+def test_inductor_steps_match_eager_without_recompiling(models):
+    """Two graphs (q = 1, q >= 2) serve every query length and position; the assistant's serves every position."""
+    model = models['plain']
+    assistant = _assistant(model, ordered=True)  # load every model first: that can register new pytree types,
+    eager = FastCausalLM(model, CONTEXT, MAX_QUERY, 'off')  # which compiled graphs guard on
+    compiled = FastCausalLM(model, CONTEXT, MAX_QUERY, 'inductor')
+    report = compiled.warmup()
+    assert (report.mode, report.graphs) == ('inductor', 2)
+    eager_assistant, compiled_assistant = FastAssistant(assistant, eager, 'off'), FastAssistant(assistant, eager,
+                                                                                                  'inductor')
+    assert compiled_assistant.warmup().graphs == 1
+    prompt = torch.tensor([[2, *range(10, 30)]])
+    hidden = eager.prefill(prompt).hidden
+    compiled.prefill(prompt)
+    token = torch.tensor([[7]])
+    with torch.compiler.set_stance('fail_on_recompile'):
+        for q in [1, 3, 9, 2] * 6:  # crosses the sliding window several times
+            expected, actual = eager_assistant.step(token, hidden, eager.length), compiled_assistant.step(
+                token, hidden, eager.length)
+            _close(actual.logits, expected.logits)
+            _close(actual.hidden, expected.hidden)
+            ids = torch.cat([token, torch.arange(40, 40 + q - 1)[None]], dim=1)
+            expected, actual = eager.step(ids), compiled.step(ids)
+            _close(actual.logits, expected.logits)
+            _close(actual.hidden, expected.hidden)
+            eager.crop(-(q - 1))
+            compiled.crop(-(q - 1))
+            token, hidden = expected.logits[:, :1].argmax(-1), expected.hidden[:, :1]
