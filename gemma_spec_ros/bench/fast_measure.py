@@ -1,9 +1,9 @@
 """
 Measure the fast path against transformers' eager forward (figures for issue 12; not a test).
 
-    python -m gemma_spec_ros.engine.fast.measure decode   # ms/token, greedy plain decoding: hf | lean | compiled
-    python -m gemma_spec_ros.engine.fast.measure verify   # one target pass of q = 1..9 tokens
-    python -m gemma_spec_ros.engine.fast.measure threads  # 1 vs 2 threads, with a busy-loop or not, OMP wait policy
+    python -m gemma_spec_ros.bench.fast_measure decode   # ms/token, greedy plain decoding: hf | lean | compiled
+    python -m gemma_spec_ros.bench.fast_measure verify   # one target pass of q = 1..9 tokens
+    python -m gemma_spec_ros.bench.fast_measure threads  # 1 vs 2 threads, with a busy-loop or not, OMP wait policy
 
 Systems: ``hf`` is transformers' forward on a DynamicCache driven as the engine drives it, ``lean`` the lean forward
 eager on the static cache, ``compiled`` the same through the inductor step graphs, ``cudagraph`` through captured
@@ -77,7 +77,7 @@ class _Fast:
     """The lean forward on the static cache in one compile mode."""
 
     def __init__(self, name, model, context_limit, progress):
-        from .runner import FastCausalLM
+        from gemma_spec_ros.engine.fast.runner import FastCausalLM
 
         self.name = name
         self.fast = FastCausalLM(model, context_limit, 9, MODES[name])
@@ -210,7 +210,7 @@ def threads(args) -> dict:
             if policy:
                 env['OMP_WAIT_POLICY'] = policy
             out = subprocess.run(
-                [sys.executable, '-m', 'gemma_spec_ros.engine.fast.measure', 'thread-matrix', '--systems',
+                [sys.executable, '-m', 'gemma_spec_ros.bench.fast_measure', 'thread-matrix', '--systems',
                  args.systems, '--new-tokens', str(args.new_tokens), '--repeats', '1', '--model', args.model],
                 env=env, capture_output=True, text=True, check=True).stdout
             for key, values in json.loads(out).items():
@@ -220,7 +220,7 @@ def threads(args) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.engine.fast.measure', description=__doc__,
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.bench.fast_measure', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('what', choices=('decode', 'verify', 'threads', 'thread-matrix'))
     parser.add_argument('--model', default=TARGET)
