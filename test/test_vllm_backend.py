@@ -11,9 +11,9 @@ import re
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from conftest import VLLM_NGRAM_K
 
 from gemma_spec_ros.engine.types import CancelToken, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.vllm_backend import (
@@ -26,13 +26,8 @@ from gemma_spec_ros.engine.vllm_backend import (
 )
 from gemma_spec_ros.engine.vllm_server import (
     DEFAULT_TARGET,
-    DEFAULT_VENV,
-    VllmServer,
-    VllmServerConfig,
-    ngram_speculative_config,
 )
 
-NGRAM_K = 4
 CODE_PROMPT = ('import collections\n\n\nclass RingBuffer:\n    """A fixed-size buffer that overwrites the oldest item '
                'when it is full."""\n\n    def __init__(self, capacity):\n        self._items = [None] * capacity\n'
                '        self._start = 0\n        self._size = 0\n\n    def __len__(self):\n        return self._size\n')
@@ -121,16 +116,6 @@ def test_unreachable_server_gives_an_error_result_naming_the_url():
 
 
 # ----------------------------------------------------------------------------------------------- real server
-@pytest.fixture(scope='module')
-def server():
-    if not (Path(DEFAULT_VENV) / 'bin' / 'python').exists():
-        pytest.skip('no vLLM environment at {}: run `make test-vllm` (scripts/setup_vllm.sh)'.format(DEFAULT_VENV))
-    vllm = VllmServer(VllmServerConfig(speculative_config=ngram_speculative_config(NGRAM_K)))
-    vllm.start(progress=print)
-    yield vllm
-    vllm.stop()
-
-
 @pytest.fixture(scope='module')
 def backend(server):
     return _backend(server.url, drafter='ngram', speculative_sampling=False)
@@ -252,7 +237,7 @@ def test_tau_equals_tau_from_the_server_counters(backend):
     assert result.stats.accepted_tokens == accepted and result.stats.target_passes == generated - accepted
     assert result.stats.acceptance_rate == pytest.approx(accepted / (after.draft_tokens - before.draft_tokens))
     status = backend.status()
-    assert status.reachable and status.speculating and status.num_draft_tokens == NGRAM_K
+    assert status.reachable and status.speculating and status.num_draft_tokens == VLLM_NGRAM_K
     assert status.tau_lifetime == pytest.approx(after.generation_tokens /
                                                 (after.generation_tokens - after.accepted_tokens))
 

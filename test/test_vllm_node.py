@@ -10,38 +10,21 @@ import contextlib
 import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from conftest import NO_DIAGNOSTIC_UPDATER
+from conftest import NO_DIAGNOSTIC_UPDATER, VLLM_NGRAM_K
 
 pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
 
 from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
-from test_vllm_backend import CODE_PROMPT, NGRAM_K, REPETITIVE_PROMPT, _get_metrics, _Proxy  # noqa: E402
+from test_vllm_backend import CODE_PROMPT, REPETITIVE_PROMPT, _get_metrics, _Proxy  # noqa: E402
 
 from gemma_spec_ros.engine.vllm_backend import parse_metrics  # noqa: E402
-from gemma_spec_ros.engine.vllm_server import (  # noqa: E402
-    DEFAULT_VENV,
-    VllmServer,
-    VllmServerConfig,
-    ngram_speculative_config,
-)
 from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode  # noqa: E402
 from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal  # noqa: E402
 
 DOMAIN_ID = 90 + os.getpid() % 10
-
-
-@pytest.fixture(scope='module')
-def server():
-    if not (Path(DEFAULT_VENV) / 'bin' / 'python').exists():
-        pytest.skip('no vLLM environment at {}: run `make test-vllm` (scripts/setup_vllm.sh)'.format(DEFAULT_VENV))
-    vllm = VllmServer(VllmServerConfig(speculative_config=ngram_speculative_config(NGRAM_K)))
-    vllm.start(progress=print)
-    yield vllm
-    vllm.stop()
 
 
 @contextlib.contextmanager
@@ -85,7 +68,7 @@ def test_a_goal_streams_and_succeeds(context, server):
         assert len(outcome.feedback) > 1 and outcome.streamed_text == result.text and result.text.strip()
         level, message, values = engine_status(client, 'vllm_node_a', lambda e: e[0] == 'OK')[:3]
         assert server.url in message and values['url'] == server.url and values['model'] == 'target'
-        assert values['speculation'] == 'on' and int(values['K']) == NGRAM_K
+        assert values['speculation'] == 'on' and int(values['K']) == VLLM_NGRAM_K
         assert {'requests running', 'requests waiting', 'KV-cache usage'} <= set(values)
         assert 0.0 <= float(values['KV-cache usage']) <= 1.0
 
