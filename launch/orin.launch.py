@@ -10,8 +10,8 @@ from launch_ros.actions import Node
 from launch import LaunchDescription
 
 # launch argument -> the parameter it overrides when not empty
-OVERRIDES = {'device': 'engine.device', 'drafter': 'engine.drafter', 'backend': 'engine.backend',
-             'vllm_url': 'vllm.url'}
+OVERRIDES = {'device': 'engine.device', 'drafter': 'engine.drafter', 'compile': 'engine.compile',
+             'backend': 'engine.backend', 'vllm_url': 'vllm.url'}
 
 
 def _node(context):
@@ -44,6 +44,9 @@ def generate_launch_description():
                               description="override engine.device: auto|cpu|cuda ('' = keep the params file's)"),
         DeclareLaunchArgument('drafter', default_value='',
                               description="override engine.drafter: none|mtp|draft|ngram ('' = keep the file's)"),
+        DeclareLaunchArgument('compile', default_value='',
+                              description="override engine.compile: auto|inductor|cudagraph|eager|off ('' = keep "
+                                          "the file's)"),
         DeclareLaunchArgument('backend', default_value='',
                               description="override engine.backend: local|vllm ('' = keep the file's)"),
         DeclareLaunchArgument('vllm_url', default_value='',

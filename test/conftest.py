@@ -11,6 +11,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # the 2 cores are shared with other jobs: one torch thread avoids spin-wait contention (override for benchmarks)
 TEST_THREADS = int(os.environ.get('GEMMA_SPEC_TEST_THREADS', '1'))
+# decode steps of the engines the tests load: the lean forward eager (inductor compiles take minutes on 2 cores;
+# test_engine_fast.py covers the compiled path and transformers' forward)
+TEST_COMPILE = os.environ.get('GEMMA_SPEC_TEST_COMPILE', 'eager')
 TOKENIZER_DIR = REPO_ROOT / 'models' / 'tokenizer'
 SLIDING_WINDOW = 16
 
@@ -129,7 +132,7 @@ def tiny_engine_config(tiny_models):
     from gemma_spec_ros.engine.types import EngineConfig
 
     return EngineConfig(target_path=tiny_models.target, drafter='ngram', assistant_path=tiny_models.assistant,
-                        draft_model_path=tiny_models.draft, device='cpu', dtype='float32')
+                        draft_model_path=tiny_models.draft, device='cpu', dtype='float32', compile=TEST_COMPILE)
 
 
 @pytest.fixture(scope='session')
@@ -138,6 +141,46 @@ def tiny_engine(tiny_engine_config):
     from gemma_spec_ros.engine import Engine
 
     return Engine.from_config(tiny_engine_config)
+
+
+@pytest.fixture(scope='session')
+def tiny_engine_off(tiny_engine_config):
+    """Load the same engine on transformers' forward and a DynamicCache (engine.compile off)."""
+    import dataclasses
+
+    from gemma_spec_ros.engine import Engine
+
+    return Engine.from_config(dataclasses.replace(tiny_engine_config, compile='off'))
+
+
+@pytest.fixture(scope='session')
+def reference(tiny_models, tiny_engine):
+    """Greedy continuations from transformers' plain generate, cached per (prompt, length)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.target).eval()
+    cache = {}
+
+    def continuation(prompt_ids, max_new_tokens):
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=tiny_engine.eos_token_ids, pad_token_id=0)
+            cache[key] = out[0, len(prompt_ids):].tolist()
+        return cache[key]
+
+    return continuation
+
+
+@pytest.fixture(scope='session')
+def agreeing_engine(tiny_models):
+    """Draft model = the target itself, both compiled: every greedy draft is accepted (the accept paths)."""
+    from gemma_spec_ros.engine import Engine, EngineConfig
+
+    return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
+                                           draft_model_path=tiny_models.target, device='cpu', compile='inductor'))
 
 
 @pytest.fixture(scope='module')

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NO_DIAGNOSTIC_UPDATER
+from conftest import NO_DIAGNOSTIC_UPDATER, TEST_COMPILE
 
 pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
 
@@ -65,7 +65,7 @@ def tiny_node(tiny_models):
     node = NodeProcess('-p', 'engine.target_path:=' + tiny_models.target,
                        '-p', 'engine.assistant_path:=' + tiny_models.assistant,
                        '-p', 'engine.draft_model_path:=' + tiny_models.draft, '-p', 'engine.device:=cpu',
-                       '-p', 'engine.num_threads:=1')
+                       '-p', 'engine.num_threads:=1', '-p', 'engine.compile:=' + TEST_COMPILE)
     yield node
     code, output = node.stop()
     assert code == 0, output
@@ -126,7 +126,8 @@ def test_replay_committed_bags_on_the_bundled_models():
     bags = committed_bags()
     assert bags, 'no committed bags under test/data'
     node = NodeProcess('--params-file', str(REPO / 'config' / 'orin.yaml'), '-p', 'engine.device:=cpu',
-                       '-p', 'engine.num_threads:=1', domain_id=BUNDLED_DOMAIN_ID)
+                       '-p', 'engine.num_threads:=1', '-p', 'engine.compile:=' + TEST_COMPILE,
+                       domain_id=BUNDLED_DOMAIN_ID)
     try:
         for bag in bags:
             replayed = run_cli('replay', str(bag), timeout=600, domain_id=BUNDLED_DOMAIN_ID)

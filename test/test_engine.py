@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from conftest import TEST_COMPILE
 
 from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.stream import IncrementalDetokenizer, StopStrings
@@ -16,45 +17,22 @@ LONG = 72  # new tokens: several times the fixtures' sliding_window (16)
 
 
 @pytest.fixture(scope='module')
-def reference(tiny_models, tiny_engine):
-    """Greedy continuations from transformers' plain generate, cached per (prompt, length)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_models.target).eval()
-    cache = {}
-
-    def continuation(prompt_ids, max_new_tokens):
-        key = (tuple(prompt_ids), max_new_tokens)
-        if key not in cache:
-            with torch.inference_mode():
-                out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                     eos_token_id=tiny_engine.eos_token_ids, pad_token_id=0)
-            cache[key] = out[0, len(prompt_ids):].tolist()
-        return cache[key]
-
-    return continuation
-
-
-@pytest.fixture(scope='module')
-def agreeing_engine(tiny_models):
-    """Draft model = the target itself: every greedy draft is accepted (exercises the accept paths)."""
-    return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
-                                           draft_model_path=tiny_models.target, device='cpu'))
-
-
-@pytest.fixture(scope='module')
 def ordered_engine(tiny_models):
     return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='mtp',
-                                           assistant_path=tiny_models.assistant_ordered, device='cpu'))
+                                           assistant_path=tiny_models.assistant_ordered, device='cpu',
+                                           compile=TEST_COMPILE))
 
 
 def ids_of(engine, prompt):
     return engine.tokenizer(prompt).input_ids
 
 
-@pytest.mark.parametrize('drafter', ['none', 'ngram', 'draft', 'mtp'])
-@pytest.mark.parametrize('k', [1, 2, 4, 8])
-def test_greedy_parity_with_transformers(tiny_engine, reference, drafter, k):
+@pytest.mark.parametrize('path', ['fast', 'transformers'])
+@pytest.mark.parametrize(('drafter', 'k'), [('none', 0)] + [(drafter, k) for drafter in ('ngram', 'draft', 'mtp')
+                                                            for k in range(1, 9)])
+def test_greedy_parity_with_transformers(request, reference, path, drafter, k):
+    # the fast path (lean forward, static cache) and engine.compile off (transformers' forward, DynamicCache)
+    tiny_engine = request.getfixturevalue('tiny_engine' if path == 'fast' else 'tiny_engine_off')
     prompt = CODE_PROMPT if drafter == 'ngram' else STORY_PROMPT
     expected = reference(ids_of(tiny_engine, prompt), LONG)
     result = tiny_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=LONG, drafter=drafter,
@@ -276,15 +254,13 @@ def test_ngram_proposals():
     assert propose([1, 2, 3, 4, 2], 3) == [3, 4, 2]  # index extended incrementally; latest match wins
 
 
-def test_mtp_drafter_drops_rejected_kv():
-    from types import SimpleNamespace
+def test_mtp_drafter_drops_rejected_kv(tiny_engine_off):
+    from gemma_spec_ros.engine.fast import StepOutput
 
-    from gemma_spec_ros.engine.drafters.mtp import MtpDrafter
-
-    drafter = MtpDrafter(assistant=None, target_embeddings=None)
+    drafter = tiny_engine_off._drafters['mtp']  # transformers' path: the assistant gets the shared K/V
     keys = torch.arange(20.0).view(1, 1, 20, 1)
-    out = SimpleNamespace(hidden_states=(torch.arange(5.0).view(1, 5, 1),),
-                          shared_kv_states={'sliding_attention': (keys, keys), 'full_attention': (keys, keys)})
+    out = StepOutput(None, torch.arange(5.0).view(1, 5, 1),
+                     {'sliding_attention': (keys, keys), 'full_attention': (keys, keys)})
     drafter.observe(out, num_fed=5, num_kept=2)  # 1 draft accepted, 3 rejected
     assert drafter._hidden.flatten().tolist() == [1.0]
     for kv in drafter._shared_kv.values():
@@ -336,10 +312,11 @@ def test_draft_model_partial_acceptance_rolls_back(agreeing_engine, reference):
     assert 0.2 < result.stats.acceptance_rate < 0.9
 
 
-def test_mtp_partial_acceptance_cuts_rejected_kv(tiny_engine, reference):
+def test_mtp_partial_acceptance_cuts_rejected_kv(tiny_engine_off, reference):
     # an oracle keeps the first j drafts right (after the assistant ran on the rolled-back K/V)
     from gemma_spec_ros.engine.drafters.base import Proposal
 
+    tiny_engine = tiny_engine_off
     prompt_ids = ids_of(tiny_engine, STORY_PROMPT)
     expected = reference(prompt_ids, LONG)
     drafter = tiny_engine._drafters['mtp']

@@ -14,7 +14,7 @@ BAD_REQUESTS = [
     (dict(), 'empty request'),
     (dict(prompt='hi', max_new_tokens=-1), 'max_new_tokens must be between 1 and'),
     (dict(prompt='hi', max_new_tokens=5000), 'max_new_tokens_limit'),
-    (dict(prompt_ids=list(range(3, 1000)), max_new_tokens=100), 'exceeds the model context of 1024'),
+    (dict(prompt_ids=list(range(3, 1000)), max_new_tokens=100), 'exceeds the context limit of 1024'),
     (dict(prompt='hi', temperature=-0.1), 'temperature must be a finite number in [0, 2]'),
     (dict(prompt='hi', temperature=math.nan), 'temperature must be a finite number'),
     (dict(prompt='hi', temperature=math.inf), 'temperature must be a finite number'),

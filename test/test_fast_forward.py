@@ -107,7 +107,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_verify_steps_and_rollbacks_match_transformers(models, kind):
     """Prefill, then rounds of q = 1..9 (and 19) tokens with random rollbacks, crossing the sliding window 20+ times."""
     model = models[kind]
-    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'off')
+    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')
     reference = Reference(model)
     rng = random.Random(kind)
     prompt = [rng.randrange(3, VOCAB) for _ in range(WINDOW + 5)]
@@ -135,7 +135,7 @@ def test_verify_steps_and_rollbacks_match_transformers(models, kind):
 def test_rollback_at_the_window_edge(models, kind):
     """Rollbacks that land where the sliding window fills, on a ring wrap, and the largest one allowed."""
     model = models[kind]
-    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'off')
+    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')
     reference = Reference(model)
     rng = random.Random(7)
     ring = fast.cache.ring_size
@@ -181,7 +181,7 @@ def test_greedy_decoding_matches_generate(models, kind):
     prompt = [2, *random.Random(3).sample(range(3, VOCAB), 11)]
     expected = _greedy_reference(model, prompt, 80)
 
-    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'off')
+    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')
     token = fast.prefill(torch.tensor([prompt])).logits[0, -1].argmax()
     plain = [token.item()]
     while len(plain) < len(expected):
@@ -211,8 +211,8 @@ def test_assistant_matches_transformers(models, kind, ordered):
     """The MTP step reading the static cache equals transformers' assistant handed the target's shared K/V."""
     target = models[kind]
     assistant = _assistant(target, ordered)
-    fast = FastCausalLM(target, CONTEXT, MAX_QUERY, 'off')
-    fast_assistant = FastAssistant(assistant, fast, 'off')
+    fast = FastCausalLM(target, CONTEXT, MAX_QUERY, 'eager')
+    fast_assistant = FastAssistant(assistant, fast, 'eager')
     reference = Reference(target)
     rng = random.Random(13)
     embed = target.get_input_embeddings()
@@ -250,7 +250,7 @@ def test_assistant_matches_transformers(models, kind, ordered):
 
 
 def test_cache_memory_and_limits(models):
-    fast = FastCausalLM(models['features'], CONTEXT, MAX_QUERY, 'off')
+    fast = FastCausalLM(models['features'], CONTEXT, MAX_QUERY, 'eager')
     cache = fast.cache
     # features: producing layers S, S, F (the last three reuse them); sliding rings hold window + max_query + 1
     assert [spec.layer_type for spec in cache.specs] == [SLIDING, SLIDING, FULL]
@@ -274,7 +274,7 @@ def test_compile_modes():
     with pytest.raises(ValueError, match='CUDA'):
         resolve_compile_mode('cudagraph', torch.device('cpu'))
     assert resolve_compile_mode('auto', torch.device('cuda')) == 'cudagraph'
-    assert resolve_compile_mode('off', torch.device('cpu')) == 'off'
+    assert resolve_compile_mode('eager', torch.device('cpu')) == 'eager'
 
 
 @pytest.mark.skipif(os.environ.get('GEMMA_SPEC_COMPILE_TESTS') != '1',
@@ -283,11 +283,11 @@ def test_inductor_steps_match_eager_without_recompiling(models):
     """Two graphs (q = 1, q >= 2) serve every query length and position; the assistant's serves every position."""
     model = models['plain']
     assistant = _assistant(model, ordered=True)  # load every model first: that can register new pytree types,
-    eager = FastCausalLM(model, CONTEXT, MAX_QUERY, 'off')  # which compiled graphs guard on
+    eager = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')  # which compiled graphs guard on
     compiled = FastCausalLM(model, CONTEXT, MAX_QUERY, 'inductor')
     report = compiled.warmup()
     assert (report.mode, report.graphs) == ('inductor', 2)
-    eager_assistant, compiled_assistant = FastAssistant(assistant, eager, 'off'), FastAssistant(assistant, eager,
+    eager_assistant, compiled_assistant = FastAssistant(assistant, eager, 'eager'), FastAssistant(assistant, eager,
                                                                                                   'inductor')
     assert compiled_assistant.warmup().graphs == 1
     prompt = torch.tensor([[2, *range(10, 30)]])

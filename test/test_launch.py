@@ -1,9 +1,9 @@
 """
 orin.launch.py under launch_pytest, as ROS packages test their launch files: one launched node for the module.
 
-Every launch argument is set away from its default (namespace, params_file, drafter, device, log_level) and each
-is checked where it shows in the running node; test_ros2_cli.py launches the defaults. The launched node runs the
-bundled models on this module's own ROS domain, on localhost, with one torch thread.
+Every launch argument is set away from its default (namespace, params_file, drafter, device, compile, log_level)
+and each is checked where it shows in the running node; test_ros2_cli.py launches the defaults. The launched node
+runs the bundled models on this module's own ROS domain, on localhost, with one torch thread.
 """
 
 import os
@@ -93,7 +93,7 @@ def orin_launch(params_file):
         RegisterEventHandler(OnProcessExit(on_exit=OUTPUT.on_exit)),
         IncludeLaunchDescription(PythonLaunchDescriptionSource(str(launch_file)), launch_arguments={
             'namespace': NAMESPACE, 'params_file': str(params_file), 'drafter': 'ngram', 'device': 'cpu',
-            'log_level': 'warn'}.items()),
+            'compile': 'eager', 'log_level': 'warn'}.items()),
         launch_pytest.actions.ReadyToTest(),
     ])
 
@@ -132,7 +132,7 @@ def test_params_file_drafter_and_device_reach_the_node(ready):
     node = ready.node
     service = node.create_client(GetParameters, '/{}/gemma_spec/get_parameters'.format(NAMESPACE))
     assert service.wait_for_service(timeout_sec=30)
-    names = ['engine.drafter', 'engine.device', 'engine.num_threads', 'queue.max_length',
+    names = ['engine.drafter', 'engine.device', 'engine.compile', 'engine.num_threads', 'queue.max_length',
              'diagnostics.hardware_id', 'diagnostic_updater.period']
     future = service.call_async(GetParameters.Request(names=names))
     deadline = time.monotonic() + 30
@@ -140,7 +140,8 @@ def test_params_file_drafter_and_device_reach_the_node(ready):
         time.sleep(0.05)
     values = [parameter_value_to_python(v) for v in future.result().values]
     assert dict(zip(names, values, strict=True)) == {
-        'engine.drafter': 'ngram', 'engine.device': 'cpu', 'engine.num_threads': 1, 'queue.max_length': 2,
+        'engine.drafter': 'ngram', 'engine.device': 'cpu', 'engine.compile': 'eager', 'engine.num_threads': 1,
+        'queue.max_length': 2,
         'diagnostics.hardware_id': HARDWARE_ID, 'diagnostic_updater.period': PERIOD}
 
     arrays = []

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NO_DIAGNOSTIC_UPDATER
+from conftest import NO_DIAGNOSTIC_UPDATER, TEST_COMPILE
 
 pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
 
@@ -141,7 +141,8 @@ def test_yaml_runs_the_node_on_cpu_with_client_and_diag_tools():
     env = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST',
                PYTHONUNBUFFERED='1')
     node = subprocess.Popen([sys.executable, '-m', 'gemma_spec_ros', 'node', '--ros-args', '--params-file',
-                             str(CONFIG), '-p', 'engine.device:=cpu', '-p', 'engine.num_threads:=1'],
+                             str(CONFIG), '-p', 'engine.device:=cpu', '-p', 'engine.num_threads:=1', '-p',
+                             'engine.compile:=' + TEST_COMPILE],
                             env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

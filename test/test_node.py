@@ -8,7 +8,7 @@ import time
 
 import jsonschema
 import pytest
-from conftest import NO_DIAGNOSTIC_UPDATER
+from conftest import NO_DIAGNOSTIC_UPDATER, TEST_COMPILE
 
 pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
 
@@ -37,7 +37,8 @@ LONG = 400  # max_new_tokens of goals that must still be running a moment later
 def tiny_params(tiny_models, **extra):
     params = {'engine.target_path': tiny_models.target, 'engine.assistant_path': tiny_models.assistant,
               'engine.draft_model_path': tiny_models.draft, 'engine.drafter': 'ngram', 'engine.device': 'cpu',
-              'engine.dtype': 'float32', 'diagnostic_updater.period': 0.2, 'diagnostics.hardware_id': 'test-hw'}
+              'engine.dtype': 'float32', 'engine.compile': TEST_COMPILE, 'diagnostic_updater.period': 0.2,
+              'diagnostics.hardware_id': 'test-hw'}
     params.update(extra)
     return params
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import rclpy
 import yaml
+from conftest import TEST_COMPILE
 from rclpy.context import Context
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
@@ -52,6 +53,7 @@ def orin_params():
     for group, values in params.items():
         flat.update({'{}.{}'.format(group, key): value for key, value in values.items()})
     flat['engine.device'] = 'cpu'
+    flat['engine.compile'] = TEST_COMPILE
     return flat
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import rclpy
+from conftest import TEST_COMPILE
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 from test_node import serving, tiny_params
@@ -256,7 +257,8 @@ def test_corrupt_target_error_names_role_and_path(context, tiny_models, tmp_path
 
 def test_sigint_mid_goal_aborts_it_and_exits_cleanly(context, tiny_models):
     args = ['-p', 'engine.target_path:=' + tiny_models.target, '-p', 'engine.drafter:=none', '-p',
-            'engine.device:=cpu', '-p', 'engine.num_threads:=1', '-p', 'diagnostic_updater.period:=0.2',
+            'engine.device:=cpu', '-p', 'engine.num_threads:=1', '-p', 'engine.compile:=' + TEST_COMPILE, '-p',
+            'diagnostic_updater.period:=0.2',
             '-r', '__node:=gemma_spec_sigint']
     node = subprocess.Popen([sys.executable, '-m', 'gemma_spec_ros', 'node', '--ros-args'] + args,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ros_env())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import missing_ros2_tools
+from conftest import TEST_COMPILE, missing_ros2_tools
 
 if missing_ros2_tools():
     pytest.skip(missing_ros2_tools(), allow_module_level=True)
@@ -73,6 +73,7 @@ class Launch:
 def launched(tmp_path_factory):
     config = yaml.safe_load(Path(get_package_share_directory('gemma_spec_ros'), 'config', 'orin.yaml').read_text())
     config['/**']['ros__parameters']['engine']['num_threads'] = 1
+    config['/**']['ros__parameters']['engine']['compile'] = TEST_COMPILE
     params = tmp_path_factory.mktemp('ros2_cli') / 'params.yaml'
     params.write_text(yaml.safe_dump(config))
     launch = Launch('device:=cpu', 'params_file:={}'.format(params))

@@ -21,7 +21,7 @@ import time
 
 TARGET = 'models/gemma4-spec-target'
 SYSTEMS = ('hf', 'lean', 'compiled', 'cudagraph')
-MODES = {'lean': 'off', 'compiled': 'inductor', 'cudagraph': 'cudagraph'}
+MODES = {'hf': 'off', 'lean': 'eager', 'compiled': 'inductor', 'cudagraph': 'cudagraph'}
 
 
 def _say(message: str) -> None:
@@ -42,62 +42,31 @@ def _load(args):
     return model, tokenizer(prompt.text).input_ids
 
 
-class _Hf:
-    """transformers' eager forward on a DynamicCache, as engine.Engine._forward drives it."""
-
-    name = 'hf'
-
-    def __init__(self, model):
-        self.model = model
-
-    def reset(self):
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.config)
-        self.cache.activate_past_recording()
-        self.length = 0
-
-    def forward(self, ids):  # ids [1, q] -> logits [q, vocab]
-        import torch
-
-        from gemma_spec_ros.engine.drafters import single_token_masks
-
-        positions = torch.arange(self.length, self.length + ids.shape[1], device=ids.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=0,
-                         attention_mask=single_token_masks(ids))
-        self.length += ids.shape[1]
-        return out.logits[0]
-
-    def crop(self, count):
-        self.cache.crop(-count)
-        self.length -= count
-
-
-class _Fast:
-    """The lean forward on the static cache in one compile mode."""
+class _System:
+    """One system: the product's runner for its compile mode (causal_lm.build_causal_lm), named as here."""
 
     def __init__(self, name, model, context_limit, progress):
-        from gemma_spec_ros.engine.fast.runner import FastCausalLM
+        from gemma_spec_ros.engine.causal_lm import build_causal_lm
 
         self.name = name
-        self.fast = FastCausalLM(model, context_limit, 9, MODES[name])
-        self.warmup_seconds = self.fast.warmup(0, progress).seconds if name != 'lean' else 0.0
+        self.lm = build_causal_lm(model, MODES[name], context_limit, 9, 'target', progress)
+        self.warmup_seconds = self.lm.warmup(0, progress).seconds
 
     def reset(self):
-        self.fast.reset()
+        self.lm.reset()
 
-    def forward(self, ids):
-        return self.fast.append(ids).logits[0]
+    def forward(self, ids):  # ids [1, q] -> logits [q, vocab]
+        return self.lm.append(ids).logits[0]
 
     def crop(self, count):
-        self.fast.crop(-count)
+        self.lm.crop(-count)
 
 
 def _systems(names, model, context_limit, say):
     built = []
     for name in names:
-        system = _Hf(model) if name == 'hf' else _Fast(name, model, context_limit, say)
-        if name not in ('hf', 'lean'):
+        system = _System(name, model, context_limit, say)
+        if system.warmup_seconds:
             say('{}: warm-up {:.1f} s'.format(name, system.warmup_seconds))
         built.append(system)
     return built
@@ -109,7 +78,7 @@ def _decode(system, prompt_ids, new_tokens):
 
     with torch.inference_mode():
         system.reset()
-        device = next(system.model.parameters()).device if isinstance(system, _Hf) else system.fast.lean.device
+        device = next(system.lm.model.parameters()).device
         token = system.forward(torch.tensor([prompt_ids], device=device))[-1].argmax().view(1, 1)
         tokens = [token.item()]
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -141,7 +110,7 @@ def decode(args) -> dict:
               'ms_per_token': {name: statistics.median(values) for name, values in wall.items()},
               'cpu_ms_per_token': {name: statistics.median(values) for name, values in cpu.items()},
               'wall_samples': wall}
-    result['warmup_seconds'] = {s.name: s.warmup_seconds for s in systems if s.name not in ('hf', 'lean')}
+    result['warmup_seconds'] = {s.name: s.warmup_seconds for s in systems if s.warmup_seconds}
     return result
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from .config_file import load_engine_config, read_constraint_files, resolve_model_path
 from .drafters import DRAFTERS
 from .stats import format_stats
-from .types import DEVICES, DTYPES, GenerationRequest, GenerationResult
+from .types import COMPILE_MODES, DEVICES, DTYPES, GenerationRequest, GenerationResult
 
 DEFAULT_TARGET = 'models/gemma4-spec-target'
 DEFAULT_ASSISTANT = 'models/gemma4-spec-assistant'
@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--device', choices=DEVICES, help='default: auto')
     parser.add_argument('--dtype', choices=DTYPES, help='default: auto')
     parser.add_argument('--threads', type=int, default=None,
-                        help='torch CPU threads (engine.num_threads; 0 = torch default). On a busy CPU, 1 is often '
-                             'fastest')
+                        help='torch CPU threads (engine.num_threads, default 1; 0 = torch default)')
+    parser.add_argument('--compile', choices=COMPILE_MODES, help='decode steps (engine.compile, default auto)')
     parser.add_argument('--samples', type=int, default=1, help='number of generations (seeds S, S+1, ...)')
     parser.add_argument('--json', action='store_true', help='print one JSON object per sample and line')
     return parser
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engine_overrides(args) -> dict:
     overrides = {'target_path': args.target, 'drafter': args.drafter, 'device': args.device, 'dtype': args.dtype,
-                 'num_draft_tokens': args.num_draft_tokens, 'num_threads': args.threads}
+                 'num_draft_tokens': args.num_draft_tokens, 'num_threads': args.threads, 'compile': args.compile}
     if not args.config:
         # the bundled drafters belong to the bundled target; with --target only --drafter-path adds one
         overrides['target_path'] = args.target or DEFAULT_TARGET

@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
-from . import models, requests
+from . import causal_lm, models, requests
 from .adaptive import AdaptiveK, Decision, TargetCost
 from .drafters import REGISTRY, drafter_class
 from .drafters.base import DraftContext, Drafter, LoadContext
@@ -55,7 +54,6 @@ class _Run:
     drafter: Drafter
     controller: AdaptiveK | None       # None: plain decoding (drafter 'none' or after a fallback)
     generator: torch.Generator
-    cache: DynamicCache
     detokenizer: IncrementalDetokenizer
     stops: StopStrings
     tokens: list[int]                  # prompt + generated; the last one is not in the target cache yet
@@ -78,10 +76,11 @@ class _Run:
 class Engine:
     """A loaded target plus drafters serving many generate calls, one at a time (thread-safe)."""
 
-    def __init__(self, config: EngineConfig, target, tokenizer, drafters: dict[str, Drafter], device, dtype,
-                 drafter_errors: dict[str, DisabledDrafter] | None = None):
+    def __init__(self, config: EngineConfig, target_lm, tokenizer, drafters: dict[str, Drafter], device, dtype,
+                 drafter_errors: dict[str, DisabledDrafter] | None = None, warmup_seconds: float = 0.0):
+        """target_lm: the target with its KV cache (causal_lm.build_causal_lm), its drafters already loaded."""
         self.config = config
-        self._target = target
+        self._target = target_lm
         self._tokenizer = tokenizer
         self._drafters = drafters
         self.drafter_errors = dict(drafter_errors or {})  # drafter -> why its model failed to load (disabled)
@@ -91,9 +90,13 @@ class Engine:
         self._measure_lock = threading.Lock()  # controllers and lifetime counters, read by status()
         self._default_drafter = config.drafter
         self._default_k = config.num_draft_tokens
-        self._context_limit = models.text_config(target).max_position_embeddings
-        self._vocab_size = models.text_config(target).vocab_size
-        self._eos_ids = models.eos_token_ids(target, tokenizer)
+        self._context_limit = models.context_limit(config, target_lm.model)
+        self._vocab_size = models.text_config(target_lm.model).vocab_size
+        self._eos_ids = models.eos_token_ids(target_lm.model, tokenizer)
+        self._warmup_seconds = warmup_seconds
+        self._weights_bytes = causal_lm.parameter_bytes(target_lm.model) + sum(
+            drafter.weights_bytes for drafter in drafters.values())
+        self._kv_cache_bytes = target_lm.nbytes + sum(drafter.kv_cache_bytes for drafter in drafters.values())
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos_ids)  # EOS ends a grammar
         self._target_cost = TargetCost(config.max_draft_tokens + 1)
         self._controllers = {name: AdaptiveK(config.max_draft_tokens, self._target_cost, config.profit_gate,
@@ -118,7 +121,9 @@ class Engine:
         say('loading target {} on {} ({})'.format(config.target_path, device, str(dtype).replace('torch.', '')))
         target = models.load_causal_lm(config.target_path, 'target', device, dtype)
         tokenizer = models.load_tokenizer(config.target_path)
-        context = LoadContext(config, target, tokenizer, device, dtype, say)
+        target_lm = causal_lm.build_causal_lm(target, config.compile, models.context_limit(config, target),
+                                              config.max_draft_tokens + 1, 'target', say)
+        context = LoadContext(config, target_lm, tokenizer, device, dtype, say)
         drafters, errors = {}, {}
         for name, spec in REGISTRY.items():
             if spec.path_field and not getattr(config, spec.path_field):
@@ -130,8 +135,12 @@ class Engine:
                     raise
                 errors[name] = DisabledDrafter(name, spec.role, getattr(config, spec.path_field), str(exc))
                 say(errors[name].describe())
-        engine = cls(config, target, tokenizer, drafters, device, dtype, errors)
-        say('engine ready: drafters {}'.format(', '.join(sorted(drafters))))
+        warmup_seconds = warm_up(target_lm, drafters, say)
+        engine = cls(config, target_lm, tokenizer, drafters, device, dtype, errors, warmup_seconds)
+        say('engine ready: drafters {}; decode steps {}, warm-up {:.1f} s, weights {:.1f} MiB, KV cache {:.1f} MiB '
+            '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, warmup_seconds,
+                                 engine._weights_bytes / 2 ** 20, engine._kv_cache_bytes / 2 ** 20,
+                                 engine._context_limit))
         return engine
 
     @property
@@ -164,6 +173,8 @@ class Engine:
             status = EngineStatus(
                 target_id=Path(self.config.target_path).name, drafter=name, drafter_id=Path(path).name if path else '',
                 device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
+                compile_mode=self._target.mode, warmup_seconds=self._warmup_seconds,
+                weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
                 tau_lifetime=lifetime['tokens'] / lifetime['passes'] if lifetime['passes'] else 0.0,
                 acceptance_rate_lifetime=lifetime['accepted'] / lifetime['drafted'] if lifetime['drafted'] else 0.0,
                 disabled_drafters=list(self.drafter_errors.values()))
@@ -199,10 +210,9 @@ class Engine:
         started = time.perf_counter()
         if self._device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self._device)
-        cache = DynamicCache(config=self._target.config)
-        cache.activate_past_recording()  # sliding layers keep rolled-back K/V until the next crop
+        self._target.reset()
         run = _Run(plan=plan, drafter=self._drafters['none'], controller=None,
-                   generator=torch.Generator(device=self._device).manual_seed(plan.seed), cache=cache,
+                   generator=torch.Generator(device=self._device).manual_seed(plan.seed),
                    detokenizer=IncrementalDetokenizer(self._tokenizer), stops=StopStrings(plan.stops),
                    tokens=list(plan.prompt_ids), stopwatch=_Stopwatch(self._device))
         if plan.compiled_grammar is not None:
@@ -232,13 +242,12 @@ class Engine:
             with self._measure_lock:
                 run.controller.start()  # a new text: a gate paused on the previous one probes at once
         prompt = torch.tensor([run.tokens], device=self._device)
-        out = models.target_pass(self._target, run.cache, prompt, 0, 1, run.drafter.needs_target_states)
-        run.cache.crop(0)
+        out = self._target.prefill(prompt, logits_to_keep=1, want_states=run.drafter.needs_target_states)
         logits = out.logits[0, -1:]  # [1, vocab]
         if run.constraint is not None:
             logits = mask_logits(logits, run.constraint.next_mask(self._device))
         first = self._pick(logits, run.plan.sampling, run.generator)
-        self._guard(run, lambda: run.drafter.observe(out, len(run.tokens), len(run.tokens)))
+        self._guard(run, lambda: run.drafter.observe(out, 1, 1))  # out holds the last prompt position
         run.last_token = first
         token = first.item()
         run.tally.add_prefill(time.perf_counter())
@@ -265,8 +274,8 @@ class Engine:
         with self._measure_lock:
             may_draft_next = run.controller is None or run.controller.may_speculate_next()
         want_states = run.drafter.needs_target_states and (run.plan.pinned_k > 0 or may_draft_next)
-        out = models.target_pass(self._target, run.cache, torch.cat([run.last_token, draft_tokens]).unsqueeze(0),
-                                 len(run.tokens) - 1, 0, want_states)
+        out = self._target.append(torch.cat([run.last_token, draft_tokens]).unsqueeze(0), logits_to_keep=0,
+                                  want_states=want_states)
         logits = out.logits[0]  # [k + 1, vocab]
         if run.constraint is not None:  # while the target runs on a GPU: masks along the drafts, on the host
             masks, _ = run.constraint.masks_along(draft_tokens.tolist(), self._device)  # [k + 1, vocab]
@@ -282,7 +291,7 @@ class Engine:
         accepted = row[0]
 
         # accept / roll back: crop the rejected K/V from the target, and let the drafter do the same
-        run.cache.crop(-(num_drafted - accepted))
+        self._target.crop(-(num_drafted - accepted))
         self._guard(run, lambda: run.drafter.observe(out, num_drafted + 1, accepted + 1))
         with self._measure_lock:
             self._target_cost.record(num_drafted + 1, run.stopwatch.seconds(drafted_at, verified_at))
@@ -369,3 +378,15 @@ class Engine:
             run.warnings.append('structure incomplete: max_new_tokens ({}) ended the output before it completed '
                                 'its json_schema / grammar'.format(run.plan.max_new_tokens))
         return GenerationResult(''.join(run.pieces), run.generated, run.finish, stats, run.warnings, complete)
+
+
+def warm_up(target_lm, drafters: dict[str, Drafter], say) -> float:
+    """Compile or capture the decode steps of the target and every drafter before the first request; seconds."""
+    started = time.perf_counter()
+    if target_lm.mode != 'off':
+        say('warm-up: compiling the decode steps ({}); a cold compile cache takes minutes on a small CPU'.format(
+            target_lm.mode))
+    target_lm.warmup(logits_to_keep=0, progress=say)
+    for drafter in drafters.values():
+        drafter.warmup(say)
+    return time.perf_counter() - started

@@ -1,4 +1,4 @@
-"""Loading the models from local directories, checking that they fit together, and the target pass."""
+"""Loading the models from local directories and checking that they fit together."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +10,6 @@ from .types import DEVICES, DTYPES
 TARGET_TYPES = ('gemma4_text', 'gemma4')  # text-only Gemma4ForCausalLM, multimodal Gemma4ForConditionalGeneration
 ASSISTANT_TYPE = 'gemma4_assistant'
 TORCH_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
-NO_MASKS = {'full_attention': None, 'sliding_attention': None}
 
 
 @dataclass(frozen=True)
@@ -120,6 +119,11 @@ def text_config(model):
     return model.config.get_text_config(decoder=True)
 
 
+def context_limit(config, model) -> int:
+    """Most tokens of one request: engine.context_limit, at most the model's max_position_embeddings."""
+    return min(config.context_limit, text_config(model).max_position_embeddings)
+
+
 def decoder_layers(model):
     """Return the text decoder layers of Gemma4ForCausalLM, Gemma4ForConditionalGeneration or the assistant."""
     inner = model.model
@@ -180,29 +184,6 @@ def check_assistant_fits(target, assistant, assistant_path: str) -> None:
         if not torch.equal(ordering.long().sort().values, expected):
             raise ValueError('MTP assistant at {} uses ordered embeddings but its token_ordering buffer is not a '
                              'permutation of the vocabulary (unset?)'.format(assistant_path))
-
-
-def single_token_masks(token_ids: torch.Tensor) -> dict | None:
-    """
-    Attention masks for a pass over token_ids [1, q]: none needed for one token, else built by the model.
-
-    A single query may see every cached key: full layers hold only the past, and a rolled-back sliding layer hands
-    out exactly its window. Mask construction is a noticeable share of a small model's decode step.
-    """
-    return NO_MASKS if token_ids.shape[1] == 1 else None
-
-
-def target_pass(target, cache, token_ids: torch.Tensor, start: int, keep_last: int, want_states: bool):
-    """
-    One target pass over token_ids [1, q] at positions start..start+q-1.
-
-    keep_last: logits of the last n positions (0 = all). want_states: also return the last hidden state and the
-    shared K/V that the MTP assistant reads.
-    """
-    positions = torch.arange(start, start + token_ids.shape[1], device=token_ids.device).unsqueeze(0)
-    extra = {'output_hidden_states': -1, 'return_shared_kv_states': True} if want_states else {}
-    return target(input_ids=token_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=keep_last,
-                  attention_mask=single_token_masks(token_ids), **extra)
 
 
 def eos_token_ids(target, tokenizer) -> set[int]:

@@ -208,8 +208,9 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
     if request.max_new_tokens:
         check_max_new_tokens(request.max_new_tokens, config)
     if len(ids) + max_new > context_limit:
-        raise ValueError('prompt ({} tokens) + max_new_tokens ({}) exceeds the model context of {} tokens; '
-                         'shorten the prompt or lower max_new_tokens'.format(len(ids), max_new, context_limit))
+        raise ValueError('prompt ({} tokens) + max_new_tokens ({}) exceeds the context limit of {} tokens ({}, at '
+                         'most the model context); shorten the prompt or lower max_new_tokens'.format(
+                             len(ids), max_new, context_limit, parameter_name('context_limit')))
     pinned = request.num_draft_tokens or default_k
     seed = request.seed if request.seed >= 0 else int.from_bytes(os.urandom(4), 'little')
     if request.seed >= 0 and not sampling.greedy and not pinned:

@@ -14,6 +14,9 @@ from .drafters import DRAFTERS
 BACKENDS = ('local', 'vllm')
 DEVICES = ('auto', 'cpu', 'cuda')
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
+# how decode steps run: the lean forward on a static KV cache, eager, inductor-compiled or captured as CUDA graphs;
+# off: transformers' own forward on a DynamicCache (the reference path, and the one for MoE checkpoints)
+COMPILE_MODES = ('auto', 'inductor', 'cudagraph', 'eager', 'off')
 # the engine ends with stop, length or cancelled; the node adds error, busy (queue full) and timeout
 # (queue.goal_timeout)
 FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
@@ -52,7 +55,14 @@ class EngineConfig:
     max_new_tokens: int = _parameter(128, 'tokens generated when a request says 0', limits=(1, INT32_MAX))
     max_new_tokens_limit: int = _parameter(2048, 'largest max_new_tokens a request may ask for',
                                            limits=(1, INT32_MAX))
-    num_threads: int = _parameter(0, 'torch CPU threads; 0 = torch default', limits=(0, 1024))
+    num_threads: int = _parameter(1, 'torch CPU threads; 0 = torch default (all cores: spin-waits when the cores '
+                                  'are shared)', limits=(0, 1024))
+    compile: str = _parameter('auto', 'decode steps: auto (cudagraph on CUDA, inductor on CPU; off for models the '
+                              'lean forward does not cover), inductor, cudagraph, eager (lean forward, static cache) '
+                              "or off (transformers' forward)", choices=COMPILE_MODES)
+    context_limit: int = _parameter(4096, 'most tokens (prompt + generated) of one request; the static KV cache is '
+                                    "preallocated for it (at most the model's max_position_embeddings)",
+                                    limits=(16, INT32_MAX))
     backend: str = _parameter('local', 'local: this process runs the models; vllm: the vLLM server at vllm.url '
                               'serves every goal (engine.drafter and the model paths are then ignored)',
                               choices=BACKENDS)
@@ -171,6 +181,10 @@ class EngineStatus:
     drafter: str = 'none'              # configured default drafter
     device: str = 'cpu'
     dtype: str = 'float32'
+    compile_mode: str = 'off'          # how decode steps run (engine.compile resolved for this device and model)
+    warmup_seconds: float = 0.0        # compile / capture time at load
+    weights_bytes: int = 0             # parameters of every loaded model
+    kv_cache_bytes: int = 0            # static KV caches (preallocated for engine.context_limit; 0 when off)
     num_draft_tokens: int = 0          # K the adaptive controller would use now
     draft_cost_ratio: float = 0.0      # measured c
     break_even_tau: float = 1.0        # tau needed to beat plain decoding at this K: 1 + K*c (verify-cost adjusted)

@@ -205,6 +205,9 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0)
     for key, value in (
             ('target model', status.target_id), ('drafter', status.drafter),
             ('drafter model', status.drafter_id or '-'), ('device', status.device), ('dtype', status.dtype),
+            ('decode steps', status.compile_mode), ('warm-up s', '{:.1f}'.format(status.warmup_seconds)),
+            ('weights MiB', '{:.1f}'.format(status.weights_bytes / 2 ** 20)),
+            ('KV cache MiB', '{:.1f}'.format(status.kv_cache_bytes / 2 ** 20)),
             ('speculation', speculation), ('K', status.num_draft_tokens),
             ('draft cost ratio c', '{:.3f}'.format(status.draft_cost_ratio)),
             ('break-even tau', '{:.3f}'.format(status.break_even_tau)),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import models
 from ..grammar import GrammarConstraint, Lookahead, mask_logits
 from ..sampling import SamplingParams, logits_to_probs, sample
 
@@ -37,11 +38,21 @@ class LoadContext:
     """What a drafter may use when it is loaded: the engine config and the loaded target."""
 
     config: object                    # EngineConfig
-    target: object                    # the target model
+    target_lm: object                 # the target with its KV cache (causal_lm.FastCausalLM or DynamicCausalLM)
     tokenizer: object
     device: torch.device
     dtype: torch.dtype
     progress: object                  # Callable[[str], None]
+
+    @property
+    def target(self):
+        """The target model (transformers)."""
+        return self.target_lm.model
+
+    @property
+    def context_limit(self) -> int:
+        """Most tokens of one request (sizes a drafter's own static cache)."""
+        return models.context_limit(self.config, self.target)
 
 
 class Drafter(ABC):
@@ -49,6 +60,8 @@ class Drafter(ABC):
 
     name = ''
     needs_target_states = False  # True: target passes must return the last hidden state and shared K/V
+    weights_bytes = 0            # the drafter's own model
+    kv_cache_bytes = 0           # its preallocated caches
 
     @classmethod
     def load(cls, context: LoadContext) -> 'Drafter':
@@ -63,7 +76,15 @@ class Drafter(ABC):
         """Up to k tokens that continue context.tokens, or None for a plain round."""
 
     def observe(self, target_out, num_fed: int, num_kept: int) -> None:  # noqa: B027 (optional hook)
-        """After every target pass: num_fed tokens went in, the first num_kept of them stay in the cache."""
+        """
+        Observe a target pass (a fast.StepOutput) after the target's rollback.
+
+        target_out holds the pass's last num_fed positions, and the first num_kept of them stay in the cache
+        (prefill: 1 and 1, the last prompt position).
+        """
+
+    def warmup(self, progress) -> None:  # noqa: B027 (optional hook)
+        """Compile or capture the drafter's steps (after every model is loaded, before the first request)."""
 
 
 @contextmanager

@@ -1,9 +1,8 @@
 """A smaller same-family Gemma 4 model drafting with its own KV cache."""
 
 import torch
-from transformers import DynamicCache
 
-from .. import models
+from .. import causal_lm, models
 from .base import DraftContext, Drafter, LoadContext, Proposal, draw, grammar_lookahead, stack
 
 
@@ -12,10 +11,10 @@ class DraftModelDrafter(Drafter):
 
     name = 'draft'
 
-    def __init__(self, model):
-        self._model = model
-        self._cache = None
-        self._cached = 0    # tokens in the draft cache
+    def __init__(self, draft_lm):
+        self._lm = draft_lm  # causal_lm.FastCausalLM or DynamicCausalLM, as engine.compile says
+        self.weights_bytes = causal_lm.parameter_bytes(draft_lm.model)
+        self.kv_cache_bytes = draft_lm.nbytes
         self._proposed = 0  # drafts proposed in the round being verified
 
     @classmethod
@@ -24,39 +23,32 @@ class DraftModelDrafter(Drafter):
         context.progress('loading draft model {}'.format(path))
         model = models.load_causal_lm(path, 'draft model', context.device, context.dtype)
         models.check_same_vocab(context.target, context.tokenizer, model, path, 'draft model')
-        return cls(model)
+        # steps of up to K_max + 1 tokens: a round's rollback of up to K_max - 1 drafts must fit the sliding slack
+        draft_lm = causal_lm.build_causal_lm(model, context.config.compile, context.context_limit,
+                                             context.config.max_draft_tokens + 1, 'draft model', context.progress)
+        return cls(draft_lm)
+
+    def warmup(self, progress) -> None:
+        self._lm.warmup(logits_to_keep=1, progress=progress)
 
     def start(self, prompt_ids: list[int]) -> None:
         # prefill here, so that the first round's drafting cost is a normal step
-        self._cache = DynamicCache(config=self._model.config)
-        self._cache.activate_past_recording()
-        prompt = torch.tensor([prompt_ids], device=self._model.device)
-        positions = torch.arange(len(prompt_ids), device=self._model.device).unsqueeze(0)
-        self._model(input_ids=prompt, position_ids=positions, cache=self._cache, use_cache=True, logits_to_keep=1)
-        self._cache.crop(0)
-        self._cached = len(prompt_ids)
+        self._lm.reset()
+        self._lm.prefill(torch.tensor([prompt_ids], device=self._lm.model.device), logits_to_keep=1)
         self._proposed = 0
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
-        device = self._model.device
-        tokens = context.tokens
-        feed = torch.tensor([tokens[self._cached:]], device=device)  # [1, new] accepted tokens not yet cached
-        position = self._cached
+        feed = torch.tensor([context.tokens[self._lm.length:]], device=self._lm.model.device)  # [1, new] not cached
         drafted, probs = [], []
         with grammar_lookahead(context) as look:
             for _ in range(k):
-                count = feed.shape[1]
-                positions = torch.arange(position, position + count, device=device).unsqueeze(0)
-                logits = self._model(input_ids=feed, position_ids=positions, cache=self._cache, use_cache=True,
-                                     logits_to_keep=1, attention_mask=models.single_token_masks(feed)).logits[:, -1]
-                position += count
+                logits = self._lm.append(feed, logits_to_keep=1).logits[:, -1]
                 token, draft_probs, more = draw(logits, context, context.min_confidence, look)  # token [1]
                 drafted.append(token)
                 probs.append(draft_probs)
                 if not more:
                     break
                 feed = token.unsqueeze(0)  # [1, 1]
-        self._cached = position
         self._proposed = len(drafted)
         return stack(drafted, probs)
 
@@ -64,7 +56,5 @@ class DraftModelDrafter(Drafter):
         # the cache holds the last emitted token and drafts 1..k-1; keep it up to the last accepted draft
         if not self._proposed:
             return
-        remove = max(0, (self._proposed - 1) - (num_kept - 1))
-        self._cache.crop(-remove)
-        self._cached -= remove
+        self._lm.crop(-max(0, (self._proposed - 1) - (num_kept - 1)))
         self._proposed = 0

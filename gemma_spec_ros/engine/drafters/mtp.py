@@ -1,28 +1,34 @@
-"""The Gemma 4 MTP assistant: drafts from the target's last hidden state and shared K/V."""
+"""The Gemma 4 MTP assistant: drafts from the target's last hidden state and K/V."""
 
 import torch
 
-from .. import models
+from .. import causal_lm, models
+from ..fast import FastAssistant, FastCausalLM
 from .base import DraftContext, Drafter, LoadContext, Proposal, draw, grammar_lookahead, stack
 
 
 class MtpDrafter(Drafter):
     """
-    Gemma4AssistantForCausalLM drafting from the target's last hidden state and shared K/V.
+    Gemma4AssistantForCausalLM drafting from the target's last hidden state and K/V.
 
-    Every draft step feeds [target embedding of the last token, hidden state] at the same position; the K/V of
-    rejected drafts is cut from what the assistant sees. It drafts all K: measured on the bundled models, its
-    acceptance stays high where its confidence is low.
+    Every draft step feeds [target embedding of the last token, hidden state] at the same position and attends the
+    target's K/V of the tokens before it. On the fast path one step function reads the target's static cache (the
+    rolled-back drafts are outside its masks); on transformers' path the assistant gets the shared K/V of each
+    target pass, cut to the kept tokens. It drafts all K: measured on the bundled models, its acceptance stays high
+    where its confidence is low.
     """
 
     name = 'mtp'
     needs_target_states = True
 
-    def __init__(self, assistant, target_embeddings):
+    def __init__(self, assistant, target_lm):
         self._assistant = assistant
-        self._embed = target_embeddings
+        self._fast = FastAssistant(assistant, target_lm, target_lm.mode) if isinstance(target_lm, FastCausalLM) \
+            else None
+        self._embed = target_lm.model.get_input_embeddings()
+        self.weights_bytes = causal_lm.parameter_bytes(assistant)
         self._hidden = None      # [1, 1, hidden] target state that predicted the last token
-        self._shared_kv = None   # {layer_type: (keys, values)} up to the token before the last one
+        self._shared_kv = None   # transformers' path: {layer_type: (keys, values)} up to the token before the last
 
     @classmethod
     def load(cls, context: LoadContext) -> 'MtpDrafter':
@@ -31,17 +37,23 @@ class MtpDrafter(Drafter):
         assistant = models.load_assistant(path, context.device, context.dtype)
         models.check_same_vocab(context.target, context.tokenizer, assistant, path, 'MTP assistant')
         models.check_assistant_fits(context.target, assistant, path)
-        return cls(assistant, context.target.get_input_embeddings())
+        return cls(assistant, context.target_lm)
+
+    def warmup(self, progress) -> None:
+        if self._fast is not None:
+            self._fast.warmup(progress)
 
     def start(self, prompt_ids: list[int]) -> None:
         self._hidden = None
         self._shared_kv = None
 
     def observe(self, target_out, num_fed: int, num_kept: int) -> None:
-        if target_out.shared_kv_states is None:  # a pass without states (speculation paused): wait for the next
+        if target_out.hidden is None:  # a pass without states (speculation paused): wait for the next
             self._hidden = self._shared_kv = None
             return
-        self._hidden = target_out.hidden_states[-1][:, num_kept - 1:num_kept]
+        self._hidden = target_out.hidden[:, num_kept - 1:num_kept]
+        if self._fast is not None:
+            return
         drop = num_fed - num_kept
         kv = target_out.shared_kv_states
         if drop:
@@ -51,19 +63,26 @@ class MtpDrafter(Drafter):
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         if self._hidden is None:
             return None
-        device = self._hidden.device
-        position = torch.tensor([[len(context.tokens) - 1]], device=device)
+        position = len(context.tokens) - 1
         token = context.last_token
         hidden = self._hidden
         drafted, probs = [], []
         with grammar_lookahead(context) as look:
             for _ in range(k):
-                inputs = torch.cat([self._embed(token.unsqueeze(0)), hidden], dim=-1)  # [1, 1, 2 * hidden]
-                out = self._assistant(inputs_embeds=inputs, position_ids=position, shared_kv_states=self._shared_kv)
-                token, draft_probs, more = draw(out.logits[:, -1], context, look=look)  # stops only at a stop token
-                hidden = out.last_hidden_state
+                logits, hidden = self._step(token, hidden, position)
+                token, draft_probs, more = draw(logits, context, look=look)  # stops only at a stop token
                 drafted.append(token)
                 probs.append(draft_probs)
                 if not more:
                     break
         return stack(drafted, probs)
+
+    def _step(self, token: torch.Tensor, hidden: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step from token [1] and hidden [1, 1, backbone]: logits [1, vocab] and the next hidden."""
+        if self._fast is not None:
+            out = self._fast.step(token.unsqueeze(0), hidden, position)
+            return out.logits[:, -1], out.hidden
+        inputs = torch.cat([self._embed(token.unsqueeze(0)), hidden], dim=-1)  # [1, 1, 2 * hidden]
+        out = self._assistant(inputs_embeds=inputs, position_ids=torch.tensor([[position]], device=hidden.device),
+                              shared_kv_states=self._shared_kv)
+        return out.logits[:, -1], out.last_hidden_state

@@ -1,5 +1,5 @@
 """
-The fast decode path (issue 12).
+The fast decode path.
 
 A static KV cache, a lean Gemma 4 forward over the loaded weights, and per-q step functions run eager,
 inductor-compiled (CPU) or captured as CUDA graphs (GPU). transformers stays the loader and the reference.
@@ -7,7 +7,7 @@ inductor-compiled (CPU) or captured as CUDA graphs (GPU). transformers stays the
 
 from .cache import StaticKvCache
 from .model import LeanAssistant, LeanGemma4, StepOutput
-from .runner import COMPILE_MODES, FastAssistant, FastCausalLM, WarmupReport, resolve_compile_mode
+from .runner import STEP_MODES, FastAssistant, FastCausalLM, WarmupReport, resolve_compile_mode
 
-__all__ = ['COMPILE_MODES', 'FastAssistant', 'FastCausalLM', 'LeanAssistant', 'LeanGemma4', 'StaticKvCache',
+__all__ = ['STEP_MODES', 'FastAssistant', 'FastCausalLM', 'LeanAssistant', 'LeanGemma4', 'StaticKvCache',
            'StepOutput', 'WarmupReport', 'resolve_compile_mode']

@@ -25,8 +25,9 @@ from .cache import EMPTY_POSITION, FULL, SLIDING, KvLayerSpec, StaticKvCache
 class StepOutput:
     """What a lean pass returns, for the last n positions it was asked to keep."""
 
-    logits: torch.Tensor   # [1, n, vocab] (final softcapping applied)
-    hidden: torch.Tensor   # [1, n, hidden] final-norm hidden states (what the MTP assistant reads)
+    logits: torch.Tensor          # [1, n, vocab] (final softcapping applied)
+    hidden: torch.Tensor | None   # [1, n, hidden] final-norm hidden states (what the MTP assistant reads)
+    shared_kv_states: dict | None = None  # transformers' forward only: {layer_type: (keys, values)} for its assistant
 
 
 class _Weights(NamedTuple):

@@ -1,16 +1,16 @@
 """
 Step functions per query length over the lean forward and the static cache: eager, inductor-compiled or captured.
 
-- ``off``: the lean forward runs eager on the static cache.
+- ``eager``: the lean forward runs eager on the static cache.
 - ``inductor``: torch.compile graphs. On CPU two per step function, q = 1 and q >= 2, with the query length and the
   full-attention key length dynamic, so they serve every q and position. On CUDA one per (q, key-length bucket),
   captured as CUDA graphs by inductor (mode reduce-overhead).
 - ``cudagraph`` (CUDA only): the eager lean forward captured as a torch.cuda.CUDAGraph per (q, logits kept,
   key-length bucket), replayed on static input buffers.
-- ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU. Measured with measure.py on the bundled target (1 thread,
-  greedy, 128 tokens, quiet 2-core host): transformers 12.8 ms/token, lean eager 8.5, inductor 4.9; warm-up of
-  target + draft + assistant 74 s with a cold inductor cache, 14 s warm (torch's FX-graph and AOTAutograd caches
-  persist across processes in TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER).
+- ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU. Measured with bench/fast_measure.py on the bundled target
+  (1 thread, greedy, 128 tokens, quiet 2-core host): transformers 12.8 ms/token, lean eager 8.5, inductor 4.9;
+  warm-up of target + draft + assistant 74 s with a cold inductor cache, 14 s warm (torch's FX-graph and
+  AOTAutograd caches persist across processes in TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER).
 
 Warm up after every model is loaded and the thread count is set: compiled graphs guard on torch's thread count and
 on the registered pytree types, and a change recompiles (slowly, but correctly).
@@ -26,16 +26,17 @@ import torch
 from .cache import StaticKvCache
 from .model import LeanAssistant, LeanGemma4, StepOutput
 
-COMPILE_MODES = ('auto', 'off', 'inductor', 'cudagraph')
+STEP_MODES = ('eager', 'inductor', 'cudagraph')
 CPU_AUTO_MODE = 'inductor'
 MIN_BUCKET = 256          # smallest full-attention key length a CUDA graph is captured for
 Progress = Callable[[str], None]
 
 
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
-    """auto|off|inductor|cudagraph -> the mode used on this device (ValueError for an unknown or impossible one)."""
-    if mode not in COMPILE_MODES:
-        raise ValueError('engine.compile must be one of {}, got {!r}'.format(', '.join(COMPILE_MODES), mode))
+    """auto|eager|inductor|cudagraph -> the mode used on this device (ValueError for an unknown or impossible one)."""
+    if mode not in ('auto', *STEP_MODES):
+        raise ValueError('engine.compile for the fast path must be auto or one of {}, got {!r}'.format(
+            ', '.join(STEP_MODES), mode))
     if mode == 'auto':
         return 'cudagraph' if device.type == 'cuda' else CPU_AUTO_MODE
     if mode == 'cudagraph' and device.type != 'cuda':
@@ -110,11 +111,11 @@ class _Steps:
 
     def key_lengths(self) -> list[int]:
         """List the full-attention key lengths that get their own variant ([0]: one for all)."""
-        return [0] if self.mode == 'off' or self.dynamic else _buckets(self.context_limit)
+        return [0] if self.mode == 'eager' or self.dynamic else _buckets(self.context_limit)
 
     def key_length(self, needed: int) -> int:
         """Full-attention key length for a pass whose last position is needed - 1."""
-        if self.mode == 'off' or self.dynamic:
+        if self.mode == 'eager' or self.dynamic:
             return max(needed, 2)  # 2: keeps the dynamic dimension off torch's 0/1 specialisation
         return next(size for size in _buckets(self.context_limit) if size >= needed)
 
@@ -128,7 +129,7 @@ class _Steps:
         if self.mode == 'inductor':  # compiled graphs guard on strides and on inference-mode tensors: normalise both
             inputs = tuple(tensor.clone(memory_format=torch.contiguous_format) for tensor in inputs)
         q = next((inputs[index].shape[dim] for index, dim in enumerate(dynamic_dims) if dim is not None), 1)
-        if self.mode == 'off':
+        if self.mode == 'eager':
             variant_key = key
         elif self.dynamic:
             variant_key = (*key, min(q, 2))
@@ -146,7 +147,7 @@ class _Steps:
         return variant(*inputs, kv_positions)
 
     def _create(self, function: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
-        if self.mode == 'off':
+        if self.mode == 'eager':
             return function
         if self.mode == 'cudagraph':
             return _Graph(function, inputs, self._pool)
@@ -169,6 +170,7 @@ class FastCausalLM:
     """
 
     def __init__(self, model, context_limit: int, max_query: int, compile_mode: str = 'auto'):
+        self.model = model
         self.lean = LeanGemma4(model)
         self.cache: StaticKvCache = self.lean.new_cache(context_limit, max_query)
         self.max_query = max_query
@@ -194,11 +196,16 @@ class FastCausalLM:
         self.cache.crop(tokens_to_remove)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, logits_to_keep: int = 1) -> StepOutput:
-        """Append input_ids [1, n] (any n) eager; logits and hidden of the last logits_to_keep (0: all)."""
+    def prefill(self, input_ids: torch.Tensor, logits_to_keep: int = 1, want_states: bool = False) -> StepOutput:
+        """
+        Append input_ids [1, n] (any n) eager; logits and hidden of the last logits_to_keep (0: all).
+
+        The hidden states come free, whatever want_states says (it is there for causal_lm.DynamicCausalLM's
+        interface).
+        """
         return self.lean.prefill(input_ids, self.cache, self.cache.length, logits_to_keep)
 
-    def append(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> StepOutput:
+    def append(self, input_ids: torch.Tensor, logits_to_keep: int = 0, want_states: bool = False) -> StepOutput:
         """Append input_ids [1, n]: through the step for n when n <= max_query, else through prefill."""
         if input_ids.shape[1] <= self.max_query:
             return self.step(input_ids, logits_to_keep)

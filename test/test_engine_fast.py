@@ -1,0 +1,208 @@
+"""
+The engine on the fast path (lean forward, static KV cache).
+
+Rollbacks at the window edge, the MTP assistant on the rolled-back cache, sampling (χ²), memory, the context limit
+and the choice of path (engine.compile).
+"""
+
+import dataclasses
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from conftest import SLIDING_WINDOW, TEST_COMPILE, TEST_THREADS
+
+from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
+from gemma_spec_ros.engine.causal_lm import DynamicCausalLM
+from gemma_spec_ros.engine.drafters.base import Proposal
+from gemma_spec_ros.engine.fast import FastAssistant, FastCausalLM
+
+STORY_PROMPT = 'The robot picked up the red cube and'
+SAMPLING_PROMPT = 'the the the cube the the'
+CROSSINGS = 200  # new tokens: the fixtures' sliding window (16) twelve times over
+SAMPLES = 1000
+TOP_K = 3        # sampled outputs of OUTPUT_LENGTH tokens: TOP_K ** OUTPUT_LENGTH outcomes
+OUTPUT_LENGTH = 3
+
+
+def _corrupt(proposal: Proposal, keep: int) -> Proposal:
+    """Change draft keep+1 of the proposal, so that exactly keep drafts of a right proposal are accepted."""
+    tokens = proposal.tokens.clone()
+    if keep < tokens.shape[0]:
+        tokens[keep] = (tokens[keep] + 1) % 4000
+    return Proposal(tokens, proposal.draft_probs)
+
+
+@pytest.mark.parametrize('edge', ['window', 'ring'])
+def test_rollbacks_right_at_the_window_edge_stay_exact(agreeing_engine, reference, edge):
+    # the draft model is the target, so its drafts are right; each round's first wrong draft is put where the
+    # rollback lands exactly on a multiple of the sliding window (or of the sliding ring's size)
+    target = agreeing_engine._target
+    assert isinstance(target, FastCausalLM) and target.mode == 'inductor'
+    period = SLIDING_WINDOW if edge == 'window' else target.cache.ring_size
+    prompt_ids = agreeing_engine.tokenizer(STORY_PROMPT).input_ids
+    drafter = agreeing_engine._drafters['draft']
+    original = drafter.propose
+    edges = []
+
+    def propose(context, k):
+        keep = (-len(context.tokens)) % period  # drafts before the next edge position
+        edges.append(keep < k)
+        return _corrupt(original(context, k), keep)
+
+    drafter.propose = propose
+    try:
+        result = agreeing_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=CROSSINGS,
+                                                            num_draft_tokens=8))
+    finally:
+        drafter.propose = original
+    assert result.token_ids == reference(prompt_ids, CROSSINGS)
+    assert sum(edges) >= CROSSINGS // period  # a rollback at every edge crossed
+    assert result.stats.accepted_tokens < result.stats.drafted_tokens
+
+
+def test_mtp_assistant_reads_only_the_kept_target_cache(tiny_engine, reference):
+    # an oracle keeps the first j drafts right; after each round the assistant's first draft step must equal the
+    # step on a fresh target cache that never saw the rejected drafts
+    prompt_ids = tiny_engine.tokenizer(STORY_PROMPT).input_ids
+    truth = reference(prompt_ids, 60)
+    drafter = tiny_engine._drafters['mtp']
+    assert drafter._fast is not None
+    target = tiny_engine._target
+    fresh_target = FastCausalLM(target.model, target.cache.context_limit, target.max_query, 'eager')
+    fresh_assistant = FastAssistant(drafter._assistant, fresh_target, 'eager')
+    original = drafter.propose
+    checked = []
+
+    def propose(context, k):
+        position = len(context.tokens) - 1
+        assert target.length == position  # the rejected drafts are rolled back
+        fresh_target.reset()
+        fresh_target.prefill(torch.tensor([context.tokens[:-1]]))
+        expected = fresh_assistant.step(context.last_token.unsqueeze(0), drafter._hidden, position).logits
+        actual = drafter._step(context.last_token, drafter._hidden, position)[0]
+        torch.testing.assert_close(actual, expected[:, -1], atol=1e-4, rtol=1e-4)
+        checked.append(position)
+        done, keep = len(context.tokens) - len(prompt_ids), position % (k + 1)
+        right = torch.tensor(truth[done:done + k])
+        proposal = original(context, k)
+        return _corrupt(Proposal(torch.cat([right[:keep], proposal.tokens[keep:]]), None), keep)
+
+    drafter.propose = propose
+    try:
+        result = tiny_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=60, drafter='mtp',
+                                                        num_draft_tokens=4))
+    finally:
+        drafter.propose = original
+    assert result.token_ids == truth and 0.2 < result.stats.acceptance_rate < 0.9
+    assert len(checked) >= 10
+    assert max(checked) > 2 * SLIDING_WINDOW  # past the window: the ring has wrapped
+
+
+def _target_distribution(model, prompt_ids: list[int], temperature: float) -> dict[tuple[int, ...], float]:
+    """Exact probabilities of every OUTPUT_LENGTH-token output under top-k sampling of the target."""
+    expected = {}
+    with torch.inference_mode():
+        def extend(prefix: tuple[int, ...], probability: float) -> None:
+            if len(prefix) == OUTPUT_LENGTH:
+                expected[prefix] = probability
+                return
+            logits = model(torch.tensor([prompt_ids + list(prefix)])).logits[0, -1].double() / temperature
+            top = torch.topk(logits, TOP_K)
+            for token, token_probability in zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist(),
+                                                strict=True):
+                extend(prefix + (token,), probability * token_probability)
+        extend((), 1.0)
+    return expected
+
+
+def _chi_squared_p_value(observed: Counter, expected: dict) -> float:
+    """P-value of observed counts against expected probabilities; bins expected below 5 counts are pooled."""
+    assert set(observed) <= set(expected), set(observed) - set(expected)
+    total = sum(observed.values())
+    bins = [(observed.get(outcome, 0), p * total) for outcome, p in expected.items() if p * total >= 5]
+    pooled = [(observed.get(outcome, 0), p * total) for outcome, p in expected.items() if p * total < 5]
+    if pooled:
+        bins.append((sum(count for count, _ in pooled), sum(mean for _, mean in pooled)))
+    statistic = sum((count - mean) ** 2 / mean for count, mean in bins)
+    degrees = len(bins) - 1
+    return torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
+                                   torch.tensor(statistic / 2, dtype=torch.float64)).item()
+
+
+@pytest.mark.parametrize('drafter', ['draft', 'mtp'])  # drafters with draft_probs; test_verify: one-hot
+def test_sampled_speculation_follows_the_target_distribution(tiny_engine, drafter):
+    temperature = 2.0  # spreads the random target's top 3
+    prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
+    expected = _target_distribution(tiny_engine._target.model, prompt_ids, temperature)
+    assert sum(p * SAMPLES >= 5 for p in expected.values()) >= 10  # bins enough for power
+    observed, drafted = Counter(), 0
+    for seed in range(SAMPLES):
+        result = tiny_engine.generate(GenerationRequest(
+            prompt_ids=prompt_ids, max_new_tokens=OUTPUT_LENGTH, temperature=temperature, top_k=TOP_K, seed=seed,
+            drafter=drafter, num_draft_tokens=2))
+        observed[tuple(result.token_ids)] += 1
+        drafted += result.stats.drafted_tokens
+    assert drafted > 0
+    assert _chi_squared_p_value(observed, expected) > 1e-3
+
+
+def test_chi_squared_detects_a_wrong_distribution(tiny_engine):
+    # the same check against the target at another temperature must fail: the test has power
+    prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
+    expected = _target_distribution(tiny_engine._target.model, prompt_ids, 2.0)
+    observed = Counter()
+    for seed in range(SAMPLES):
+        result = tiny_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=OUTPUT_LENGTH,
+                                                        temperature=0.5, top_k=TOP_K, seed=seed, drafter='draft',
+                                                        num_draft_tokens=2))
+        observed[tuple(result.token_ids)] += 1
+    assert _chi_squared_p_value(observed, expected) < 1e-6
+
+
+def test_status_reports_the_path_and_its_memory(tiny_engine, tiny_engine_off):
+    fast, off = tiny_engine.status(), tiny_engine_off.status()
+    assert (fast.compile_mode, off.compile_mode) == (TEST_COMPILE, 'off')
+    assert fast.weights_bytes == off.weights_bytes > 0
+    target_cache = tiny_engine._target.cache
+    assert fast.kv_cache_bytes == target_cache.nbytes + tiny_engine._drafters['draft'].kv_cache_bytes
+    assert target_cache.context_limit == 1024  # engine.context_limit 4096, the tiny models' 1024 positions
+    assert off.kv_cache_bytes == 0
+
+
+def test_context_limit_sizes_the_cache_and_bounds_requests(tiny_engine_config):
+    engine = Engine.from_config(dataclasses.replace(tiny_engine_config, context_limit=64, drafter='draft'))
+    assert engine._target.cache.context_limit == 64
+    prompt_ids = engine.tokenizer(STORY_PROMPT).input_ids
+    room = 64 - len(prompt_ids)
+    with pytest.raises(ValueError, match='engine.context_limit'):
+        engine.validate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=room + 1))
+    for drafter, k in itertools.product(('none', 'draft', 'mtp'), (0, 8)):  # the cache filled to the last slot
+        result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=room, drafter=drafter,
+                                                   num_draft_tokens=k if drafter != 'none' else 0))
+        assert len(result.token_ids) == room or result.finish_reason == 'stop'
+
+
+def _moe_target(tiny_models, tmp_path) -> str:
+    from transformers import AutoTokenizer, Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig.from_pretrained(tiny_models.target)
+    config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size = True, 4, 2, 32
+    torch.manual_seed(3)
+    model = Gemma4ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_models.target).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_auto_runs_transformers_forward_where_the_fast_path_does_not_cover_the_model(tiny_models, tmp_path):
+    config = EngineConfig(target_path=_moe_target(tiny_models, tmp_path), drafter='none', device='cpu',
+                          num_threads=TEST_THREADS)
+    messages = []
+    engine = Engine.from_config(config, progress=messages.append)
+    assert isinstance(engine._target, DynamicCausalLM) and engine.status().compile_mode == 'off'
+    assert any('fast path not available' in message and 'MoE' in message for message in messages)
+    assert engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=4)).token_ids
+    with pytest.raises(ValueError, match='engine.compile=eager cannot run the target.*MoE'):
+        Engine.from_config(dataclasses.replace(config, compile='eager'))
