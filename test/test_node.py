@@ -20,6 +20,7 @@ from rclpy.parameter import Parameter
 
 from gemma_spec_ros.engine import Engine
 from gemma_spec_ros.engine import models as engine_models
+from gemma_spec_ros.engine.causal_lm import DynamicCausalLM
 from gemma_spec_ros.engine.drafters.base import Drafter
 from gemma_spec_ros.engine.drafters.none import NoneDrafter
 from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
@@ -345,7 +346,7 @@ def engine_with_failing_drafter(config):
     target = engine_models.load_causal_lm(config.target_path, 'target', device, dtype)
     tokenizer = engine_models.load_tokenizer(config.target_path)
     drafters = {'none': NoneDrafter(), 'ngram': FailingDrafter()}
-    return FlakyEngine(Engine(config, target, tokenizer, drafters, device, dtype))
+    return FlakyEngine(Engine(config, DynamicCausalLM(target), tokenizer, drafters, device, dtype))
 
 
 def test_drafter_failure_falls_back_and_engine_failure_aborts(context, tiny_models):

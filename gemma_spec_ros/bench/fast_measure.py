@@ -4,6 +4,7 @@ Measure the fast path against transformers' eager forward (figures for issue 12;
     python -m gemma_spec_ros.bench.fast_measure decode   # ms/token, greedy plain decoding: hf | lean | compiled
     python -m gemma_spec_ros.bench.fast_measure verify   # one target pass of q = 1..9 tokens
     python -m gemma_spec_ros.bench.fast_measure threads  # 1 vs 2 threads, with a busy-loop or not, OMP wait policy
+    python -m gemma_spec_ros.bench.fast_measure memory   # RSS: runtime baseline, weights, KV cache, peaks per mode
 
 Systems: ``hf`` is transformers' forward on a DynamicCache driven as the engine drives it, ``lean`` the lean forward
 eager on the static cache, ``compiled`` the same through the inductor step graphs, ``cudagraph`` through captured
@@ -188,10 +189,59 @@ def threads(args) -> dict:
             'samples': rows}
 
 
+def _rss() -> tuple[int, int]:
+    from gemma_spec_ros.engine.stats import read_process_memory
+
+    memory = read_process_memory()
+    return memory.get('VmRSS', 0), memory.get('VmHWM', 0)
+
+
+def memory_one(args) -> dict:
+    """One engine (bundled models, one compile mode) in this process: RSS terms at each stage, in MiB."""
+    import torch
+    import transformers  # noqa: F401 (the runtime's baseline includes it)
+
+    from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
+
+    torch.set_num_threads(args.threads)
+    baseline = _rss()[0]
+    engine = Engine.from_config(EngineConfig(
+        target_path=args.model, assistant_path='models/gemma4-spec-assistant',
+        draft_model_path='models/gemma4-spec-draft', device=args.device, compile=args.compile,
+        num_threads=args.threads))
+    loaded, startup_peak = _rss()
+    with open('/proc/self/clear_refs', 'w') as refs:  # reset VmHWM: the serving peak without the warm-up's
+        refs.write('5')
+    prompt = next(p for p in load_prompts(DEFAULT_PROMPTS) if p.category == 'code')
+    for drafter in ('none', 'ngram', 'draft', 'mtp'):
+        engine.generate(GenerationRequest(prompt=prompt.text, max_new_tokens=args.new_tokens, drafter=drafter))
+    status = engine.status()
+    serving_peak = _rss()[1]
+    mib = 2 ** 20
+    bound = 1.15 * (status.weights_bytes + status.kv_cache_bytes) + baseline
+    return {'compile': status.compile_mode, 'baseline_mib': baseline / mib, 'weights_mib': status.weights_bytes / mib,
+            'kv_cache_mib': status.kv_cache_bytes / mib, 'after_load_mib': loaded / mib,
+            'startup_peak_mib': startup_peak / mib, 'serving_peak_mib': serving_peak / mib, 'bound_mib': bound / mib,
+            'serving_peak_over_bound': serving_peak / bound, 'warmup_seconds': status.warmup_seconds}
+
+
+def memory(args) -> dict:
+    """memory_one per compile mode, each in its own process (a process's RSS high-water mark never falls)."""
+    rows = {}
+    for mode in args.compile.split(','):
+        out = subprocess.run([sys.executable, '-m', 'gemma_spec_ros.bench.fast_measure', 'memory-one', '--compile',
+                              mode, '--new-tokens', str(args.new_tokens), '--model', args.model, '--device',
+                              args.device, '--threads', str(args.threads)], capture_output=True, text=True,
+                             check=True).stdout
+        rows[mode] = json.loads(out)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.bench.fast_measure', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('what', choices=('decode', 'verify', 'threads', 'thread-matrix'))
+    parser.add_argument('what', choices=('decode', 'verify', 'threads', 'thread-matrix', 'memory', 'memory-one'))
     parser.add_argument('--model', default=TARGET)
     parser.add_argument('--systems', default='hf,lean,compiled', help='comma-separated: ' + ', '.join(SYSTEMS))
     parser.add_argument('--threads', type=int, default=1)
@@ -199,10 +249,12 @@ def main(argv=None) -> int:
     parser.add_argument('--dtype', default='auto', help='auto|float32|bfloat16|float16')
     parser.add_argument('--new-tokens', type=int, default=128)
     parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--compile', default='off,eager,inductor', help='memory: engine.compile modes, comma-separated')
     args = parser.parse_args(argv)
     if any(name not in SYSTEMS for name in args.systems.split(',')):
         parser.error('--systems takes a comma-separated subset of {}'.format(', '.join(SYSTEMS)))
-    result = {'decode': decode, 'verify': verify, 'threads': threads, 'thread-matrix': thread_matrix}[args.what](args)
+    result = {'decode': decode, 'verify': verify, 'threads': threads, 'thread-matrix': thread_matrix, 'memory': memory,
+              'memory-one': memory_one}[args.what](args)
     print(json.dumps(result, indent=1))
     return 0
 
