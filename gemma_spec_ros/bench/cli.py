@@ -17,7 +17,6 @@ from gemma_spec_ros.bench.harness import (
     Calibration,
     Settings,
     Skipped,
-    check_compile_modes,
     parity_references,
     run_interleaved,
 )
@@ -115,15 +114,14 @@ def run(args, argv: list[str]) -> Path:
     from tqdm import tqdm
 
     started = time.time()
-    compile_modes = _parse_list(args.compile, str.strip, '--compile')
-    check_compile_modes(compile_modes)
     settings = Settings(
         target=_model_path(args.target, 'target'), draft=_model_path(args.draft, 'draft'),
         assistant=_model_path(args.assistant, 'assistant'), max_new_tokens=_option(args, 'max_new_tokens'),
         repeats=_option(args, 'repeats'), ks=sorted(set(_parse_list(_option(args, 'ks'), int, '--ks'))),
         drafters=_parse_list(args.drafters, str.strip, '--drafters'),
         threads=_option(args, 'threads') or torch.get_num_threads(),
-        probe_repeats=_option(args, 'probe_repeats'), seed=args.seed, compile_modes=compile_modes)
+        probe_repeats=_option(args, 'probe_repeats'), seed=args.seed,
+        compile_modes=_parse_list(args.compile, str.strip, '--compile'))
     if args.constrained is not None:
         spec = (default_prompts_path(constrained.DEFAULT_SPEC, '--constrained') if
                 args.constrained == constrained.DEFAULT_SPEC else args.constrained)
@@ -137,9 +135,10 @@ def run(args, argv: list[str]) -> Path:
     if vllm_ks and min(vllm_ks) < 1:
         raise ValueError('--vllm-ks values must be >= 1, got {}'.format(vllm_ks))
     vllm_venv, skipped = args.vllm_venv or _default_vllm_venv(), []
-    if args.vllm and vllm_peers.skip_message(vllm_venv):
-        print('bench: --vllm: ' + vllm_peers.skip_message(vllm_venv), file=sys.stderr)
-        skipped.append(Skipped('vllm', vllm_peers.skip_message(vllm_venv)))
+    vllm_missing = vllm_peers.skip_message(vllm_venv) if args.vllm else ''
+    if vllm_missing:
+        print('bench: --vllm: ' + vllm_missing, file=sys.stderr)
+        skipped.append(Skipped('vllm', vllm_missing))
     prompts_path = args.prompts or default_prompts_path()
     prompts = take_per_category(load_prompts(prompts_path), _option(args, 'per_category'))
     categories = categories_of(prompts)
@@ -196,7 +195,7 @@ def run(args, argv: list[str]) -> Path:
                 System('hf-static', drafter, static_calibration.chosen_k[drafter]) for drafter in static_drafters]
         measurements, warm_up_s = run_interleaved(bench, systems, prompts, sampler, step)
         plans = []
-        if args.vllm and not vllm_peers.skip_message(vllm_venv):
+        if args.vllm and not vllm_missing:
             plans, not_served = vllm_peers.server_plans(
                 settings.drafters, {drafter: vllm_ks or [calibration.chosen_k[drafter]] for drafter in
                                     settings.drafters}, settings.draft)

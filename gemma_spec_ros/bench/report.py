@@ -123,7 +123,7 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
                                                      startup['note']) for startup in document['startup']]
     slow = {name: s for name, s in document['warm_up_s'].items() if s >= 1.0}
     if slow:
-        lines += ['', 'Warm-up runs of 1 s or more (recompiles for new shapes, e.g. K+1-token verify passes): ' +
+        lines += ['', 'Warm-up runs of 1 s or more (recompiles for new shapes or cache states): ' +
                   ', '.join('{} {:.1f} s'.format(name, s) for name, s in slow.items()) + '.']
     if document['skipped']:
         lines += ['', 'Not measured:', '']
