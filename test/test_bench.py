@@ -2,11 +2,13 @@ import json
 
 import pytest
 
-from gemma_spec_ros.bench import main
-from gemma_spec_ros.bench.analysis import fit_alpha, predict_speedup
-from gemma_spec_ros.bench.harness import Measurement, first_mismatch
+from gemma_spec_ros.bench import main, vllm_peers
+from gemma_spec_ros.bench.analysis import fit_alpha, predict_speedup, summarize
+from gemma_spec_ros.bench.cli import build_parser
+from gemma_spec_ros.bench.harness import Measurement, check_compile_modes, first_mismatch
 from gemma_spec_ros.bench.probe import CostProbe
 from gemma_spec_ros.bench.prompts import load_prompts, take_per_category
+from gemma_spec_ros.bench.systems import System
 from gemma_spec_ros.engine.stats import iid_expected_tokens as expected_tokens
 
 EXPECTED_SYSTEMS = {'ours/none', 'ours/ngram/K2', 'ours/ngram/adaptive', 'ours/draft/K2', 'ours/draft/adaptive',
@@ -16,7 +18,7 @@ EXPECTED_SYSTEMS = {'ours/none', 'ours/ngram/K2', 'ours/ngram/adaptive', 'ours/d
 
 def test_quick_bench_on_tiny_models(tiny_models, tmp_path):
     out = tmp_path / 'out'
-    code = main(['--quick', '--target', tiny_models.target, '--draft', tiny_models.draft,
+    code = main(['--quick', '--no-hf-static', '--target', tiny_models.target, '--draft', tiny_models.draft,
                  '--assistant', tiny_models.assistant, '--out', str(out)])
     assert code == 0
     document = json.loads((out / 'results.json').read_text())
@@ -35,6 +37,24 @@ def test_quick_bench_on_tiny_models(tiny_models, tmp_path):
     for name in ('results.md', 'speedup_by_category.png', 'k_sweep.png', 'predicted_vs_measured.png'):
         assert (out / name).stat().st_size > 0, name
     assert 'ours/mtp/adaptive' in (out / 'results.md').read_text()
+    assert [s['name'] for s in document['startup']] == ['ours', 'hf']
+    assert all(s['load_s'] > 0 and s['first_call_s'] > 0 for s in document['startup'])
+    assert set(document['warm_up_s']) == EXPECTED_SYSTEMS
+    ratios = {r['name']: r for r in document['peer_ratios']}
+    assert ratios['our plain vs transformers eager plain']['value'] > 0
+    assert ratios['our plain vs vLLM plain']['value'] is None  # not asked for
+    assert ratios['our best speculative vs our plain']['numerator'].startswith('ours/')
+
+
+def test_vllm_rows_skipped_without_venv(tiny_models, tmp_path, capsys):
+    out = tmp_path / 'out'
+    assert main(['--quick', '--no-hf-static', '--drafters', 'ngram', '--vllm', '--vllm-venv', str(tmp_path / 'none'),
+                 '--target', tiny_models.target, '--out', str(out)]) == 0
+    assert 'no vLLM environment at' in capsys.readouterr().err
+    document = json.loads((out / 'results.json').read_text())
+    assert document['skipped'] == [{'system': 'vllm', 'reason': vllm_peers.skip_message(str(tmp_path / 'none'))}]
+    assert not any(s['family'] == 'vllm' for s in document['systems'])
+    assert 'Not measured' in (out / 'results.md').read_text()
 
 
 def test_quick_constrained_category_on_tiny_models(tiny_models, tmp_path, capsys):
@@ -86,6 +106,60 @@ def test_bad_options_exit_with_message(capsys, tiny_models):
     assert main(['--quick', '--ks', '0', '--target', tiny_models.target, '--draft', tiny_models.draft,
                  '--assistant', tiny_models.assistant]) == 2
     assert 'K values must be >= 1' in capsys.readouterr().err
+    assert main(['--quick', '--compile', 'auto,fast', '--target', tiny_models.target]) == 2
+    assert '--compile must list distinct modes of auto, inductor, cudagraph, eager, off' in capsys.readouterr().err
+    assert main(['--quick', '--vllm-ks', '0', '--target', tiny_models.target]) == 2
+    assert '--vllm-ks values must be >= 1' in capsys.readouterr().err
+
+
+def test_compile_and_peer_options():
+    args = build_parser().parse_args(['--compile', 'auto,off', '--vllm', '--vllm-ks', '2,4', '--no-hf-static'])
+    assert (args.compile, args.vllm, args.vllm_ks, args.no_hf_static) == ('auto,off', True, '2,4', True)
+    defaults = build_parser().parse_args([])
+    assert (defaults.compile, defaults.vllm, defaults.no_hf_static) == ('auto', False, False)
+    check_compile_modes(['off', 'eager', 'inductor', 'cudagraph', 'auto'])
+    for bad in ([], ['auto', 'auto'], ['static']):
+        with pytest.raises(ValueError, match='--compile must list distinct modes'):
+            check_compile_modes(bad)
+
+
+def test_system_names_per_family_and_compile_mode():
+    assert System('ours', 'none').name == System('ours', 'none', compile='auto').name == 'ours/none'
+    assert System('ours', 'ngram', 0, 'off').name == 'ours-off/ngram/adaptive'
+    assert System('ours', 'mtp', 4, 'eager').prefix == 'ours-eager'
+    assert System('hf-static', 'draft', 2).name == 'hf-static/draft/K2'
+    assert System('vllm', 'ngram', 4).name == 'vllm/ngram/K4'
+    assert System('vllm', 'none').name == 'vllm/none'
+
+
+def test_vllm_server_plans_and_skip_message(tmp_path):
+    plans, skipped = vllm_peers.server_plans(['ngram', 'draft', 'mtp'], {'ngram': [2, 4], 'draft': [3], 'mtp': [2]},
+                                             '/models/draft')
+    assert [plan.system.name for plan in plans] == ['vllm/none', 'vllm/ngram/K2', 'vllm/ngram/K4', 'vllm/draft/K3']
+    assert plans[0].speculative_config is None
+    assert plans[2].speculative_config == {'method': 'ngram', 'num_speculative_tokens': 4, 'prompt_lookup_min': 2,
+                                           'prompt_lookup_max': 4}
+    assert plans[3].speculative_config == {'method': 'draft_model', 'model': '/models/draft',
+                                           'num_speculative_tokens': 3}
+    assert [item.system for item in skipped] == ['vllm/mtp']
+    assert vllm_peers.skip_message(str(tmp_path)).startswith('no vLLM environment at {}'.format(tmp_path))
+    (tmp_path / 'bin').mkdir()
+    (tmp_path / 'bin' / 'python').write_text('')
+    assert vllm_peers.skip_message(str(tmp_path)) == ''
+
+
+def test_server_startup_failure_names_the_root_cause():
+    log = ('(APIServer pid=1) WARNING [system_utils.py:255] This can cause errors like `OSError: [Errno 24] Too many '
+           'open files`.\n'
+           '(Worker pid=2) ERROR 12-01 [multiproc_executor.py:1063] Traceback (most recent call last):\n'
+           '(Worker pid=2) ERROR 12-01 [multiproc_executor.py:1063] AssertionError: All drafting layers should belong '
+           'to the same kv cache group\n'
+           'RuntimeError: Engine core initialization failed. See root cause above.\n'
+           '  warnings.warn(\n')
+    assert vllm_peers.startup_failure(log) == ('AssertionError: All drafting layers should belong to the same kv '
+                                               'cache group')
+    assert vllm_peers.startup_failure('just a line\n') == 'just a line'
+    assert vllm_peers.startup_failure('') == 'no log'
 
 
 def test_first_mismatch():
@@ -119,3 +193,41 @@ def test_leviathan_model():
     tau, speedup = predict_speedup(0.5, 2, 0.5, 0.0, probe)
     assert tau == pytest.approx(0.5 * 1.75 + 0.5)
     assert speedup == pytest.approx(tau / (0.5 * 1.2 + 0.5))
+
+
+def _timed(system, category, rate):
+    """Return a measurement of rate decode tok/s: 11 tokens, 10 of them in 10 / rate seconds."""
+    sample = _sample([], 11)
+    sample.system, sample.category, sample.decode_s = system.name, category, 10.0 / rate
+    return sample
+
+
+def test_peer_ratios():
+    probe = CostProbe(context_tokens=100, rounds=1, target_forward_ms={1: 10.0}, verify_cost={1: 1.0},
+                      draft_step_ms=1.0, assistant_step_ms=1.0,
+                      draft_cost_ratio={'none': 0.0, 'ngram': 0.0, 'draft': 0.1, 'mtp': 0.1})
+    rates = {System('ours', 'none'): 30.0, System('ours', 'ngram', 2): 45.0, System('ours', 'draft', 0): 60.0,
+             System('ours', 'none', compile='off'): 20.0, System('ours', 'draft', 2, 'off'): 50.0,
+             System('hf', 'none'): 20.0, System('hf', 'draft', 4): 24.0, System('hf-static', 'none'): 25.0,
+             System('hf-static', 'draft', 2): 40.0, System('vllm', 'none'): 15.0, System('vllm', 'ngram', 2): 16.0}
+    systems = list(rates)
+    summary = summarize(systems, [_timed(s, 'code', rate) for s, rate in rates.items()], ['code'], probe)
+    assert summary.ours_plain == 'ours/none'
+    ratios = {r.name: r for r in summary.ratios}
+    assert ratios['our plain vs transformers eager plain'].value == pytest.approx(1.5)
+    assert ratios['our plain vs transformers static+compile plain'].value == pytest.approx(1.2)
+    assert ratios['our plain vs vLLM plain'].value == pytest.approx(2.0)
+    assert ratios['ours-off plain vs our plain'].value == pytest.approx(20 / 30)
+    best = ratios["our best speculative vs vLLM's best speculative"]
+    assert (best.numerator, best.denominator, best.value) == ('ours/draft/adaptive', 'vllm/ngram/K2',
+                                                              pytest.approx(60 / 16))
+    same = ratios["our best speculative vs transformers' best with the same drafter"]
+    assert (same.denominator, same.value) == ('hf-static/draft/K2', pytest.approx(1.5))
+    assert ratios['our best speculative vs our plain'].value == pytest.approx(2.0)
+    # Our rows compare with plain decoding in their own compile mode, peers with "our plain".
+    assert summary.cell('ours-off/draft/K2').speedup_vs_ours_plain == pytest.approx(2.5)
+    assert summary.cell('vllm/none').speedup_vs_ours_plain == pytest.approx(0.5)
+    # A peer that was not measured leaves its ratio empty.
+    summary = summarize(systems[:7], [_timed(s, 'code', rates[s]) for s in systems[:7]], ['code'], probe)
+    ratios = {r.name: r for r in summary.ratios}
+    assert ratios['our plain vs vLLM plain'].value is None and ratios['our plain vs vLLM plain'].denominator == ''

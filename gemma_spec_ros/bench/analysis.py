@@ -1,5 +1,5 @@
 """
-From measurements to per-system, per-category figures, the Leviathan prediction and the goals.
+From measurements to per-system, per-category figures, the Leviathan prediction, the goals and the peer ratios.
 
 tau counts the bonus token and covers decode passes only: (new_tokens - 1) / (target_passes - 1), because the
 prefill pass yields the first token and decode tok/s starts after it.
@@ -18,6 +18,7 @@ MB = 1024 * 1024
 GOAL_PLAIN = 1.2        # our plain decoding vs transformers' plain generate
 GOAL_ASSISTED = 1.5     # our best system per drafter vs transformers' best with the same drafter
 GOAL_EFFICIENCY = 0.9   # measured / predicted speedup
+TRANSFORMERS = ('hf', 'hf-static')  # transformers' generate, eager and static+compile
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Cell:
     tokens_per_s: float              # median over repeats of sum(decode tokens) / sum(decode seconds)
     tokens_per_s_min: float
     tokens_per_s_max: float
-    speedup_vs_ours_plain: float
+    speedup_vs_ours_plain: float     # ours: vs plain decoding in the same compile mode; peers: vs Summary.ours_plain
     speedup_vs_hf_plain: float
     tau: float
     acceptance_rate: float           # accepted / drafted
@@ -63,10 +64,22 @@ class Goal:
 
 
 @dataclass
+class Ratio:
+    """One peer comparison: tok/s of a numerator system over a denominator system (all prompts)."""
+
+    name: str
+    numerator: str                   # system name, '' when not measured
+    denominator: str
+    value: float | None              # None when a side was not measured
+
+
+@dataclass
 class Summary:
     cells: list[Cell]
     goals: list[Goal]
     parity_failures: list[str] = field(default_factory=list)
+    ours_plain: str = 'ours/none'    # plain decoding of the first compile mode: "our plain"
+    ratios: list[Ratio] = field(default_factory=list)
 
     def cell(self, system: str, category: str = ALL) -> Cell | None:
         return next((c for c in self.cells if c.system == system and c.category == category), None)
@@ -136,7 +149,7 @@ def _cell(system: System, category: str, samples: list[Measurement], probe: Cost
         warnings=warnings)
     if system.drafter == 'none':
         return cell
-    if system.family == 'hf':
+    if system.family != 'ours':
         cell.draft_cost_ratio = probe.draft_cost_ratio[system.drafter]
         return cell
     engine_costs = [s.draft_cost_ratio for s in samples if s.draft_cost_ratio > 0]
@@ -164,9 +177,13 @@ def summarize(systems: list[System], measurements: list[Measurement], categories
             samples = [m for m in measurements if m.system == system.name and category in (ALL, m.category)]
             if samples:
                 cells.append(_cell(system, category, samples, probe))
+    ours_plain = next(s.name for s in systems if s.family == 'ours' and s.drafter == 'none')
+    plain_of = {s.name: System(s.family, 'none', compile=s.compile).name if s.family == 'ours' else ours_plain
+                for s in systems}
+    by_key = {(c.system, c.category): c for c in cells}
     for cell in cells:
-        ours = next(c for c in cells if c.system == 'ours/none' and c.category == cell.category)
-        hf = next(c for c in cells if c.system == 'hf/none' and c.category == cell.category)
+        ours = by_key[plain_of[cell.system], cell.category]
+        hf = by_key['hf/none', cell.category]
         cell.speedup_vs_ours_plain = _ratio(cell.tokens_per_s, ours.tokens_per_s)
         cell.speedup_vs_hf_plain = _ratio(cell.tokens_per_s, hf.tokens_per_s)
         if cell.predicted_speedup:
@@ -174,20 +191,51 @@ def summarize(systems: list[System], measurements: list[Measurement], categories
             cell.loop_efficiency = cell.speedup_vs_ours_plain / cell.tau_cost_speedup
     failures = sorted({'{}: {}'.format(c.system, ', '.join(c.mismatches)) for c in cells
                        if c.category == ALL and not c.parity})
-    summary = Summary(cells, [], failures)
+    summary = Summary(cells, [], failures, ours_plain)
     summary.goals = _goals(summary, systems)
+    summary.ratios = peer_ratios(summary, systems)
     return summary
 
 
-def _best(summary: Summary, systems: list[System], family: str, drafter: str) -> Cell | None:
-    cells = [summary.cell(s.name) for s in systems if s.family == family and s.drafter == drafter]
+def _best(summary: Summary, systems: list[System], families: tuple[str, ...], drafter: str | None) -> Cell | None:
+    """Return the fastest system (all prompts) of these families with this drafter (None: any speculative one)."""
+    cells = [summary.cell(s.name) for s in systems if s.family in families and (
+        s.drafter == drafter if drafter else s.drafter != 'none')]
     cells = [c for c in cells if c is not None]
     return max(cells, key=lambda c: c.tokens_per_s) if cells else None
 
 
+def _compare(summary: Summary, name: str, numerator: Cell | str | None, denominator: Cell | str | None) -> Ratio:
+    top, bottom = (summary.cell(side) if isinstance(side, str) else side for side in (numerator, denominator))
+    value = _ratio(top.tokens_per_s, bottom.tokens_per_s) if top and bottom else None
+    return Ratio(name, top.system if top else '', bottom.system if bottom else '', value)
+
+
+def peer_ratios(summary: Summary, systems: list[System]) -> list[Ratio]:
+    """
+    Compare tok/s on all prompts as the goals ask.
+
+    Our plain vs each peer's plain; our best speculative vs vLLM's best speculative, vs transformers' best with the
+    same drafter (eager or static) and vs our plain.
+    """
+    ours = summary.ours_plain
+    ratios = [_compare(summary, 'our plain vs {} plain'.format(label), ours, '{}/none'.format(family))
+              for family, label in (('hf', 'transformers eager'), ('hf-static', 'transformers static+compile'),
+                                    ('vllm', 'vLLM'))]
+    ratios += [_compare(summary, '{} plain vs our plain'.format(s.prefix), s.name, ours)
+               for s in systems if s.family == 'ours' and s.drafter == 'none' and s.name != ours]
+    best = _best(summary, systems, ('ours',), None)
+    ratios.append(_compare(summary, "our best speculative vs vLLM's best speculative", best,
+                           _best(summary, systems, ('vllm',), None)))
+    ratios.append(_compare(summary, "our best speculative vs transformers' best with the same drafter", best,
+                           best and _best(summary, systems, TRANSFORMERS, best.drafter)))
+    ratios.append(_compare(summary, 'our best speculative vs our plain', best, ours))
+    return ratios
+
+
 def _goals(summary: Summary, systems: list[System]) -> list[Goal]:
     goals = []
-    ours_plain, hf_plain = summary.cell('ours/none'), summary.cell('hf/none')
+    ours_plain, hf_plain = summary.cell(summary.ours_plain), summary.cell('hf/none')
     if ours_plain and hf_plain:
         value = _ratio(ours_plain.tokens_per_s, hf_plain.tokens_per_s)
         goals.append(Goal('our plain decoding vs transformers plain generate', GOAL_PLAIN, value,
@@ -195,10 +243,10 @@ def _goals(summary: Summary, systems: list[System]) -> list[Goal]:
                                                                                hf_plain.tokens_per_s)))
     drafters = list(dict.fromkeys(s.drafter for s in systems if s.drafter != 'none'))
     for drafter in drafters:
-        ours, hf = _best(summary, systems, 'ours', drafter), _best(summary, systems, 'hf', drafter)
+        ours, hf = _best(summary, systems, ('ours',), drafter), _best(summary, systems, TRANSFORMERS, drafter)
         if ours is None or hf is None:
             continue
-        adaptive = summary.cell('ours/{}/adaptive'.format(drafter))
+        adaptive = summary.cell('{}/{}/adaptive'.format(summary.ours_plain.split('/')[0], drafter))
         value = _ratio(ours.tokens_per_s, hf.tokens_per_s)
         detail = '{} {:.1f} vs {} {:.1f} tok/s'.format(ours.system, ours.tokens_per_s, hf.system, hf.tokens_per_s)
         if adaptive is not None:

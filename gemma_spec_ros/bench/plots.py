@@ -30,7 +30,7 @@ def speedup_by_category(summary: Summary, categories: list[str], drafters: list[
                 cells = [summary.cell(name, group) for name in system_names]
                 values.append(max((c.speedup_vs_hf_plain for c in cells if c is not None), default=0.0))
             axis.bar([g + index * width for g in range(len(groups))], values, width, label=label)
-        ours_plain = [summary.cell('ours/none', group) for group in groups]
+        ours_plain = [summary.cell(summary.ours_plain, group) for group in groups]
         axis.plot([g + 0.4 - width / 2 for g in range(len(groups))],
                   [c.speedup_vs_hf_plain if c else 0.0 for c in ours_plain], 'k_', markersize=18,
                   label='ours plain')
@@ -44,12 +44,20 @@ def speedup_by_category(summary: Summary, categories: list[str], drafters: list[
     plt.close(fig)
 
 
+def _ours(summary: Summary) -> str:
+    """Return the system prefix of our first compile mode (the one the plots show)."""
+    return summary.ours_plain.split('/')[0]
+
+
 def _series_for(summary: Summary, drafter: str) -> list[tuple[str, list[str]]]:
     names = sorted({c.system for c in summary.cells if c.drafter == drafter})
-    ours_fixed = [n for n in names if n.startswith('ours/') and '/K' in n]
+    ours = _ours(summary)
+    ours_fixed = [n for n in names if n.startswith(ours + '/') and '/K' in n]
     hf_fixed = [n for n in names if n.startswith('hf/') and '/K' in n]
-    series = [('ours adaptive', ['ours/{}/adaptive'.format(drafter)]), ('ours best fixed K', ours_fixed),
-              ('transformers default', ['hf/{}/default'.format(drafter)]), ('transformers tuned K', hf_fixed)]
+    series = [('ours adaptive', ['{}/{}/adaptive'.format(ours, drafter)]), ('ours best fixed K', ours_fixed),
+              ('transformers default', ['hf/{}/default'.format(drafter)]), ('transformers tuned K', hf_fixed),
+              ('transformers static tuned K', [n for n in names if n.startswith('hf-static/')]),
+              ('vLLM', [n for n in names if n.startswith('vllm/')])]
     return [(label, members) for label, members in series if any(m in names for m in members)]
 
 
@@ -58,7 +66,7 @@ def k_sweep(summary: Summary, drafters: list[str], path: Path) -> None:
     plt = _pyplot()
     fig, (speed_axis, tau_axis) = plt.subplots(1, 2, figsize=(10, 4))
     for drafter in drafters:
-        fixed = sorted((c for c in summary.cells if c.category == ALL and c.family == 'ours'
+        fixed = sorted((c for c in summary.cells if c.category == ALL and c.system.startswith(_ours(summary) + '/')
                         and c.drafter == drafter and c.k), key=lambda c: c.k)
         color = DRAFTER_COLORS.get(drafter)
         speed_axis.plot([c.k for c in fixed], [c.speedup_vs_ours_plain for c in fixed], 'o-', color=color,
@@ -67,7 +75,7 @@ def k_sweep(summary: Summary, drafters: list[str], path: Path) -> None:
         if any(c.predicted_tau for c in fixed):
             tau_axis.plot([c.k for c in fixed], [c.predicted_tau or 0.0 for c in fixed], ':', color=color,
                           label=drafter + ' predicted')
-        adaptive = summary.cell('ours/{}/adaptive'.format(drafter))
+        adaptive = summary.cell('{}/{}/adaptive'.format(_ours(summary), drafter))
         if adaptive is not None:
             speed_axis.plot([adaptive.mean_k], [adaptive.speedup_vs_ours_plain], '*', color=color, markersize=13,
                             label=drafter + ' adaptive (mean K)')

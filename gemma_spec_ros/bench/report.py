@@ -66,14 +66,15 @@ def _k(cell: Cell) -> str:
 
 
 def _main_row(cell: Cell) -> str:
-    pattern = '| {} | {} | {:.1f} ({:.1f}–{:.1f}) | {:.2f}x | {:.2f}x |' + ' {} |' * 8 + ' {:.0f} | {:.0f} | {} |'
+    pattern = '| {} | {} | {:.1f} ({:.1f}–{:.1f}) | {:.2f}x | {:.2f}x |' + ' {} |' * 8 + ' {:.0f} | {} | {} |'
     return pattern.format(
         cell.system, _k(cell), cell.tokens_per_s, cell.tokens_per_s_min, cell.tokens_per_s_max,
         cell.speedup_vs_ours_plain, cell.speedup_vs_hf_plain, _num(cell.tau), _num(cell.acceptance_rate if
                                                                                    cell.drafter != 'none' else None),
         _num(cell.alpha), _num(cell.draft_cost_ratio, '{:.3f}'), _num(cell.predicted_tau),
         _num(cell.predicted_speedup, '{:.2f}x'), _percent(cell.efficiency), _percent(cell.loop_efficiency),
-        cell.ttft_ms, cell.peak_rss_mb, 'yes' if cell.parity else '**NO**')
+        cell.ttft_ms, '–' if cell.family == 'vllm' else '{:.0f}'.format(cell.peak_rss_mb),
+        'yes' if cell.parity else '**NO**')
 
 
 def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
@@ -106,6 +107,27 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
     for goal in summary.goals:
         lines.append('| {} | {:.2f} | {} | {} | {} |'.format(goal.name, goal.threshold, _num(goal.value),
                                                              'yes' if goal.met else '**no**', goal.detail))
+    lines += ['', '## Peers', '',
+              "Decode tok/s ratios on all prompts. Transformers' best with a drafter is the faster of eager and "
+              'static+compile. vLLM servers run one after another after the interleaved run (a server fixes its '
+              'speculation at start, so they cannot be interleaved), on the same prompts and token counts.', '',
+              '| Comparison | Ratio | Systems |', '|---|---|---|']
+    for ratio in summary.ratios:
+        lines.append('| {} | {} | {} |'.format(ratio.name, _num(ratio.value, '{:.2f}x'), '{} / {}'.format(
+            ratio.numerator or 'not measured', ratio.denominator or 'not measured')))
+    lines += ['', '## Startup', '',
+              'Load: engine load, model loading, or a vLLM server from start until it answers. First call: the first '
+              'full-length generation (compile, capture, one-time set-up), before any measured run.', '',
+              '| Family | Load s | First call s | Note |', '|---|---|---|---|']
+    lines += ['| {} | {:.1f} | {:.1f} | {} |'.format(startup['name'], startup['load_s'], startup['first_call_s'],
+                                                     startup['note']) for startup in document['startup']]
+    slow = {name: s for name, s in document['warm_up_s'].items() if s >= 1.0}
+    if slow:
+        lines += ['', 'Warm-up runs of 1 s or more (recompiles for new shapes or cache states): ' +
+                  ', '.join('{} {:.1f} s'.format(name, s) for name, s in slow.items()) + '.']
+    if document['skipped']:
+        lines += ['', 'Not measured:', '']
+        lines += ['- {}: {}'.format(item['system'], item['reason']) for item in document['skipped']]
     lines += ['', '## All prompts', '',
               'tok/s: decode tokens per second after the first token, median (min–max) over repeats. '
               'tau: tokens per decode target pass, bonus token included. alpha: i.i.d. acceptance fitted to the '
@@ -135,17 +157,18 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
                       n, ms, probe['verify_cost'][n]) for n, ms in probe['target_forward_ms'].items()),
                   probe['draft_step_ms'], probe['draft_cost_ratio']['draft'], probe['assistant_step_ms'],
                   probe['draft_cost_ratio']['mtp'])]
-    ours, hf = summary.cell('ours/none'), summary.cell('hf/none')
+    ours, hf = summary.cell(summary.ours_plain), summary.cell('hf/none')
     if ours and hf and ours.tokens_per_s and hf.tokens_per_s:
         lines += ['', 'Plain decoding per token: ours {:.2f} ms, transformers generate {:.2f} ms, bare 1-token '
                   'target forward {:.2f} ms (the rest is loop overhead).'.format(
                       1000.0 / ours.tokens_per_s, 1000.0 / hf.tokens_per_s, probe['target_forward_ms'][1])]
-    calibration = document['hf_calibration']
-    if calibration['tokens_per_s']:
-        lines += ['', "transformers' K chosen on the calibration prompts (decode tok/s per K): " + '; '.join(
-            '{} K={} ({})'.format(drafter, calibration['chosen_k'][drafter], ', '.join(
-                'K{} {:.1f}'.format(k, rate) for k, rate in by_k.items()))
-            for drafter, by_k in calibration['tokens_per_s'].items()) + '.']
+    for key, label in (('hf_calibration', 'transformers eager'), ('hf_static_calibration', 'transformers static')):
+        calibration = document[key]
+        if calibration['tokens_per_s']:
+            lines += ['', 'K chosen for {} on the calibration prompts (decode tok/s per K): '.format(label) + '; '.join(
+                '{} K={} ({})'.format(drafter, calibration['chosen_k'][drafter], ', '.join(
+                    'K{} {:.1f}'.format(k, rate) for k, rate in by_k.items()))
+                for drafter, by_k in calibration['tokens_per_s'].items()) + '.']
     defaults = [s for s in document['systems'] if s['hf_settings']]
     if defaults:
         lines += ['', 'transformers settings: ' + '; '.join('{} {}'.format(s['name'], json.dumps(

