@@ -22,10 +22,9 @@ from gemma_spec_ros.bench.systems import (
     TransformersRunner,
 )
 from gemma_spec_ros.engine.drafters import DRAFTERS
+from gemma_spec_ros.engine.types import COMPILE_MODES
 
 WARM_UP_TOKENS = 8
-# EngineConfig.compile's choices: how our engine runs decode steps ('off' = transformers' forward on a DynamicCache)
-COMPILE_MODES = ('auto', 'inductor', 'cudagraph', 'eager', 'off')
 
 
 @dataclass
@@ -162,14 +161,13 @@ def load_engine(settings: Settings, say: Callable[[str], None], compile_mode: st
     hf_logging.disable_progress_bar()
     torch.set_num_threads(settings.threads)
     say('loading our engine (compile {})'.format(compile_mode))
-    # EngineConfig.compile arrives with the engine's compile wiring; until then every mode loads the same engine.
-    modes = {'compile': compile_mode} if 'compile' in EngineConfig.__dataclass_fields__ else {}
     return Engine.from_config(EngineConfig(
         target_path=settings.target, drafter='none',
         assistant_path=settings.assistant if 'mtp' in settings.drafters else '',
         draft_model_path=settings.draft if 'draft' in settings.drafters else '',
         device='cpu', dtype='float32', max_draft_tokens=max(settings.ks),
-        max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads, **modes))
+        max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads,
+        compile=compile_mode), progress=say)
 
 
 class Bench:
