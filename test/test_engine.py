@@ -341,3 +341,37 @@ def test_mtp_partial_acceptance_cuts_rejected_kv(tiny_engine_off, reference):
     assert 0.2 < result.stats.acceptance_rate < 0.9
     # the assistant sees full-attention K/V for exactly the tokens before the last one, never rejected drafts
     assert all(kv_length == num_tokens - 1 for num_tokens, kv_length in seen_kv_lengths)
+
+
+@pytest.mark.parametrize('drafter', ['draft', 'mtp'])
+@pytest.mark.parametrize('temperature', [0.0, 0.9])
+def test_model_drafters_report_the_confidence_of_each_draft(tiny_engine, drafter, temperature):
+    # greedy: the drafter's top probability; sampled: its probability of the drawn token
+    from gemma_spec_ros.engine.drafters.base import DraftContext
+    from gemma_spec_ros.engine.requests import SamplingParams
+
+    model_drafter = tiny_engine._drafters[drafter]
+    original = model_drafter.propose
+    seen = []
+
+    def propose(context: DraftContext, k):
+        proposal = original(context, k)
+        seen.append(proposal)
+        return proposal
+
+    model_drafter.propose = propose
+    try:
+        tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=24, drafter=drafter,
+                                               num_draft_tokens=3, temperature=temperature, seed=1))
+    finally:
+        model_drafter.propose = original
+    assert seen
+    for proposal in seen:
+        confidences = proposal.confidences
+        assert confidences.shape == proposal.tokens.shape and bool(((confidences > 0) & (confidences <= 1)).all())
+        if proposal.draft_probs is not None:
+            drawn = proposal.draft_probs.gather(-1, proposal.tokens[:, None])[:, 0]
+            assert torch.allclose(confidences, drawn)
+    assert (seen[0].draft_probs is None) == (SamplingParams(temperature).greedy)
+    controller = tiny_engine._controllers[drafter]
+    assert controller._uncut and all(len(r.confidences) == r.num_drafted for r in controller._uncut)

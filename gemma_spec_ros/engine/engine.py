@@ -289,6 +289,7 @@ class Engine:
         verified_at = run.stopwatch.mark()
         row = row.tolist()  # the round's one host sync
         accepted = row[0]
+        confidences = None if proposal is None or proposal.confidences is None else proposal.confidences.tolist()
 
         # accept / roll back: crop the rejected K/V from the target, and let the drafter do the same
         self._target.crop(-(num_drafted - accepted))
@@ -297,6 +298,7 @@ class Engine:
             self._target_cost.record(num_drafted + 1, run.stopwatch.seconds(drafted_at, verified_at))
             if run.controller is not None:
                 run.controller.record(num_drafted, accepted, run.stopwatch.seconds(round_start, drafted_at),
+                                      confidences=confidences,
                                       round_seconds=run.stopwatch.seconds(round_start, verified_at))
         run.tally.add_round(num_drafted, accepted, time.perf_counter())
         run.last_token = next_token

@@ -31,6 +31,8 @@ class Proposal:
 
     tokens: torch.Tensor              # [k] long, on the target device
     draft_probs: torch.Tensor | None  # [k, vocab] float32; None for deterministic proposals (one-hot)
+    confidences: torch.Tensor | None = None  # [k] the drafter's probability of each draft (model drafters), which
+                                             # the adaptive controller calibrates the cut-off against
 
 
 @dataclass
@@ -97,31 +99,44 @@ def grammar_lookahead(context: DraftContext) -> Iterator[Lookahead | None]:
         yield look
 
 
-def draw(logits: torch.Tensor, context: DraftContext, min_confidence: float = 0.0,
-         look: Lookahead | None = None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """
-    One draft token from logits [1, vocab]: argmax when greedy (one-hot), else sampled from the processed probs.
+class DraftRound:
+    """The drafts of one round, drawn one at a time from a model drafter's logits."""
 
-    Also tells whether to keep drafting: the drafter's probability of its choice reaches min_confidence (checking
-    it costs one host sync per draft token, so it is skipped when min_confidence is 0), and, under a grammar
-    (look), the token was not a stop token. A grammar masks the logits first and costs one host sync per token.
-    """
-    if look is not None:
-        logits = mask_logits(logits, look.mask(logits.device))
-    if context.sampling.greedy:
-        token, draft_probs = logits.argmax(dim=-1), None
-        top = torch.softmax(logits.float(), dim=-1).max() if min_confidence else None
-    else:
-        draft_probs = logits_to_probs(logits, context.sampling)  # [1, vocab]
-        token = sample(draft_probs, context.generator)
-        top = draft_probs.max() if min_confidence else None
-    more = top is None or top.item() >= min_confidence
-    if look is not None:
-        more = look.push(token.item()) and more
-    return token, draft_probs, more
+    def __init__(self, context: DraftContext, min_confidence: float, look: Lookahead | None):
+        self._context = context
+        self._min_confidence = min_confidence
+        self._look = look
+        self._tokens: list[torch.Tensor] = []        # [1] each
+        self._probs: list[torch.Tensor | None] = []  # [1, vocab] each (sampled proposals)
+        self._confidences: list[torch.Tensor] = []   # [1] each
 
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """
+        Add one draft from logits [1, vocab]: argmax when greedy (one-hot), else sampled from the processed probs.
 
-def stack(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Proposal:
-    """One Proposal from per-step tokens [1] and draft probabilities [1, vocab] (or None)."""
-    draft_probs = None if probs[0] is None else torch.cat(probs)  # [k, vocab]
-    return Proposal(torch.cat(tokens), draft_probs)
+        Returns the token [1] and whether to keep drafting: the drafter's probability of its choice reaches the
+        cut-off (checking it costs one host sync per draft, so it is skipped while the cut-off is 0), and, under a
+        grammar, the token was not a stop token. A grammar masks the logits first and costs one host sync per draft.
+        """
+        context, look = self._context, self._look
+        if look is not None:
+            logits = mask_logits(logits, look.mask(logits.device))
+        if context.sampling.greedy:
+            token, draft_probs = logits.argmax(dim=-1), None
+            confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)  # [1]
+        else:
+            draft_probs = logits_to_probs(logits, context.sampling)  # [1, vocab]
+            token = sample(draft_probs, context.generator)
+            confidence = draft_probs.gather(-1, token[:, None])[:, 0]
+        self._tokens.append(token)
+        self._probs.append(draft_probs)
+        self._confidences.append(confidence)
+        more = not self._min_confidence or confidence.item() >= self._min_confidence
+        if look is not None:
+            more = look.push(token.item()) and more
+        return token, more
+
+    def proposal(self) -> Proposal:
+        """Return the round's drafts as one Proposal."""
+        draft_probs = None if self._probs[0] is None else torch.cat(self._probs)  # [k, vocab]
+        return Proposal(torch.cat(self._tokens), draft_probs, torch.cat(self._confidences))

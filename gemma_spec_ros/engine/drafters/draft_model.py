@@ -3,7 +3,7 @@
 import torch
 
 from .. import causal_lm, models
-from .base import DraftContext, Drafter, LoadContext, Proposal, draw, grammar_lookahead, stack
+from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
 
 
 class DraftModelDrafter(Drafter):
@@ -39,18 +39,16 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         feed = torch.tensor([context.tokens[self._lm.length:]], device=self._lm.model.device)  # [1, new] not cached
-        drafted, probs = [], []
         with grammar_lookahead(context) as look:
+            drafts = DraftRound(context, context.min_confidence, look)
             for _ in range(k):
-                logits = self._lm.append(feed, logits_to_keep=1).logits[:, -1]
-                token, draft_probs, more = draw(logits, context, context.min_confidence, look)  # token [1]
-                drafted.append(token)
-                probs.append(draft_probs)
+                token, more = drafts.draw(self._lm.append(feed, logits_to_keep=1).logits[:, -1])  # token [1]
                 if not more:
                     break
                 feed = token.unsqueeze(0)  # [1, 1]
-        self._proposed = len(drafted)
-        return stack(drafted, probs)
+        proposal = drafts.proposal()
+        self._proposed = proposal.tokens.shape[0]
+        return proposal
 
     def observe(self, target_out, num_fed: int, num_kept: int) -> None:
         # the cache holds the last emitted token and drafts 1..k-1; keep it up to the last accepted draft

@@ -4,7 +4,7 @@ import torch
 
 from .. import causal_lm, models
 from ..fast import FastAssistant, FastCausalLM
-from .base import DraftContext, Drafter, LoadContext, Proposal, draw, grammar_lookahead, stack
+from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
 
 
 class MtpDrafter(Drafter):
@@ -14,8 +14,8 @@ class MtpDrafter(Drafter):
     Every draft step feeds [target embedding of the last token, hidden state] at the same position and attends the
     target's K/V of the tokens before it. On the fast path one step function reads the target's static cache (the
     rolled-back drafts are outside its masks); on transformers' path the assistant gets the shared K/V of each
-    target pass, cut to the kept tokens. It drafts all K: measured on the bundled models, its acceptance stays high
-    where its confidence is low.
+    target pass, cut to the kept tokens. It stops early only at the confidence cut-off the adaptive controller
+    calibrated for it (none unless replaying its rounds shows that one pays).
     """
 
     name = 'mtp'
@@ -66,16 +66,14 @@ class MtpDrafter(Drafter):
         position = len(context.tokens) - 1
         token = context.last_token
         hidden = self._hidden
-        drafted, probs = [], []
         with grammar_lookahead(context) as look:
+            drafts = DraftRound(context, context.min_confidence, look)
             for _ in range(k):
                 logits, hidden = self._step(token, hidden, position)
-                token, draft_probs, more = draw(logits, context, look=look)  # stops only at a stop token
-                drafted.append(token)
-                probs.append(draft_probs)
+                token, more = drafts.draw(logits)
                 if not more:
                     break
-        return stack(drafted, probs)
+        return drafts.proposal()
 
     def _step(self, token: torch.Tensor, hidden: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step from token [1] and hidden [1, 1, backbone]: logits [1, vocab] and the next hidden."""
