@@ -162,3 +162,18 @@ def test_tools_import_without_torch():
     assert run.returncode == 0, run.stderr[-3000:]
     imported = {line.rsplit('|', 1)[-1].strip() for line in run.stderr.splitlines() if line.startswith('import time')}
     assert 'gemma_spec_ros.tools.client' in imported and not imported & {'torch', 'transformers'}
+
+
+@pytest.mark.parametrize(('given', 'expected'), [(None, 'PASSIVE'), ('ACTIVE', 'ACTIVE')])
+def test_package_import_sets_a_passive_openmp_wait_policy_unless_one_is_set(given, expected):
+    # OpenMP reads the policy when torch loads: the package must set it before, and keep a policy the user chose
+    env = {key: value for key, value in os.environ.items() if key != 'OMP_WAIT_POLICY'}
+    if given:
+        env['OMP_WAIT_POLICY'] = given
+    code = ('import os, sys\n'
+            'import gemma_spec_ros.engine\n'
+            'assert "torch" not in sys.modules\n'
+            'print(os.environ["OMP_WAIT_POLICY"])\n')
+    run = subprocess.run([sys.executable, '-c', code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == expected
