@@ -197,12 +197,19 @@ def _rss() -> tuple[int, int]:
 
 
 def memory_one(args) -> dict:
-    """One engine (bundled models, one compile mode) in this process: RSS terms at each stage, in MiB."""
+    """
+    One engine (bundled models, one compile mode) in this process: RSS terms at each stage, in MiB.
+
+    The runtime's baseline is the process with every library the engine runs on imported (torch, transformers'
+    Gemma 4 classes, tokenizers, xgrammar, the engine) and no model loaded.
+    """
     import torch
-    import transformers  # noqa: F401 (the runtime's baseline includes it)
+    import xgrammar  # noqa: F401 (the baseline: what a loaded engine has imported)
+    from transformers import AutoTokenizer, Gemma4AssistantForCausalLM, Gemma4ForCausalLM  # noqa: F401
 
     from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, load_prompts
     from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
+    from gemma_spec_ros.engine import engine as _engine_module  # noqa: F401
 
     torch.set_num_threads(args.threads)
     baseline = _rss()[0]
