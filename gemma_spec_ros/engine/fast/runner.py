@@ -144,6 +144,12 @@ class _Steps:
         if variant is None:
             variant = self._create(make(), (*inputs, kv_positions))
             self._variants[variant_key] = variant
+            return variant(*inputs, kv_positions)  # compiles: every guard is built and checked
+        if self.dynamic:
+            # each variant is its own code object with one compiled entry, called only from here with inputs made
+            # the same way, so no guard can tell entries apart; skipping their evaluation saves ~0.5 ms a step
+            with torch.compiler.set_stance('default', skip_guard_eval_unsafe=True):
+                return variant(*inputs, kv_positions)
         return variant(*inputs, kv_positions)
 
     def _create(self, function: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
