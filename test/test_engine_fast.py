@@ -206,3 +206,15 @@ def test_auto_runs_transformers_forward_where_the_fast_path_does_not_cover_the_m
     assert engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=4)).token_ids
     with pytest.raises(ValueError, match='engine.compile=eager cannot run the target.*MoE'):
         Engine.from_config(dataclasses.replace(config, compile='eager'))
+
+
+def test_compiled_steps_recompile_when_torch_threads_change_after_warm_up(agreeing_engine, reference):
+    # warmed-up steps skip guard evaluation; a guard that fails (another thread count) must recompile, not break
+    prompt_ids = agreeing_engine.tokenizer(STORY_PROMPT).input_ids
+    torch.set_num_threads(TEST_THREADS + 1)
+    try:
+        result = agreeing_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=24,
+                                                            num_draft_tokens=4))
+    finally:
+        torch.set_num_threads(TEST_THREADS)
+    assert result.token_ids == reference(prompt_ids, 24)

@@ -148,8 +148,12 @@ class _Steps:
         if self.dynamic:
             # each variant is its own code object with one compiled entry, called only from here with inputs made
             # the same way, so no guard can tell entries apart; skipping their evaluation saves ~0.5 ms a step
-            with torch.compiler.set_stance('default', skip_guard_eval_unsafe=True):
-                return variant(*inputs, kv_positions)
+            try:
+                with torch.compiler.set_stance('default', skip_guard_eval_unsafe=True):
+                    return variant(*inputs, kv_positions)
+            except RuntimeError as exc:  # raised before the graph runs when it must recompile (threads changed)
+                if 'skip_guard_eval_unsafe' not in str(exc):
+                    raise
         return variant(*inputs, kv_positions)
 
     def _create(self, function: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
