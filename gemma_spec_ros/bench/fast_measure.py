@@ -162,7 +162,7 @@ def thread_matrix(args) -> dict:
                         per_token = _decode(system, prompt_ids, args.new_tokens)[1]
                         key = '{} threads={} load={} OMP_WAIT_POLICY={}'.format(
                             system.name, count, '+busy-loop' if busy else 'as-is',
-                            os.environ.get('OMP_WAIT_POLICY', 'default'))
+                            os.environ.get('OMP_WAIT_POLICY') or 'default')
                         rows.setdefault(key, []).append(per_token * 1e3)
             finally:
                 if spinner is not None:
@@ -176,9 +176,8 @@ def threads(args) -> dict:
     rows: dict[str, list[float]] = {}
     for _ in range(args.repeats):
         for policy in ('', 'PASSIVE'):
-            env = {key: value for key, value in os.environ.items() if key not in ('OMP_WAIT_POLICY', 'OMP_NUM_THREADS')}
-            if policy:
-                env['OMP_WAIT_POLICY'] = policy
+            env = {key: value for key, value in os.environ.items() if key != 'OMP_NUM_THREADS'}
+            env['OMP_WAIT_POLICY'] = policy  # '' keeps OpenMP's default (import gemma_spec_ros sets only unset)
             out = subprocess.run(
                 [sys.executable, '-m', 'gemma_spec_ros.bench.fast_measure', 'thread-matrix', '--systems',
                  args.systems, '--new-tokens', str(args.new_tokens), '--repeats', '1', '--model', args.model],
