@@ -206,11 +206,15 @@ def test_cancel_mid_stream_stops_the_server_request(backend, server):
 
 def test_two_clients_share_the_server_concurrently(server):
     clients = [_backend(server.url) for _ in range(2)]
+    for client in clients:  # a first call learns the served model: keep that out of the two streams
+        client.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=1))
     results, spans = [None, None], [[], []]
+    start = threading.Barrier(2)
 
     def run(index):
         def on_delta(delta):
             spans[index].append(time.monotonic())
+        start.wait(timeout=30)
         results[index] = clients[index].generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=96),
                                                  on_delta=on_delta)
 

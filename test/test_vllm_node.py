@@ -110,9 +110,13 @@ def test_server_down_aborts_then_back_recovers_without_restart(context, server):
 def test_two_nodes_in_two_namespaces_share_the_server(context, server):
     with serving(context, 'gemma_spec', server.url, namespace='robot1') as (_, first), \
             serving(context, 'gemma_spec', server.url, namespace='robot2') as (_, second):
+        for client in (first, second):  # a first goal learns the served model: keep that out of the streams
+            assert client.send(make_goal(CODE_PROMPT, max_new_tokens=1)).status == 'succeeded'
         outcomes, arrivals = [None, None], [[], []]
+        start = threading.Barrier(2)
 
         def run(index, client):
+            start.wait(timeout=30)
             outcomes[index] = client.send(make_goal(CODE_PROMPT, max_new_tokens=96),
                                           on_feedback=lambda _: arrivals[index].append(time.monotonic()))
 
