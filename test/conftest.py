@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import shutil
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ TEST_THREADS = int(os.environ.get('GEMMA_SPEC_TEST_THREADS', '1'))
 TEST_COMPILE = os.environ.get('GEMMA_SPEC_TEST_COMPILE', 'eager')
 TOKENIZER_DIR = REPO_ROOT / 'models' / 'tokenizer'
 SLIDING_WINDOW = 16
+MIN_EXPECTED = 5   # χ² bins with fewer expected counts are pooled
 
 # Why node-level and ros2-tool tests skip (scripts/setup.sh installs these from the ROS 2 Python tools wheelhouse).
 NO_DIAGNOSTIC_UPDATER = ('diagnostic_updater is not installed: run scripts/setup.sh with the ROS 2 Python tools '
@@ -210,3 +212,34 @@ def server():
     vllm.start(progress=print)
     yield vllm
     vllm.stop()
+
+
+def corrupt_after(proposal, keep):
+    """Return the proposal with draft keep+1 replaced by a token the target will not pick (when keep < k)."""
+    from gemma_spec_ros.engine.drafters.base import Proposal
+
+    tokens = proposal.tokens.clone()
+    if keep < tokens.shape[0]:
+        tokens[keep] = (tokens[keep] + 1) % 4000
+    return Proposal(tokens, proposal.draft_probs)
+
+
+def chi_squared_p_value(observed: Counter, expected: dict[tuple[int, ...], float]) -> float:
+    """P-value of observed counts against expected probabilities; bins expected below MIN_EXPECTED are pooled."""
+    import torch
+
+    assert set(observed) <= set(expected), set(observed) - set(expected)  # an output that cannot occur
+    total = sum(observed.values())
+    statistic, bins, pooled_observed, pooled_expected = 0.0, 0, 0, 0.0
+    for outcome, probability in expected.items():
+        count, mean = observed.get(outcome, 0), probability * total
+        if mean < MIN_EXPECTED:
+            pooled_observed, pooled_expected = pooled_observed + count, pooled_expected + mean
+            continue
+        statistic, bins = statistic + (count - mean) ** 2 / mean, bins + 1
+    if pooled_expected > 0:
+        statistic, bins = statistic + (pooled_observed - pooled_expected) ** 2 / pooled_expected, bins + 1
+    degrees = bins - 1
+    # the χ² survival function is the regularised upper incomplete gamma function
+    return torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
+                                   torch.tensor(statistic / 2, dtype=torch.float64)).item()

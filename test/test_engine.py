@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import TEST_COMPILE
+from conftest import TEST_COMPILE, corrupt_after
 
 from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.stream import IncrementalDetokenizer, StopStrings
@@ -286,23 +286,13 @@ def test_concurrent_callers_are_serialized(tiny_engine):
     assert results == expected and len(statuses) == len(requests)
 
 
-def _corrupt_after(proposal, keep):
-    """Return the proposal with draft keep+1 replaced by a token the target will not pick (when keep < k)."""
-    from gemma_spec_ros.engine.drafters.base import Proposal
-
-    tokens = proposal.tokens.clone()
-    if keep < tokens.shape[0]:
-        tokens[keep] = (tokens[keep] + 1) % 4000
-    return Proposal(tokens, proposal.draft_probs)
-
-
 def test_draft_model_partial_acceptance_rolls_back(agreeing_engine, reference):
     # the draft model is the target, so its drafts are right; corrupting draft j makes exactly j of them accepted
     prompt_ids = ids_of(agreeing_engine, STORY_PROMPT)
     expected = reference(prompt_ids, LONG)
     drafter = agreeing_engine._drafters['draft']
     original = drafter.propose
-    drafter.propose = lambda context, k: _corrupt_after(original(context, k), len(context.tokens) % (k + 1))
+    drafter.propose = lambda context, k: corrupt_after(original(context, k), len(context.tokens) % (k + 1))
     try:
         result = agreeing_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=LONG,
                                                             num_draft_tokens=4))
@@ -329,7 +319,7 @@ def test_mtp_partial_acceptance_cuts_rejected_kv(tiny_engine_off, reference):
         done = len(context.tokens) - len(prompt_ids)
         keep = done % (k + 1)
         truth = torch.tensor(expected[done:done + k])
-        return _corrupt_after(Proposal(torch.cat([truth[:keep], proposal.tokens[keep:]]), None), keep)
+        return corrupt_after(Proposal(torch.cat([truth[:keep], proposal.tokens[keep:]]), None), keep)
 
     drafter.propose = oracle
     try:

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import SLIDING_WINDOW, TEST_COMPILE, TEST_THREADS
+from conftest import SLIDING_WINDOW, TEST_COMPILE, TEST_THREADS, chi_squared_p_value, corrupt_after
 
 from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.causal_lm import DynamicCausalLM
@@ -24,14 +24,6 @@ CROSSINGS = 200  # new tokens: the fixtures' sliding window (16) twelve times ov
 SAMPLES = 1000
 TOP_K = 3        # sampled outputs of OUTPUT_LENGTH tokens: TOP_K ** OUTPUT_LENGTH outcomes
 OUTPUT_LENGTH = 3
-
-
-def _corrupt(proposal: Proposal, keep: int) -> Proposal:
-    """Change draft keep+1 of the proposal, so that exactly keep drafts of a right proposal are accepted."""
-    tokens = proposal.tokens.clone()
-    if keep < tokens.shape[0]:
-        tokens[keep] = (tokens[keep] + 1) % 4000
-    return Proposal(tokens, proposal.draft_probs)
 
 
 @pytest.mark.parametrize('edge', ['window', 'ring'])
@@ -49,7 +41,7 @@ def test_rollbacks_right_at_the_window_edge_stay_exact(agreeing_engine, referenc
     def propose(context, k):
         keep = (-len(context.tokens)) % period  # drafts before the next edge position
         edges.append(keep < k)
-        return _corrupt(original(context, k), keep)
+        return corrupt_after(original(context, k), keep)
 
     drafter.propose = propose
     try:
@@ -81,13 +73,13 @@ def test_mtp_assistant_reads_only_the_kept_target_cache(tiny_engine, reference):
         fresh_target.reset()
         fresh_target.prefill(torch.tensor([context.tokens[:-1]]))
         expected = fresh_assistant.step(context.last_token.unsqueeze(0), drafter._hidden, position).logits
-        actual = drafter._step(context.last_token, drafter._hidden, position)[0]
+        actual = drafter._step(context.last_token, drafter._hidden, position, None)[0]
         torch.testing.assert_close(actual, expected[:, -1], atol=1e-4, rtol=1e-4)
         checked.append(position)
         done, keep = len(context.tokens) - len(prompt_ids), position % (k + 1)
         right = torch.tensor(truth[done:done + k])
         proposal = original(context, k)
-        return _corrupt(Proposal(torch.cat([right[:keep], proposal.tokens[keep:]]), None), keep)
+        return corrupt_after(Proposal(torch.cat([right[:keep], proposal.tokens[keep:]]), None), keep)
 
     drafter.propose = propose
     try:
@@ -117,20 +109,6 @@ def _target_distribution(model, prompt_ids: list[int], temperature: float) -> di
     return expected
 
 
-def _chi_squared_p_value(observed: Counter, expected: dict) -> float:
-    """P-value of observed counts against expected probabilities; bins expected below 5 counts are pooled."""
-    assert set(observed) <= set(expected), set(observed) - set(expected)
-    total = sum(observed.values())
-    bins = [(observed.get(outcome, 0), p * total) for outcome, p in expected.items() if p * total >= 5]
-    pooled = [(observed.get(outcome, 0), p * total) for outcome, p in expected.items() if p * total < 5]
-    if pooled:
-        bins.append((sum(count for count, _ in pooled), sum(mean for _, mean in pooled)))
-    statistic = sum((count - mean) ** 2 / mean for count, mean in bins)
-    degrees = len(bins) - 1
-    return torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
-                                   torch.tensor(statistic / 2, dtype=torch.float64)).item()
-
-
 @pytest.mark.parametrize('drafter', ['draft', 'mtp'])  # drafters with draft_probs; test_verify: one-hot
 def test_sampled_speculation_follows_the_target_distribution(tiny_engine, drafter):
     temperature = 2.0  # spreads the random target's top 3
@@ -145,7 +123,7 @@ def test_sampled_speculation_follows_the_target_distribution(tiny_engine, drafte
         observed[tuple(result.token_ids)] += 1
         drafted += result.stats.drafted_tokens
     assert drafted > 0
-    assert _chi_squared_p_value(observed, expected) > 1e-3
+    assert chi_squared_p_value(observed, expected) > 1e-3
 
 
 def test_chi_squared_detects_a_wrong_distribution(tiny_engine):
@@ -158,7 +136,7 @@ def test_chi_squared_detects_a_wrong_distribution(tiny_engine):
                                                         temperature=0.5, top_k=TOP_K, seed=seed, drafter='draft',
                                                         num_draft_tokens=2))
         observed[tuple(result.token_ids)] += 1
-    assert _chi_squared_p_value(observed, expected) < 1e-6
+    assert chi_squared_p_value(observed, expected) < 1e-6
 
 
 def test_status_reports_the_path_and_its_memory(tiny_engine, tiny_engine_off):

@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import chi_squared_p_value
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
@@ -21,7 +22,6 @@ TARGET = torch.tensor([0.04, 0.08, 0.03, 0.15, 0.10, 0.12, 0.08, 0.06, 0.12, 0.0
 DRAFT = torch.tensor([0.02, 0.05, 0.02, 0.05, 0.20, 0.06, 0.05, 0.05, 0.05, 0.05, 0.40])
 TRIALS = 4_000
 OUTPUT_LENGTH = 3  # the χ² tests compare the distribution of the first three emitted tokens
-MIN_EXPECTED = 5   # χ² bins with fewer expected counts are pooled
 
 
 @pytest.fixture(scope='module')
@@ -230,25 +230,6 @@ def speculative_outcomes(compiler, proposal: str, k: int = 3, renormalise: bool 
                 still_active.append(run)
         active = still_active
     return Counter(tuple(output) for output in outputs)
-
-
-def chi_squared_p_value(observed: Counter, expected: dict[tuple[int, ...], float]) -> float:
-    """P-value of observed counts against expected probabilities; bins expected below MIN_EXPECTED are pooled."""
-    assert set(observed) <= set(expected), set(observed) - set(expected)  # an output the grammar forbids
-    total = sum(observed.values())
-    statistic, bins, pooled_observed, pooled_expected = 0.0, 0, 0, 0.0
-    for outcome, probability in expected.items():
-        count, mean = observed.get(outcome, 0), probability * total
-        if mean < MIN_EXPECTED:
-            pooled_observed, pooled_expected = pooled_observed + count, pooled_expected + mean
-            continue
-        statistic, bins = statistic + (count - mean) ** 2 / mean, bins + 1
-    if pooled_expected > 0:
-        statistic, bins = statistic + (pooled_observed - pooled_expected) ** 2 / pooled_expected, bins + 1
-    degrees = bins - 1
-    # the χ² survival function is the regularised upper incomplete gamma function
-    return torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
-                                   torch.tensor(statistic / 2, dtype=torch.float64)).item()
 
 
 @pytest.mark.parametrize('proposal', ['one-hot', 'sampled', 'masked'])

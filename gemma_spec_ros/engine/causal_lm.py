@@ -37,8 +37,6 @@ class DynamicCausalLM:
 
     def __init__(self, model):
         self.model = model
-        self._cache = None
-        self.length = 0
         self.reset()
 
     def reset(self) -> None:

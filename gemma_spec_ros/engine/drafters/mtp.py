@@ -64,23 +64,29 @@ class MtpDrafter(Drafter):
         if self._hidden is None:
             return None
         position = len(context.tokens) - 1
+        # transformers' path takes the position as a tensor: made once per round, not per step
+        position_ids = None if self._fast is not None else torch.tensor([[position]], device=self._hidden.device)
         token = context.last_token
         hidden = self._hidden
         with grammar_lookahead(context) as look:
             drafts = DraftRound(context, context.min_confidence, look)
             for _ in range(k):
-                logits, hidden = self._step(token, hidden, position)
+                logits, hidden = self._step(token, hidden, position, position_ids)
                 token, more = drafts.draw(logits)
                 if not more:
                     break
         return drafts.proposal()
 
-    def _step(self, token: torch.Tensor, hidden: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step from token [1] and hidden [1, 1, backbone]: logits [1, vocab] and the next hidden."""
+    def _step(self, token: torch.Tensor, hidden: torch.Tensor, position: int,
+              position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """
+        One draft step from token [1] and hidden [1, 1, backbone]: logits [1, vocab] and the next hidden.
+
+        position_ids [1, 1]: position as a tensor on transformers' path, None on the fast path.
+        """
         if self._fast is not None:
             out = self._fast.step(token.unsqueeze(0), hidden, position)
             return out.logits[:, -1], out.hidden
         inputs = torch.cat([self._embed(token.unsqueeze(0)), hidden], dim=-1)  # [1, 1, 2 * hidden]
-        out = self._assistant(inputs_embeds=inputs, position_ids=torch.tensor([[position]], device=hidden.device),
-                              shared_kv_states=self._shared_kv)
+        out = self._assistant(inputs_embeds=inputs, position_ids=position_ids, shared_kv_states=self._shared_kv)
         return out.logits[:, -1], out.last_hidden_state
