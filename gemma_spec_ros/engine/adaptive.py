@@ -3,8 +3,8 @@ Adaptive draft length, confidence cut-off and profit gate, from online measureme
 
 A round with K drafts emits E(K) = 1 + sum_{j<=K} a_1 * ... * a_j tokens, where a_i is the MEASURED acceptance of
 draft i given that drafts 1..i-1 were accepted. Acceptance is not i.i.d.: it comes in runs (a loop, a copied span),
-so the a_i are kept separately for rounds that follow a fully accepted round and rounds that follow a miss, and K
-is chosen for the state the next round starts in. A round costs K drafter steps, one target pass over K + 1 tokens
+so the a_i are kept separately for rounds that follow a fully accepted round (of at least FULL_MIN_DRAFTS drafts)
+and rounds that follow a miss, and K is chosen for the state the next round starts in. A round costs K drafter steps, one target pass over K + 1 tokens
 and (when the loop measures it) the loop's own per-round work. K maximizes E(K) / cost(K).
 
 Costs are kept in load-free units: the target cost curve is a shape times a load factor that follows the latest
@@ -36,6 +36,9 @@ LONG_DECAY = 0.995        # per round, the long-run acceptance that recent estim
 PRIOR_ALPHA = 0.5         # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 2.0        # rounds' worth of weight of the prior of each position
 AFTER_MISS, AFTER_FULL = 0, 1  # acceptance states: the previous round had a rejected draft (or was plain) / had none
+FULL_MIN_DRAFTS = 2       # a fully accepted round starts AFTER_FULL only when it drafted this many: one accepted
+                          # draft says little about a run (K = 1 rounds in a text that alternates hits and misses
+                          # would otherwise send long drafts into misses)
 LOAD_DECAY = 0.7          # per target pass, weight of the older load factor (load moves fast)
 SHAPE_DECAY = 0.8         # per pair of adjacent passes of different sizes, weight of the older cost shape
 PROBE_ROUNDS = 3          # speculative rounds per probe while paused
@@ -303,8 +306,9 @@ class AdaptiveK:
         best = [self._choices(curve, shape) for curve in curves]
         if any(choices is None for choices in best):
             return None
-        # per state: the best K's tokens, chance that all its drafts are accepted (next state AFTER_FULL), cost
-        _, _, tokens, full, costs = zip(*(max(choices) for choices in best), strict=True)
+        # per state: the best K's tokens, chance that the next round starts AFTER_FULL, cost
+        _, ks, tokens, survive, costs = zip(*(max(choices) for choices in best), strict=True)
+        full = [all_kept if k >= FULL_MIN_DRAFTS else 0.0 for k, all_kept in zip(ks, survive, strict=True)]
         share_full = full[AFTER_MISS] / (1 - full[AFTER_FULL] + full[AFTER_MISS])  # stationary two-state chain
         weights = (1 - share_full, share_full)
         return sum(w * t for w, t in zip(weights, tokens, strict=True)) / sum(
@@ -362,7 +366,7 @@ class AdaptiveK:
         self._long[1 - self._state].fade()
         self._pooled.add(num_drafted, num_accepted)
         self._curves = [None, None]
-        self._state = AFTER_FULL if num_accepted == num_drafted else AFTER_MISS
+        self._state = AFTER_FULL if num_accepted == num_drafted >= FULL_MIN_DRAFTS else AFTER_MISS
         self._accepted = DECAY * self._accepted + num_accepted
         self._evaluated = DECAY * self._evaluated + min(num_drafted, num_accepted + 1)
         step = draft_seconds / num_drafted / load
