@@ -119,6 +119,22 @@ def test_losing_trace_pauses_and_stays_near_plain():
     assert controller.exploration.probe_rounds <= PROBE_ROUNDS * (len(run_lengths) // 32 + 1)
 
 
+def test_a_cheap_drafter_probes_more_often_while_paused():
+    # nothing is ever accepted: both drafters pause; probes cost a cheap drafter little, so it probes more often
+    # (and would notice sooner that the text changed), a dear one every probe_interval rounds
+    probes = {}
+    for c in (0.01, 0.35):
+        controller, cost = new_controller(probe_interval=32)
+        result = replay(controller, cost, [0] * 400, c=c)
+        assert sum(not d.speculating for d in result.decisions[100:]) > 0.8 * 300
+        probes[c] = controller.exploration.probe_rounds
+    assert probes[0.35] <= PROBE_ROUNDS * (400 // 32 + 1)
+    assert probes[0.01] >= 2 * probes[0.35]
+    controller, cost = new_controller(probe_interval=32)
+    replay(controller, cost, [0] * 400, c=0.01)
+    assert controller.exploration.lost_seconds <= 0.06 * controller.exploration.total_seconds
+
+
 # ------------------------------------------------------------------------------------------ scripted drafter
 def scripted_run_lengths(acceptance: list[float], rounds: int, rng: random.Random) -> list[int]:
     """Run lengths of a drafter whose draft i is accepted with probability acceptance[i] after i-1 accepts."""

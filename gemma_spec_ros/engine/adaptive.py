@@ -4,8 +4,9 @@ Adaptive draft length, confidence cut-off and profit gate, from online measureme
 A round with K drafts emits E(K) = 1 + sum_{j<=K} a_1 * ... * a_j tokens, where a_i is the MEASURED acceptance of
 draft i given that drafts 1..i-1 were accepted. Acceptance is not i.i.d.: it comes in runs (a loop, a copied span),
 so the a_i are kept separately for rounds that follow a fully accepted round (of at least FULL_MIN_DRAFTS drafts)
-and rounds that follow a miss, and K is chosen for the state the next round starts in. A round costs K drafter steps, one target pass over K + 1 tokens
-and (when the loop measures it) the loop's own per-round work. K maximizes E(K) / cost(K).
+and rounds that follow a miss, and K is chosen for the state the next round starts in. A round costs K drafter
+steps, one target pass over K + 1 tokens and (when the loop measures it) the loop's own per-round work. K
+maximizes E(K) / cost(K).
 
 Costs are kept in load-free units: the target cost curve is a shape times a load factor that follows the latest
 pass, so that plain decoding measured under one load is never compared with verify passes measured under another
@@ -19,8 +20,8 @@ rounds since the change, so the gate reacts within a few rounds. While paused, o
 round, so probes soon decide.
 
 Exploration is bounded and counted: now and then one round drafts K + 1 to measure the next position, while
-paused a few probe rounds run every probe_interval rounds, and with drafter confidences a share of rounds drafts
-without cut-off to keep calibrating it.
+paused a few probe rounds run at least every probe_interval rounds (sooner when probing costs little), and with
+drafter confidences a share of rounds drafts without cut-off to keep calibrating it.
 """
 
 import itertools
@@ -42,6 +43,9 @@ FULL_MIN_DRAFTS = 2       # a fully accepted round starts AFTER_FULL only when i
 LOAD_DECAY = 0.7          # per target pass, weight of the older load factor (load moves fast)
 SHAPE_DECAY = 0.8         # per pair of adjacent passes of different sizes, weight of the older cost shape
 PROBE_ROUNDS = 3          # speculative rounds per probe while paused
+PROBE_BUDGET = 0.05       # while paused, probes may cost this share of the plain rounds' time (so a cheap drafter
+                          # probes often, a dear one every probe_interval rounds)
+MIN_PROBE_EVERY = 4       # plain rounds between probes at least
 PAUSE_Z = 1.0             # pause only when the acceptance this many standard errors up still loses
 MIN_EVIDENCE = 8.0        # recent judged rounds at position 1 needed before the gate may pause
 RESUME_MARGIN = 0.03      # resume only when the expected gain over plain decoding exceeds this
@@ -439,7 +443,7 @@ class AdaptiveK:
             self._probed = False
             if band is None or band[1] <= 1 + RESUME_MARGIN:
                 self._paused_rounds += 1
-                if self._paused_rounds < self.probe_interval:
+                if self._paused_rounds < self._probe_every():
                     return Decision(0, False)
                 self._paused_rounds = 0
                 self._probe_left = PROBE_ROUNDS - 1
@@ -460,6 +464,16 @@ class AdaptiveK:
         self._state, self._curves = AFTER_MISS, [None, None]
         if not self.speculating and not self._probe_left:
             self._paused_rounds = self.probe_interval - 1
+
+    def _probe_every(self) -> int:
+        """Plain rounds between probes: as many as keep the probes' expected loss within PROBE_BUDGET."""
+        shape = self.target_cost.relative()
+        k = self.best_k()
+        plain, cost = self._round_cost(0, shape), self._round_cost(k, shape)
+        if plain is None or cost is None:
+            return self.probe_interval
+        loss = PROBE_ROUNDS * max(0.0, cost - expected_tokens(self.position_alpha(), k) * plain)
+        return min(self.probe_interval, max(MIN_PROBE_EVERY, math.ceil(loss / (PROBE_BUDGET * plain))))
 
     def _speculate(self) -> Decision:
         """Return the best K (now and then K + 1, to measure the next position) with the calibrated cut-off."""
@@ -503,4 +517,4 @@ class AdaptiveK:
         """Tell whether the next round may draft (False only when decide() will surely run it plain)."""
         if not self.profit_gate or self.speculating or self._probe_left or self._probed:
             return True
-        return not self.target_cost.measured(1) or self._paused_rounds + 1 >= self.probe_interval
+        return not self.target_cost.measured(1) or self._paused_rounds + 1 >= self._probe_every()

@@ -50,7 +50,8 @@ class EngineConfig:
     ngram_min: int = _parameter(1, 'smallest n-gram the prompt-lookup drafter matches', limits=(1, 64))
     ngram_max: int = _parameter(3, 'largest n-gram the prompt-lookup drafter matches', limits=(1, 64))
     profit_gate: bool = _parameter(True, 'pause speculation while no K >= 1 beats plain decoding')
-    probe_interval: int = _parameter(32, 'verify rounds between probes while speculation is paused',
+    probe_interval: int = _parameter(32, 'most verify rounds between probes while speculation is paused (a cheap '
+                                         'drafter probes sooner)',
                                      limits=(1, INT32_MAX))
     max_new_tokens: int = _parameter(128, 'tokens generated when a request says 0', limits=(1, INT32_MAX))
     max_new_tokens_limit: int = _parameter(2048, 'largest max_new_tokens a request may ask for',
