@@ -231,3 +231,25 @@ def test_peer_ratios():
     summary = summarize(systems[:7], [_timed(s, 'code', rates[s]) for s in systems[:7]], ['code'], probe)
     ratios = {r.name: r for r in summary.ratios}
     assert ratios['our plain vs vLLM plain'].value is None and ratios['our plain vs vLLM plain'].denominator == ''
+
+
+def test_adaptive_against_the_best_fixed_k_per_category():
+    probe = CostProbe(context_tokens=100, rounds=1, target_forward_ms={1: 10.0}, verify_cost={1: 1.0},
+                      draft_step_ms=1.0, assistant_step_ms=1.0,
+                      draft_cost_ratio={'none': 0.0, 'ngram': 0.0, 'draft': 0.1, 'mtp': 0.1})
+    rates = {'code': {0: 10.0, 2: 20.0, 4: 30.0, 'adaptive': 29.0},   # K4 best on code
+             'prose': {0: 10.0, 2: 15.0, 4: 8.0, 'adaptive': 12.0}}   # K2 best on prose; K4 loses
+    systems = [System('ours', 'none'), System('ours', 'ngram', 2), System('ours', 'ngram', 4),
+               System('ours', 'ngram', 0), System('hf', 'none')]
+    measurements = []
+    for category, by_k in rates.items():
+        for system in systems:
+            key = 'adaptive' if system.k == 0 else (system.k or 0)
+            measurements.append(_timed(system, category, by_k[key] if system.family == 'ours' else 5.0))
+    measurements[3].paused_rounds = 7  # the adaptive run on code
+    rows = {row.category: row for row in summarize(systems, measurements, list(rates), probe).adaptive}
+    assert (rows['code'].best_k, rows['code'].ratio, rows['code'].paused_rounds) == (4, pytest.approx(29 / 30), 7)
+    assert (rows['prose'].best_k, rows['prose'].ratio) == (2, pytest.approx(12 / 15))
+    # the mean row: adaptive's mean speedup (2.9 + 1.2) / 2 against the single K best on average (K4: 1.9, K2: 1.75)
+    assert (rows['mean'].best_k, rows['mean'].best_speedup) == (4, pytest.approx(1.9))
+    assert rows['mean'].adaptive_speedup == pytest.approx(2.05) and rows['mean'].paused_rounds == 7

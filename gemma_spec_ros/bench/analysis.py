@@ -74,15 +74,63 @@ class Ratio:
 
 
 @dataclass
+class AdaptiveRow:
+    """Adaptive K against the fixed K best in hindsight, for one of our drafters on one category (or the mean)."""
+
+    system: str                      # ours/<drafter>/adaptive (or another compile mode's)
+    category: str                    # a category, or 'mean' over categories
+    best_k: int
+    best_speedup: float              # vs our plain decoding in the same compile mode
+    adaptive_speedup: float
+    paused_rounds: int               # rounds the profit gate ran plain (sum over samples)
+
+    @property
+    def ratio(self) -> float:
+        return _ratio(self.adaptive_speedup, self.best_speedup)
+
+
+@dataclass
 class Summary:
     cells: list[Cell]
     goals: list[Goal]
     parity_failures: list[str] = field(default_factory=list)
     ours_plain: str = 'ours/none'    # plain decoding of the first compile mode: "our plain"
     ratios: list[Ratio] = field(default_factory=list)
+    adaptive: list[AdaptiveRow] = field(default_factory=list)  # adaptive K against the best fixed K (ours)
 
     def cell(self, system: str, category: str = ALL) -> Cell | None:
         return next((c for c in self.cells if c.system == system and c.category == category), None)
+
+
+def adaptive_against_fixed(summary: Summary, systems: list[System], measurements: list[Measurement],
+                           categories: list[str]) -> list[AdaptiveRow]:
+    """
+    Return, per adaptive system of ours and category, the best fixed K of its drafter and mode, and a 'mean' row.
+
+    The mean row compares adaptive's mean speedup over categories with the single fixed K best on average.
+    """
+    rows = []
+    for adaptive in (s for s in systems if s.family == 'ours' and s.drafter != 'none' and s.k == 0):
+        fixed = [s for s in systems if s.family == 'ours' and s.drafter == adaptive.drafter and
+                 s.compile == adaptive.compile and s.k]
+
+        def speedup(system: System, category: str) -> float:
+            cell = summary.cell(system.name, category)
+            return cell.speedup_vs_ours_plain if cell is not None else 0.0
+
+        if not fixed:
+            continue
+        for category in categories:
+            best = max(fixed, key=lambda s, category=category: speedup(s, category))
+            paused = sum(m.paused_rounds for m in measurements if m.system == adaptive.name and
+                         m.category == category)
+            rows.append(AdaptiveRow(adaptive.name, category, best.k, speedup(best, category),
+                                    speedup(adaptive, category), paused))
+        best = max(fixed, key=lambda s: statistics.mean(speedup(s, c) for c in categories))
+        rows.append(AdaptiveRow(adaptive.name, 'mean', best.k, statistics.mean(speedup(best, c) for c in categories),
+                                statistics.mean(speedup(adaptive, c) for c in categories),
+                                sum(r.paused_rounds for r in rows if r.system == adaptive.name)))
+    return rows
 
 
 def fit_alpha(samples: list[Measurement]) -> float | None:
@@ -194,6 +242,7 @@ def summarize(systems: list[System], measurements: list[Measurement], categories
     summary = Summary(cells, [], failures, ours_plain)
     summary.goals = _goals(summary, systems)
     summary.ratios = peer_ratios(summary, systems)
+    summary.adaptive = adaptive_against_fixed(summary, systems, measurements, categories)
     return summary
 
 

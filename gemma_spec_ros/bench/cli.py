@@ -238,6 +238,7 @@ def run(args, argv: list[str]) -> Path:
         'warm_up_s': warm_up_s,
         'skipped': [dataclasses.asdict(item) for item in skipped],
         'peer_ratios': [dataclasses.asdict(ratio) for ratio in summary.ratios],
+        'adaptive_vs_fixed': [dataclasses.asdict(row) | {'ratio': row.ratio} for row in summary.adaptive],
         'cost_probe': dataclasses.asdict(probe) | {'prompt_id': probe_prompt.id},
         'summary': summary.cells,
         'goals': summary.goals,

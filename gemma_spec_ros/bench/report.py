@@ -149,6 +149,16 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
             row.append('–' if other is None else '{:.2f}x ({:.2f}){}'.format(
                 other.speedup_vs_ours_plain, other.tau, '' if other.parity else ' **MISMATCH**'))
         lines.append('| {} | {} |'.format(cell.system, ' | '.join(row)))
+    if summary.adaptive:
+        lines += ['', '## Adaptive K against the best fixed K', '',
+                  'Per category, the fixed K best in hindsight (of the K values run) against adaptive K, both as '
+                  'speedup over our plain decoding; mean: over categories, against the single fixed K best on '
+                  'average. Paused: rounds the profit gate ran plain.', '',
+                  '| System | category | best fixed K | its speedup | adaptive | ratio | paused rounds |',
+                  '|---|---|---|---|---|---|---|']
+        lines += ['| {} | {} | K{} | {:.2f}x | {:.2f}x | {:.0%} | {} |'.format(
+            row.system, row.category, row.best_k, row.best_speedup, row.adaptive_speedup, row.ratio,
+            row.paused_rounds) for row in summary.adaptive]
     probe = document['cost_probe']
     lines += ['', '## Cost probe', '',
               'Medians of {} probe rounds spread over the run. Target forward at a {}-token context: {}. '
