@@ -255,3 +255,21 @@ def test_without_confidences_there_is_no_cutoff():
     result = replay(controller, cost, trace['run_lengths'], c=0.19, confidences=trace['confidences'],
                     with_confidences=False)
     assert all(d.min_confidence == 0 for d in result.decisions)
+
+
+def test_draft_cost_fits_a_fixed_part_per_round_besides_the_steps():
+    # drafting k tokens takes 0.1 + 0.2 k: a cost per token alone would make K = 1 look cheap and K = 8 dear
+    rng = random.Random(2)
+    controller, cost = new_controller(gate=False)
+    replay(controller, cost, [2] * 10, c=0.2)  # measure plain decoding and the verify curve first
+    for _ in range(200):
+        k = rng.randint(1, MAX_K)
+        cost.record(k + 1, VERIFY[k])
+        controller.record(k, min(k, 2), 0.1 + 0.2 * k)
+    assert controller.draft_step_seconds == pytest.approx(0.2, rel=0.01)
+    assert controller.break_even_tau(1) == pytest.approx((0.1 + 0.2 + VERIFY[1]) / VERIFY[0], rel=0.01)
+    assert controller.break_even_tau(8) == pytest.approx((0.1 + 1.6 + VERIFY[8]) / VERIFY[0], rel=0.01)
+    # a drafter without a fixed part gets none
+    controller, cost = new_controller(gate=False)
+    replay(controller, cost, [2] * 100, c=0.3)
+    assert controller.break_even_tau(4) == pytest.approx((4 * 0.3 + VERIFY[4]) / VERIFY[0], rel=0.01)

@@ -98,7 +98,7 @@ def _lookup_proposals(engine, drafter: str, prompt_ids: list[int], output: list[
 
 
 def measure_costs(engine, prompt_ids: list[int], drafters: list[str], max_k: int, repeats: int) -> dict:
-    """Seconds of a target pass per size 1..max_k+1 relative to 1, and each drafter's step cost ratio c."""
+    """Target pass per size 1..max_k+1 over a plain pass; per drafter, c per token and the fixed part per round."""
     from gemma_spec_ros.engine.types import GenerationRequest
 
     for _ in range(repeats):  # every size, interleaved, feeds the engine's own cost measurement
@@ -108,10 +108,13 @@ def measure_costs(engine, prompt_ids: list[int], drafters: list[str], max_k: int
                                                   drafter='none' if k == 0 else drafter, num_draft_tokens=k))
     relative = engine._target_cost.relative()  # noqa: SLF001
     plain = relative[1]
+    plain_seconds = engine._target_cost.seconds(1)  # noqa: SLF001
     return {'verify_cost': [round(s / plain, 4) for s in relative[1:]],
-            'plain_step_ms': round(engine._target_cost.seconds(1) * 1000, 3),  # noqa: SLF001
+            'plain_step_ms': round(plain_seconds * 1000, 3),
             'draft_cost_ratio': {d: round(engine._cost_ratio(engine._controllers[d]), 4)  # noqa: SLF001
-                                 for d in drafters}}
+                                 for d in drafters},
+            'draft_fixed_ratio': {d: round(engine._controllers[d]._draft_cost.fixed / plain, 4)  # noqa: SLF001
+                                  for d in drafters}}
 
 
 def _write(path: str, result: dict) -> None:
@@ -153,7 +156,8 @@ def main(argv=None) -> int:
         'about': 'bundled models, greedy, compile {}, {} thread(s); run_lengths[s]: drafts of {} accepted by a '
                  'round after s emitted tokens; confidences[s]: the drafter probability of each draft; costs: '
                  'verify_cost[n - 1] = target pass over n tokens / a plain pass, draft_cost_ratio c = drafter step / '
-                 'plain pass'.format(args.compile, args.threads, args.max_k),
+                 'plain pass, draft_fixed_ratio = drafting cost per round besides the steps / plain pass'.format(
+                     args.compile, args.threads, args.max_k),
         'max_k': args.max_k, 'max_new_tokens': args.max_new_tokens, 'costs': None, 'prompts': records}
     with torch.inference_mode():
         for prompt in prompts:

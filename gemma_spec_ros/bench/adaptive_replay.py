@@ -27,12 +27,18 @@ ADAPTIVE = 0  # the system key of adaptive K (fixed systems are keyed by their K
 @dataclass
 class Costs:
     verify_cost: list[float]          # [max_k + 1] target pass over n = 1.. tokens, in plain passes
-    draft_cost_ratio: dict[str, float]
+    draft_cost_ratio: dict[str, float]  # per drafted token, in plain passes
     overhead: float = 0.0             # the loop's own work per round, in plain passes
+    draft_fixed_ratio: dict[str, float] = field(default_factory=dict)  # per drafting round, in plain passes
+
+    def draft_seconds(self, drafter: str, num_drafted: int) -> float:
+        if not num_drafted:
+            return 0.0
+        return self.draft_fixed_ratio.get(drafter, 0.0) + num_drafted * self.draft_cost_ratio.get(drafter, 0.0)
 
     def relative_cost(self, drafter: str, num_drafted: int) -> float:
         """Return a round's time over a plain round's time."""
-        seconds = num_drafted * self.draft_cost_ratio.get(drafter, 0.0) + self.verify_cost[num_drafted]
+        seconds = self.draft_seconds(drafter, num_drafted) + self.verify_cost[num_drafted]
         return (seconds + self.overhead) / (self.verify_cost[0] + self.overhead)
 
 
@@ -93,7 +99,7 @@ class Simulation:
                 drafted = low + 1
                 round_confidences = round_confidences[:drafted]
             accepted = min(drafted, run_lengths[emitted])
-            draft_seconds = self._observed(drafted * self.costs.draft_cost_ratio.get(drafter, 0.0))
+            draft_seconds = self._observed(self.costs.draft_seconds(drafter, drafted))
             self.target_cost.record(drafted + 1, self._observed(self.costs.verify_cost[drafted]))
             if controller is not None:
                 overhead = self._observed(self.costs.overhead)
@@ -112,7 +118,9 @@ class Simulation:
 def replay_bench(acceptance_map: dict, ks: list[int], repeats: int = 2, noise: float = 0.0, seed: int = 0,
                  overhead: float = 0.0, drafters: list[str] | None = None, per_category: int = 0) -> Replay:
     """Run plain, every fixed K and adaptive for every drafter on every prompt, shuffled per (repeat, prompt)."""
-    costs = Costs(acceptance_map['costs']['verify_cost'], acceptance_map['costs']['draft_cost_ratio'], overhead)
+    recorded = acceptance_map['costs']
+    costs = Costs(recorded['verify_cost'], recorded['draft_cost_ratio'], overhead,
+                  recorded.get('draft_fixed_ratio', {}))
     prompts = _take_per_category(acceptance_map['prompts'], per_category)
     drafters = drafters or sorted(prompts[0]['maps'])
     simulation = Simulation(drafters, costs, acceptance_map['max_k'], noise, seed)

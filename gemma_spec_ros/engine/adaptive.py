@@ -145,6 +145,40 @@ def _fill(shape: list[float | None]) -> list[float]:
     return filled
 
 
+class DraftCost:
+    """
+    Load-free seconds of drafting k tokens, fitted as fixed + k * step by decayed least squares over recent rounds.
+
+    A model drafter pays a fixed part per round (feeding it the tokens the last round accepted, the call itself)
+    besides its steps; a cost per token alone makes short drafts look cheap and long ones dear. While K hardly
+    varies the two cannot be told apart, and the fit goes through zero (a cost per token).
+    """
+
+    MIN_K_VARIANCE = 0.25  # variance of K over recent rounds needed to fit the fixed part
+
+    def __init__(self):
+        self._sums = [0.0] * 5  # decayed: weight, k, k^2, seconds, k * seconds
+        self.fixed = 0.0
+        self.step: float | None = None  # None before the first drafting round
+
+    def record(self, num_drafted: int, seconds: float) -> None:
+        terms = (1.0, num_drafted, num_drafted * num_drafted, seconds, num_drafted * seconds)
+        self._sums = [DECAY * total + term for total, term in zip(self._sums, terms, strict=True)]
+        weight, k, k2, t, kt = self._sums
+        spread = weight * k2 - k * k
+        if spread >= self.MIN_K_VARIANCE * weight * weight:
+            step = (weight * kt - k * t) / spread
+            fixed = (t - step * k) / weight
+            if step > 0 and fixed >= 0:
+                self.fixed, self.step = fixed, step
+                return
+        self.fixed, self.step = 0.0, kt / k2
+
+    def seconds(self, num_drafted: int) -> float:
+        assert self.step is not None, 'a drafting round is recorded first'
+        return self.fixed + num_drafted * self.step if num_drafted else 0.0
+
+
 class PositionCounts:
     """Decayed per-position counts: judged[i] rounds reached draft i+1 (all earlier accepted), kept[i] accepted it."""
 
@@ -223,7 +257,7 @@ class AdaptiveK:
         self._state = AFTER_MISS                     # the state the next round starts in
         self._accepted = PRIOR_ALPHA * PRIOR_WEIGHT  # decayed accepted drafts
         self._evaluated = PRIOR_WEIGHT               # decayed drafts the target judged (accepted + first rejected)
-        self._draft_step: float | None = None        # load-free seconds per drafted token
+        self._draft_cost = DraftCost()               # load-free seconds of drafting k tokens
         self._overhead = 0.0                         # load-free seconds per round outside drafting and target pass
         self._history: deque[tuple[int, int, int]] = deque(maxlen=HISTORY)  # (state, drafted, accepted)
         self._cusum_up = self._cusum_down = 0.0
@@ -252,8 +286,9 @@ class AdaptiveK:
 
     @property
     def draft_step_seconds(self) -> float | None:
-        """Seconds per drafted token at the current load (None before the first speculative round)."""
-        return None if self._draft_step is None else self._draft_step * self.target_cost.load
+        """Seconds per drafted token at the current load, besides the fixed part per round (None before drafting)."""
+        step = self._draft_cost.step
+        return None if step is None else step * self.target_cost.load
 
     @property
     def cutoff(self) -> float:
@@ -262,9 +297,9 @@ class AdaptiveK:
 
     def _round_cost(self, k: int, shape: list[float | None]) -> float | None:
         verify = shape[k + 1]
-        if verify is None or (k and self._draft_step is None):
+        if verify is None or (k and self._draft_cost.step is None):
             return None
-        return k * (self._draft_step or 0.0) + verify + self._overhead
+        return (self._draft_cost.seconds(k) if k else 0.0) + verify + self._overhead
 
     def rate(self, k: int, curve: list[float | None] | None = None, rates: list[float] | None = None) -> float | None:
         """Return expected tokens per load-free second with k drafts (k = 0: plain), or None before measurements."""
@@ -275,13 +310,13 @@ class AdaptiveK:
 
     def _choices(self, rates: list[float], shape: list[float | None]) -> list[tuple] | None:
         """Return (rate, K, expected tokens, chance all K are accepted, cost) for K = 1..max_k (None: unmeasured)."""
-        if self._draft_step is None or shape[1] is None:
+        if self._draft_cost.step is None or shape[1] is None:
             return None
         choices, tokens, survive = [], 1.0, 1.0
         for k in range(1, self.max_k + 1):
             survive *= rates[k - 1]
             tokens += survive
-            cost = k * self._draft_step + shape[k + 1] + self._overhead
+            cost = self._draft_cost.seconds(k) + shape[k + 1] + self._overhead
             choices.append((tokens / cost, k, tokens, survive, cost))
         return choices
 
@@ -373,8 +408,7 @@ class AdaptiveK:
         self._state = AFTER_FULL if num_accepted == num_drafted >= FULL_MIN_DRAFTS else AFTER_MISS
         self._accepted = DECAY * self._accepted + num_accepted
         self._evaluated = DECAY * self._evaluated + min(num_drafted, num_accepted + 1)
-        step = draft_seconds / num_drafted / load
-        self._draft_step = step if self._draft_step is None else DECAY * self._draft_step + (1 - DECAY) * step
+        self._draft_cost.record(num_drafted, draft_seconds / load)
         cutoff = decision.min_confidence if decision is not None else 0.0
         if confidences is not None and cutoff == 0.0 and len(confidences) == num_drafted:
             self._uncut.append(_Round(num_drafted, num_accepted, list(confidences)))
@@ -496,7 +530,7 @@ class AdaptiveK:
     def _calibrate_cutoff(self, k: int, shape: list[float | None]) -> float:
         """Replay recent uncut rounds of at least k drafts under each cut-off; keep one only if it clearly pays."""
         rounds = [r for r in self._uncut if r.num_drafted >= k]
-        if len(rounds) < CUTOFF_MIN_ROUNDS or self._draft_step is None:
+        if len(rounds) < CUTOFF_MIN_ROUNDS or self._draft_cost.step is None:
             return 0.0
 
         def replay_rate(cap: int, cutoff: float) -> float:
