@@ -264,7 +264,7 @@ class AdaptiveK:
         self._since_up = self._since_down = 0        # rounds since each CUSUM side last stood at zero
         self._uncut: deque[_Round] = deque(maxlen=CUTOFF_ROUNDS)   # rounds drafted without cut-off, with confidences
         self._cutoff = 0.0
-        self._cutoff_k = 0                           # the K the cut-off was calibrated for
+        self._cutoffs: dict[int, tuple[int, float]] = {}  # K -> (round calibrated at, cut-off)
         self._rounds = 0                             # speculative rounds recorded
         self._paused_rounds = 0                      # plain rounds since the gate paused or last probed
         self._probe_left = 0                         # probe rounds still to run while paused
@@ -514,8 +514,10 @@ class AdaptiveK:
         shape = self.target_cost.relative()
         rates = self.position_alpha()
         k, best = self._best(rates, shape)
-        if k != self._cutoff_k or self._rounds % CUTOFF_EXPLORE_EVERY == 0:  # replay is not free: not every round
-            self._cutoff, self._cutoff_k = self._calibrate_cutoff(k, shape), k
+        calibrated = self._cutoffs.get(k)  # the replay costs ~1 ms: per K, at most every CUTOFF_EXPLORE_EVERY rounds
+        if calibrated is None or self._rounds - calibrated[0] >= CUTOFF_EXPLORE_EVERY:
+            calibrated = self._cutoffs[k] = (self._rounds, self._calibrate_cutoff(k, shape))
+        self._cutoff = calibrated[1]
         if self._cutoff > 0 and self._rounds % CUTOFF_EXPLORE_EVERY == CUTOFF_EXPLORE_EVERY - 1:
             return Decision(k, True, 0.0, exploring=True)
         if best is not None and k < self.max_k and self._rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:

@@ -258,6 +258,7 @@ class Engine:
         round_start = run.stopwatch.mark()
         budget = min(run.plan.max_new_tokens - len(run.generated), self._context_limit - len(run.tokens)) - 1
         decision = self._decide(run.plan, run.controller)
+        decided_at = run.stopwatch.mark()  # the controller's own work counts as loop overhead, not drafting
         k = min(decision.num_draft_tokens, budget)
         run.tally.paused_rounds += not decision.speculating and decision.num_draft_tokens == 0
         proposal = None
@@ -297,7 +298,7 @@ class Engine:
         with self._measure_lock:
             self._target_cost.record(num_drafted + 1, run.stopwatch.seconds(drafted_at, verified_at))
             if run.controller is not None:
-                run.controller.record(num_drafted, accepted, run.stopwatch.seconds(round_start, drafted_at),
+                run.controller.record(num_drafted, accepted, run.stopwatch.seconds(decided_at, drafted_at),
                                       confidences=confidences,
                                       round_seconds=run.stopwatch.seconds(round_start, verified_at))
         run.tally.add_round(num_drafted, accepted, time.perf_counter())
