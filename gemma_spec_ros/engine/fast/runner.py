@@ -16,6 +16,8 @@ Warm up after every model is loaded and the thread count is set: compiled graphs
 on the registered pytree types, and a change recompiles (slowly, but correctly).
 """
 
+import gc
+import linecache
 import time
 import types
 from collections.abc import Callable
@@ -48,6 +50,25 @@ def _fresh(function):
     """Copy function with its own code object: torch.compile then keeps one cache (and guard set) per step."""
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
+
+
+def _release_compile_garbage() -> None:
+    """
+    After a torch.compile: drop what torch keeps for uses the engine never makes, and collect the compile's cycles.
+
+    torch.compiler keeps the bytes of every cache artifact it wrote or read (for torch.compiler.save_cache_artifacts,
+    which the engine does not call), linecache the source files read for guard and node stack traces. Freed before
+    the next graph compiles, the memory is reused by it: the serving peak after warm-up falls by ~10 MiB (5 graphs,
+    bench/fast_measure.py memory; freed only at the end, the fragments stay resident).
+    """
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+    except ImportError:  # a torch without the mega-cache
+        pass
+    else:
+        CacheArtifactManager.clear()
+    linecache.clearcache()
+    gc.collect()
 
 
 def _buckets(context_limit: int) -> list[int]:
@@ -144,7 +165,10 @@ class _Steps:
         if variant is None:
             variant = self._create(make(), (*inputs, kv_positions))
             self._variants[variant_key] = variant
-            return variant(*inputs, kv_positions)  # compiles: every guard is built and checked
+            outputs = variant(*inputs, kv_positions)  # compiles: every guard is built and checked
+            if self.mode == 'inductor':
+                _release_compile_garbage()
+            return outputs
         if self.dynamic:
             # each variant is its own code object with one compiled entry, called only from here with inputs made
             # the same way, so no guard can tell entries apart; skipping their evaluation saves ~0.5 ms a step
