@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.engine.adaptive import CUSUM_ALARM, PROBE_ROUNDS, AdaptiveK, TargetCost
+from gemma_spec_ros.engine.adaptive import CUSUM_ALARM, PROBE_ROUNDS, AdaptiveK, TargetCost, drafts_under_cutoff
 
 DATA = json.loads((Path(__file__).parent / 'data' / 'acceptance_traces.json').read_text())
 VERIFY = DATA['verify_cost']  # [9] seconds of a pass over 1..9 tokens
@@ -47,8 +47,7 @@ def replay(controller: AdaptiveK, cost: TargetCost, run_lengths: list[int], c: f
         k = decision.num_draft_tokens
         round_confidences = confidences[index][:k] if confidences else None
         if k and round_confidences and decision.min_confidence:
-            low = next((i for i, p in enumerate(round_confidences) if p < decision.min_confidence), k - 1)
-            k = low + 1  # the drafter stops after the first draft below the cut-off
+            k = drafts_under_cutoff(round_confidences, k, decision.min_confidence)
         accepted = min(k, run_length)
         verify_seconds = VERIFY[k] * load(index)
         draft_seconds = k * c * load(index)

@@ -19,7 +19,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from gemma_spec_ros.engine.adaptive import AdaptiveK, Decision, TargetCost
+from gemma_spec_ros.engine.adaptive import AdaptiveK, Decision, TargetCost, drafts_under_cutoff
 
 ADAPTIVE = 0  # the system key of adaptive K (fixed systems are keyed by their K)
 
@@ -95,8 +95,7 @@ class Simulation:
             drafted = min(decision.num_draft_tokens, total - emitted - 1)
             round_confidences = confidences[emitted][:drafted] if confidences[emitted] else None
             if drafted and round_confidences and decision.min_confidence:
-                low = next((i for i, c in enumerate(round_confidences) if c < decision.min_confidence), drafted - 1)
-                drafted = low + 1
+                drafted = drafts_under_cutoff(round_confidences, drafted, decision.min_confidence)
                 round_confidences = round_confidences[:drafted]
             accepted = min(drafted, run_lengths[emitted])
             draft_seconds = self._observed(self.costs.draft_seconds(drafter, drafted))

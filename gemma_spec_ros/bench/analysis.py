@@ -113,13 +113,13 @@ def adaptive_against_fixed(summary: Summary, systems: list[System], measurements
     for adaptive in (s for s in systems if s.family == 'ours' and s.drafter != 'none' and s.k == 0):
         fixed = [s for s in systems if s.family == 'ours' and s.drafter == adaptive.drafter and
                  s.compile == adaptive.compile and s.k]
+        if not fixed:
+            continue
 
         def speedup(system: System, category: str) -> float:
             cell = summary.cell(system.name, category)
             return cell.speedup_vs_ours_plain if cell is not None else 0.0
 
-        if not fixed:
-            continue
         for category in categories:
             best = max(fixed, key=lambda s, category=category: speedup(s, category))
             paused = sum(m.paused_rounds for m in measurements if m.system == adaptive.name and

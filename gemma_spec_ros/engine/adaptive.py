@@ -145,6 +145,12 @@ def _fill(shape: list[float | None]) -> list[float]:
     return filled
 
 
+def drafts_under_cutoff(confidences: list[float], cap: int, cutoff: float) -> int:
+    """Drafts a round of at most cap proposes under a confidence cut-off: up to the first one below it, included."""
+    low = next((i for i, confidence in enumerate(confidences[:cap]) if confidence < cutoff), cap - 1)
+    return min(cap, low + 1)
+
+
 class DraftCost:
     """
     Load-free seconds of drafting k tokens, fitted as fixed + k * step by decayed least squares over recent rounds.
@@ -175,8 +181,10 @@ class DraftCost:
         self.fixed, self.step = 0.0, kt / k2
 
     def seconds(self, num_drafted: int) -> float:
+        if not num_drafted:
+            return 0.0
         assert self.step is not None, 'a drafting round is recorded first'
-        return self.fixed + num_drafted * self.step if num_drafted else 0.0
+        return self.fixed + num_drafted * self.step
 
 
 class PositionCounts:
@@ -299,7 +307,7 @@ class AdaptiveK:
         verify = shape[k + 1]
         if verify is None or (k and self._draft_cost.step is None):
             return None
-        return (self._draft_cost.seconds(k) if k else 0.0) + verify + self._overhead
+        return self._draft_cost.seconds(k) + verify + self._overhead
 
     def rate(self, k: int, curve: list[float | None] | None = None, rates: list[float] | None = None) -> float | None:
         """Return expected tokens per load-free second with k drafts (k = 0: plain), or None before measurements."""
@@ -538,8 +546,7 @@ class AdaptiveK:
         def replay_rate(cap: int, cutoff: float) -> float:
             tokens = seconds = 0.0
             for r in rounds:
-                low = next((i for i, c in enumerate(r.confidences[:cap]) if c < cutoff), cap - 1)
-                drafted = min(cap, low + 1)  # the low-confidence draft itself is still proposed
+                drafted = drafts_under_cutoff(r.confidences, cap, cutoff)
                 tokens += min(r.num_accepted, drafted) + 1
                 seconds += self._round_cost(drafted, shape) or 0.0
             return tokens / seconds
