@@ -128,6 +128,32 @@ def test_eval_drafter_reports_tau(tiny_target, tiny_corpus, tmp_path):
             assert category['mtp'][k]['identical_to_plain'] and category['ngram'][k]['identical_to_plain']
 
 
+def test_ordered_head_command_adds_a_sparse_head_the_engine_loads(tiny_models, tiny_corpus, tmp_path):
+    from transformers import Gemma4AssistantForCausalLM
+
+    from gemma_spec_ros.engine import models
+
+    out = tmp_path / 'ordered'
+    assert main(['ordered-head', '--target', tiny_models.target, '--assistant', tiny_models.assistant,
+                 '--input', str(tiny_corpus), '--eval-input', str(STDLIB / 'glob.py'), '--centroids', '16',
+                 '--top-k', '4', '--greedy-windows', '2', '--greedy-prompt-len', '8', '--held-out-windows', '1',
+                 '--seq-len', '32', '--draft-steps', '2', '--epochs', '2', '--kmeans-iterations', '2',
+                 '--greedy-cache', str(tmp_path / 'greedy.pt'), '--threads', '1', '--device', 'cpu',
+                 '--storage-dtype', 'float32', '--out', str(out)]) == 0
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(out)
+    original = Gemma4AssistantForCausalLM.from_pretrained(tiny_models.assistant)
+    config = assistant.config
+    assert config.use_ordered_embeddings and (config.num_centroids, config.centroid_intermediate_top_k) == (16, 4)
+    ordering = assistant.masked_embedding.token_ordering
+    assert sorted(ordering.tolist()) == list(range(config.get_text_config().vocab_size))
+    torch.testing.assert_close(assistant.pre_projection.weight, original.pre_projection.weight)  # only the head
+    report = json.loads((out / 'training.json').read_text())['ordered_head']
+    assert report['head_rows_read'] == 16 + 4 * config.get_text_config().vocab_size // 16
+    assert 0 <= report['held_out_agreement']['code']['same_as_full_head'] <= 1
+    assert models.load_assistant(str(out), torch.device('cpu'), torch.float32).masked_embedding is not None
+    assert (tmp_path / 'greedy.pt').exists()
+
+
 @pytest.mark.parametrize('argv, message', [
     (['target', '--input', '/no/such/corpus', '--steps', '1'], 'does not exist'),
     (['target', '--shape', '8x256', '--steps', '1'], 'LAYERSxHIDDENxINTERMEDIATE'),

@@ -75,13 +75,18 @@ def attention_masks(num_keys: int, sliding_window: int, dtype: torch.dtype, devi
 
 def assistant_steps(assistant, view: TargetView, ids: torch.Tensor, steps: DraftSteps):
     """Logits of each draft step for every query position 1..T-1: a list of [B, T-1, V]."""
+    return [assistant.lm_head(state) for state in assistant_states(assistant, view, ids, steps)]
+
+
+def assistant_states(assistant, view: TargetView, ids: torch.Tensor, steps: DraftSteps):
+    """Final-norm hidden states (what the LM head reads) of each draft step for queries 1..T-1: [B, T-1, H] each."""
     batch, length = ids.shape
     config = text_config_of(assistant)
     param_dtype = assistant.pre_projection.weight.dtype
     masks = attention_masks(length, config.sliding_window, param_dtype, ids.device)
     positions = torch.arange(1, length, device=ids.device).expand(batch, -1)
     hidden = view.hidden[:, :-1].to(param_dtype)                 # h_{p-1} for queries p = 1..T-1
-    all_logits = []
+    states = []
     for j in range(steps.num_steps):
         # token p+j (window positions past the end are clamped; their losses are masked)
         token_index = (positions + j).clamp(max=length - 1)
@@ -90,9 +95,9 @@ def assistant_steps(assistant, view: TargetView, ids: torch.Tensor, steps: Draft
         # logits_to_keep=None: transformers would otherwise try to slice absent per-layer inputs
         out = assistant.model(inputs_embeds=x, attention_mask=masks, position_ids=positions,
                               shared_kv_states=view.shared_kv, use_cache=False, logits_to_keep=None)
-        all_logits.append(assistant.lm_head(out.last_hidden_state))
+        states.append(out.last_hidden_state)
         hidden = assistant.post_projection(out.last_hidden_state)
-    return all_logits
+    return states
 
 
 def distillation_loss(all_logits: list[torch.Tensor], view: TargetView, steps: DraftSteps) -> torch.Tensor:

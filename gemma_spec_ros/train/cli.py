@@ -1,5 +1,5 @@
 """
-``python -m gemma_spec_ros train <tokenizer|target|draft|assistant|eval-drafter>``.
+``python -m gemma_spec_ros train <tokenizer|target|draft|assistant|ordered-head|eval-drafter>``.
 
 Training commands share: --seed, a tqdm bar with loss and tokens/s, safetensors checkpoints in --run-dir
 every --checkpoint-every steps, --resume, --max-minutes, and a from_pretrained-loadable --out directory
@@ -210,6 +210,69 @@ def assistant_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def ordered_head_command(args: argparse.Namespace) -> int:
+    import json
+
+    from transformers import Gemma4AssistantForCausalLM
+    from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantMaskedEmbedder
+
+    from gemma_spec_ros.train import ordered_head as head
+    from gemma_spec_ros.train.assistant import DraftSteps, greedy_windows
+
+    started = time.time()
+    device = common_setup(args)
+    tokenizer = load_tokenizer(args.target)
+    target = load_frozen(args.target, device, 'target')
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(args.assistant, dtype=torch.float32).to(device).eval()
+    assistant.requires_grad_(False)
+    embeddings = assistant.lm_head.weight.detach().float()                    # [vocab, hidden]
+    shape = head.OrderedHeadShape(args.centroids, args.top_k)
+    shape.check(embeddings.shape[0])
+    train, held = streams(args, tokenizer)
+    cache = Path(args.greedy_cache)
+    windows = torch.load(cache) if cache.exists() else None
+    if windows is None or len(windows) < args.greedy_windows:
+        windows = greedy_windows(target, train, args.greedy_windows, args.greedy_prompt_len, args.seq_len, args.seed,
+                                 device)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(windows, cache)
+    steps = DraftSteps(args.draft_steps)
+    features = head.draft_features(assistant, target, windows[:args.greedy_windows].to(device), steps,
+                                   args.batch_size)
+    held_features = {kind: head.draft_features(assistant, target, greedy_windows(
+        target, stream, args.held_out_windows, args.greedy_prompt_len, args.seq_len, args.seed + 1, device), steps,
+        args.batch_size) for kind, stream in held.items() if len(stream) > args.seq_len}
+    print(f'draft states: {len(features.full_argmax)} for fitting, '
+          + ', '.join(f'{kind} {len(f.full_argmax)}' for kind, f in held_features.items()) + ' held out')
+    generator = torch.Generator().manual_seed(args.seed)
+    assignment = head.balanced_clusters(embeddings, shape.num_centroids, args.kmeans_iterations, generator)
+    ordering = head.token_ordering(assignment)
+    centroids = head.fit_centroids(features, embeddings, assignment, shape.num_centroids, args.epochs, args.lr,
+                                   generator)
+    held_agreement = {kind: head.agreement(f, head.ordered_drafts(f.states, embeddings, centroids, ordering,
+                                                                  shape.top_k))
+                      for kind, f in held_features.items()}
+    print(f'held-out agreement of the ordered head: {held_agreement}')
+
+    assistant.config.use_ordered_embeddings = True
+    assistant.config.num_centroids = shape.num_centroids
+    assistant.config.centroid_intermediate_top_k = shape.top_k
+    assistant.masked_embedding = Gemma4AssistantMaskedEmbedder(assistant.config).to(device)
+    assistant.masked_embedding.centroids.weight.data.copy_(centroids)
+    assistant.masked_embedding.token_ordering.copy_(ordering)
+    previous = Path(args.assistant) / 'training.json'
+    report = json.loads(previous.read_text()) if previous.exists() else {}
+    report['ordered_head'] = {
+        'command': 'python -m gemma_spec_ros train ' + ' '.join(sys.argv[2:] if args.argv is None else args.argv),
+        'num_centroids': shape.num_centroids, 'top_k': shape.top_k,
+        'head_rows_read': shape.rows_read(embeddings.shape[0]), 'vocab_size': embeddings.shape[0],
+        'fitting_states': len(features.full_argmax), 'held_out_agreement': held_agreement,
+        'wall_minutes': round((time.time() - started) / 60, 1)}
+    save_model(assistant, Path(args.out), Path(args.target), storage_dtype(args.storage_dtype), report)
+    print(f'saved {args.out} ({shape.rows_read(embeddings.shape[0])} of {embeddings.shape[0]} head rows per step)')
+    return 0
+
+
 def eval_drafter_command(args: argparse.Namespace) -> int:
     from gemma_spec_ros.engine import Engine, EngineConfig
     from gemma_spec_ros.train.evaluate import evaluate_drafters, held_out_prompts, markdown_table, write_report
@@ -301,6 +364,30 @@ def build_parser() -> argparse.ArgumentParser:
                            help='windows of target greedy continuations mixed into training (half of each batch)')
     assistant.add_argument('--greedy-prompt-len', type=int, default=32, help='corpus prompt tokens per greedy window')
     assistant.set_defaults(run=assistant_command)
+
+    ordered = commands.add_parser('ordered-head', help="fit the MTP assistant's ordered-embedding (centroid) head")
+    add_corpus_args(ordered)
+    ordered.add_argument('--target', default='models/gemma4-spec-target')
+    ordered.add_argument('--assistant', default='models/gemma4-spec-assistant', help='assistant to add the head to')
+    ordered.add_argument('--out', default='models/gemma4-spec-assistant', help='output assistant directory')
+    ordered.add_argument('--eval-input', nargs='+', metavar='PATH', help='held-out text for evaluation')
+    ordered.add_argument('--centroids', type=int, default=128, help='token clusters (divides the vocabulary)')
+    ordered.add_argument('--top-k', type=int, default=16, help='clusters whose tokens get exact logits per step')
+    ordered.add_argument('--greedy-windows', type=int, default=256, help='target greedy windows to fit on')
+    ordered.add_argument('--greedy-cache', default='runs/ordered-head/greedy_windows.pt',
+                         help='greedy windows file, reused when it holds enough windows')
+    ordered.add_argument('--greedy-prompt-len', type=int, default=32)
+    ordered.add_argument('--held-out-windows', type=int, default=24, help='held-out greedy windows per kind')
+    ordered.add_argument('--seq-len', type=int, default=256)
+    ordered.add_argument('--draft-steps', type=int, default=4, help='draft steps whose states are fitted')
+    ordered.add_argument('--batch-size', type=int, default=8, help='windows per target pass')
+    ordered.add_argument('--kmeans-iterations', type=int, default=8)
+    ordered.add_argument('--epochs', type=int, default=20, help='passes of centroid training over the states')
+    ordered.add_argument('--lr', type=float, default=1e-2, help='centroid learning rate (Adam)')
+    ordered.add_argument('--storage-dtype', default='float16', help='dtype of the saved weights')
+    ordered.add_argument('--device', default='auto', help='auto|cpu|cuda')
+    ordered.add_argument('--threads', type=int, default=0, help='torch CPU threads; 0 = default')
+    ordered.set_defaults(run=ordered_head_command)
 
     evaluate = commands.add_parser('eval-drafter', help='held-out tau, acceptance and speedup at K=1..8 (greedy)')
     evaluate.add_argument('--target', default='models/gemma4-spec-target')
