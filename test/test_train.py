@@ -154,6 +154,17 @@ def test_ordered_head_command_adds_a_sparse_head_the_engine_loads(tiny_models, t
     assert (tmp_path / 'greedy.pt').exists()
 
 
+def test_greedy_windows_are_reused_only_when_made_the_same_way(tiny_models, tiny_corpus, tmp_path, capsys):
+    common = ['assistant', '--target', tiny_models.target, '--input', str(tiny_corpus), '--shape', '1x32x64',
+              '--steps', '1', '--greedy-windows', '2', '--greedy-prompt-len', '8', '--greedy-cache',
+              str(tmp_path / 'greedy.pt'), '--out', str(tmp_path / 'out'), '--run-dir', str(tmp_path / 'run'), *TINY]
+    assert main(common) == 0
+    assert main(common) == 0
+    assert 'greedy windows: 2 of the 2 in' in capsys.readouterr().out
+    assert main([*common, '--seed', '3']) == 0   # other windows: made again
+    assert 'greedy windows: 2 of the 2 in' not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize('argv, message', [
     (['target', '--input', '/no/such/corpus', '--steps', '1'], 'does not exist'),
     (['target', '--shape', '8x256', '--steps', '1'], 'LAYERSxHIDDENxINTERMEDIATE'),

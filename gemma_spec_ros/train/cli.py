@@ -86,6 +86,23 @@ def held_out_perplexity(model, held: dict[str, TokenStream], args, device) -> di
             for kind, stream in held.items() if len(stream) > args.seq_len + 1}
 
 
+def cached_greedy_windows(cache: Path, args: argparse.Namespace, target, train: TokenStream, device) -> torch.Tensor:
+    """--greedy-windows greedy windows of the target: reused from cache when it was made the same way, else saved."""
+    from gemma_spec_ros.train.assistant import greedy_windows
+
+    made_by = {'target': str(Path(args.target).resolve()), 'seed': args.seed, 'prompt_len': args.greedy_prompt_len}
+    saved = torch.load(cache) if cache.exists() else None
+    if saved is not None and saved['made_by'] == made_by and len(saved['windows']) >= args.greedy_windows \
+            and saved['windows'].shape[1] >= args.seq_len:
+        print(f'greedy windows: {args.greedy_windows} of the {len(saved["windows"])} in {cache}')
+        return saved['windows'][:args.greedy_windows, :args.seq_len]
+    windows = greedy_windows(target, train, args.greedy_windows, args.greedy_prompt_len, args.seq_len, args.seed,
+                             device)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({'made_by': made_by, 'windows': windows}, cache)
+    return windows
+
+
 def training_report(args: argparse.Namespace, result: LoopResult, **extra) -> dict:
     argv = sys.argv[2:] if args.argv is None else args.argv
     return {'command': 'python -m gemma_spec_ros train ' + ' '.join(argv), 'steps': result.steps_done,
@@ -158,7 +175,7 @@ def draft_command(args: argparse.Namespace) -> int:
 def assistant_command(args: argparse.Namespace) -> int:
     from transformers import Gemma4AssistantForCausalLM
 
-    from gemma_spec_ros.train.assistant import DraftSteps, assistant_step, draft_accuracy, greedy_windows
+    from gemma_spec_ros.train.assistant import DraftSteps, assistant_step, draft_accuracy
 
     device = common_setup(args)
     tokenizer = load_tokenizer(args.target)
@@ -179,14 +196,8 @@ def assistant_command(args: argparse.Namespace) -> int:
     autocast = torch.autocast('cuda', dtype=torch.bfloat16) if device.type == 'cuda' else contextlib.nullcontext()
     greedy = None
     if args.greedy_windows:
-        cache = Path(args.run_dir) / 'greedy_windows.pt'
-        if args.resume and cache.exists():
-            greedy = torch.load(cache)
-        else:
-            greedy = greedy_windows(target, train, args.greedy_windows, args.greedy_prompt_len, args.seq_len,
-                                    args.seed, device)
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(greedy, cache)
+        cache = Path(args.greedy_cache or Path(args.run_dir) / 'greedy_windows.pt')
+        greedy = cached_greedy_windows(cache, args, target, train, device)
     step_fn = assistant_step(assistant, target, train, greedy, batch, steps, device)
 
     def autocast_step(index: int):
@@ -229,16 +240,9 @@ def ordered_head_command(args: argparse.Namespace) -> int:
     shape = head.OrderedHeadShape(args.centroids, args.top_k)
     shape.check(embeddings.shape[0])
     train, held = streams(args, tokenizer)
-    cache = Path(args.greedy_cache)
-    windows = torch.load(cache) if cache.exists() else None
-    if windows is None or len(windows) < args.greedy_windows:
-        windows = greedy_windows(target, train, args.greedy_windows, args.greedy_prompt_len, args.seq_len, args.seed,
-                                 device)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(windows, cache)
+    windows = cached_greedy_windows(Path(args.greedy_cache), args, target, train, device)
     steps = DraftSteps(args.draft_steps)
-    features = head.draft_features(assistant, target, windows[:args.greedy_windows].to(device), steps,
-                                   args.batch_size)
+    features = head.draft_features(assistant, target, windows.to(device), steps, args.batch_size)
     held_features = {kind: head.draft_features(assistant, target, greedy_windows(
         target, stream, args.held_out_windows, args.greedy_prompt_len, args.seq_len, args.seed + 1, device), steps,
         args.batch_size) for kind, stream in held.items() if len(stream) > args.seq_len}
@@ -363,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     assistant.add_argument('--greedy-windows', type=int, default=256,
                            help='windows of target greedy continuations mixed into training (half of each batch)')
     assistant.add_argument('--greedy-prompt-len', type=int, default=32, help='corpus prompt tokens per greedy window')
+    assistant.add_argument('--greedy-cache', default='',
+                           help='greedy windows file, reused when it holds enough windows (default: RUN_DIR/'
+                                'greedy_windows.pt)')
     assistant.set_defaults(run=assistant_command)
 
     ordered = commands.add_parser('ordered-head', help="fit the MTP assistant's ordered-embedding (centroid) head")
