@@ -186,6 +186,9 @@ def assistant_command(args: argparse.Namespace) -> int:
         assistant = Gemma4AssistantForCausalLM(assistant_config(target.config.get_text_config(),
                                                                 ModelShape.parse(args.shape)))
         init_for_scratch_training(assistant.model)
+    if assistant.config.use_ordered_embeddings:
+        print(f'note: {args.init} has an ordered-embedding head; training changes the states it was fitted to, so '
+              'run `train ordered-head` on the result')
     if assistant.config.backbone_hidden_size != target.config.get_text_config().hidden_size:
         raise ValueError('the assistant backbone_hidden_size does not match the target hidden size')
     assistant.to(device)
@@ -236,7 +239,7 @@ def ordered_head_command(args: argparse.Namespace) -> int:
     target = load_frozen(args.target, device, 'target')
     assistant = Gemma4AssistantForCausalLM.from_pretrained(args.assistant, dtype=torch.float32).to(device).eval()
     assistant.requires_grad_(False)
-    embeddings = assistant.lm_head.weight.detach().float()                    # [vocab, hidden]
+    embeddings = assistant.lm_head.weight.detach().float().cpu()              # [vocab, hidden]
     shape = head.OrderedHeadShape(args.centroids, args.top_k)
     shape.check(embeddings.shape[0])
     train, held = streams(args, tokenizer)
@@ -270,7 +273,8 @@ def ordered_head_command(args: argparse.Namespace) -> int:
         'command': 'python -m gemma_spec_ros train ' + ' '.join(sys.argv[2:] if args.argv is None else args.argv),
         'num_centroids': shape.num_centroids, 'top_k': shape.top_k,
         'head_rows_read': shape.rows_read(embeddings.shape[0]), 'vocab_size': embeddings.shape[0],
-        'fitting_states': len(features.full_argmax), 'held_out_agreement': held_agreement,
+        'greedy_windows': args.greedy_windows, 'fitting_states': len(features.full_argmax),
+        'held_out_windows_per_kind': args.held_out_windows, 'held_out_agreement': held_agreement,
         'wall_minutes': round((time.time() - started) / 60, 1)}
     save_model(assistant, Path(args.out), Path(args.target), storage_dtype(args.storage_dtype), report)
     print(f'saved {args.out} ({shape.rows_read(embeddings.shape[0])} of {embeddings.shape[0]} head rows per step)')

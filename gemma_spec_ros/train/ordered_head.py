@@ -84,7 +84,7 @@ def token_ordering(assignment: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def draft_features(assistant, target, windows: torch.Tensor, steps: DraftSteps, batch_size: int) -> DraftFeatures:
-    """Features of every draft step of every query position of windows [N, T] (target greedy continuations)."""
+    """Features (on the CPU) of every draft step of every query of windows [N, T] (target greedy continuations)."""
     states, full, wanted = [], [], []
     for chunk in windows.split(batch_size):
         view = target_view(target, chunk)
@@ -93,9 +93,9 @@ def draft_features(assistant, target, windows: torch.Tensor, steps: DraftSteps, 
             if valid <= 0:
                 break
             kept = step_states[:, :valid].flatten(0, 1).float()
-            states.append(kept)
-            full.append(assistant.lm_head(kept).argmax(-1))
-            wanted.append(view.log_probs[:, 1 + j:1 + j + valid].argmax(-1).flatten())
+            states.append(kept.cpu())
+            full.append(assistant.lm_head(kept.to(step_states.dtype)).argmax(-1).cpu())
+            wanted.append(view.log_probs[:, 1 + j:1 + j + valid].argmax(-1).flatten().cpu())
     return DraftFeatures(torch.cat(states), torch.cat(full), torch.cat(wanted))
 
 
