@@ -8,6 +8,7 @@ from gemma_spec_ros.train.ordered_head import (
     OrderedHeadShape,
     agreement,
     balanced_clusters,
+    cluster_means,
     fit_centroids,
     ordered_drafts,
     token_ordering,
@@ -66,7 +67,7 @@ def test_fitted_centroids_find_the_argmax_cluster_more_often_than_cluster_means(
     states = 3 * torch.randn(4000, 16, generator=generator)
     full = (states @ embeddings.T).argmax(-1)
     features = DraftFeatures(states, full, full)
-    means = torch.stack([embeddings[assignment == c].mean(0) for c in range(16)])
+    means = cluster_means(embeddings, assignment, 16)
     fitted = fit_centroids(features, embeddings, assignment, 16, epochs=30, learning_rate=5e-2, generator=generator)
     before = agreement(features, ordered_drafts(states, embeddings, means, ordering, 4))['same_as_full_head']
     after = agreement(features, ordered_drafts(states, embeddings, fitted, ordering, 4))['same_as_full_head']

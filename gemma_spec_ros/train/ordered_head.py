@@ -52,11 +52,16 @@ def balanced_clusters(embeddings: torch.Tensor, num_clusters: int, iterations: i
     """Cluster of each row of embeddings [V, H] by k-means with every cluster holding exactly V / num_clusters rows."""
     size = embeddings.shape[0] // num_clusters
     centers = embeddings[torch.randperm(embeddings.shape[0], generator=generator)[:num_clusters]]
-    assignment = torch.empty(0, dtype=torch.long)
-    for _ in range(iterations):
+    assignment = _assign_with_capacity(torch.cdist(embeddings, centers), size)
+    for _ in range(iterations - 1):
+        centers = cluster_means(embeddings, assignment, num_clusters)
         assignment = _assign_with_capacity(torch.cdist(embeddings, centers), size)
-        centers = torch.stack([embeddings[assignment == c].mean(0) for c in range(num_clusters)])
     return assignment
+
+
+def cluster_means(embeddings: torch.Tensor, assignment: torch.Tensor, num_clusters: int) -> torch.Tensor:
+    """Mean row of each cluster: [C, H]."""
+    return torch.stack([embeddings[assignment == c].mean(0) for c in range(num_clusters)])
 
 
 def _assign_with_capacity(distances: torch.Tensor, size: int) -> torch.Tensor:
@@ -92,9 +97,9 @@ def draft_features(assistant, target, windows: torch.Tensor, steps: DraftSteps, 
             valid = step_states.shape[1] - j          # step j of query p predicts the token at p + j + 1
             if valid <= 0:
                 break
-            kept = step_states[:, :valid].flatten(0, 1).float()
-            states.append(kept.cpu())
-            full.append(assistant.lm_head(kept.to(step_states.dtype)).argmax(-1).cpu())
+            kept = step_states[:, :valid]
+            states.append(kept.flatten(0, 1).float().cpu())
+            full.append(assistant.lm_head(kept).argmax(-1).flatten().cpu())
             wanted.append(view.log_probs[:, 1 + j:1 + j + valid].argmax(-1).flatten().cpu())
     return DraftFeatures(torch.cat(states), torch.cat(full), torch.cat(wanted))
 
@@ -102,8 +107,7 @@ def draft_features(assistant, target, windows: torch.Tensor, steps: DraftSteps, 
 def fit_centroids(features: DraftFeatures, embeddings: torch.Tensor, assignment: torch.Tensor, num_clusters: int,
                   epochs: int, learning_rate: float, generator: torch.Generator) -> torch.Tensor:
     """Centroids [C, H]: cluster means, trained to score highest the cluster of the full head's argmax."""
-    centroids = torch.stack([embeddings[assignment == c].mean(0) for c in range(num_clusters)]).clone()
-    centroids.requires_grad_(True)
+    centroids = cluster_means(embeddings, assignment, num_clusters).requires_grad_(True)
     optimizer = torch.optim.Adam([centroids], lr=learning_rate)
     labels = assignment[features.full_argmax]
     batch = 4096
