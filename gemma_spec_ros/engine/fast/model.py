@@ -102,7 +102,24 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Return x [q, in] times weight [out, in] transposed, plus bias: [q, out]."""
+    if x.shape[0] == 1 and x.device.type == 'cpu' and torch.compiler.is_compiling():
+        out = _matvec(weight, x[0])[None]
+        return out if bias is None else out + bias
     return F.linear(x, weight, bias)
+
+
+def _matvec(rows: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """
+    Return rows [n, in] times vector [in]: [n].
+
+    Compiled for CPU it is a multiply-reduce, which inductor fuses into one loop over the rows. The bundled target's
+    one-token step then takes 1/1.16 of the time with aten's matrix-vector product (its 85 products alone 1/1.6).
+    Verify passes (q >= 2) keep aten's matrix product, which is faster there. Only the summation order changes.
+    """
+    if vector.device.type == 'cpu' and torch.compiler.is_compiling():
+        return (rows * vector).sum(-1)
+    return rows @ vector
 
 
 class _Rope:
@@ -458,6 +475,6 @@ class LeanAssistant(_Decoder):
         top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices                # [1, top_k]
         clusters = self.token_ordering.long().view(self.num_centroids, -1)
         selected = clusters[top].reshape(1, -1)                                                  # [1, top_k * per]
-        selected_logits = (self.lm_head[selected[0]] @ x[0]).unsqueeze(0)                       # [1, top_k * per]
+        selected_logits = _matvec(self.lm_head[selected[0]], x[0]).unsqueeze(0)                  # [1, top_k * per]
         floor = selected_logits.min() - 1.0
         return floor.expand(1, self.lm_head.shape[0]).clone().scatter_(-1, selected, selected_logits)
