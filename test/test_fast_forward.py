@@ -307,3 +307,44 @@ def test_inductor_steps_match_eager_without_recompiling(models):
             eager.crop(-(q - 1))
             compiled.crop(-(q - 1))
             token, hidden = expected.logits[:, :1].argmax(-1), expected.hidden[:, :1]
+
+
+def test_exact_half_dtype_keeps_every_value():
+    from gemma_spec_ros.engine.fast.model import exact_half_dtype
+
+    bfloat16_values = torch.tensor([1.0, -0.15625, 3.0 * 2 ** -20, 2.0 ** 100])  # 8-bit mantissas, wide range
+    float16_values = torch.tensor([1.0 + 2 ** -10, -65504.0])                       # 11-bit mantissas
+    assert exact_half_dtype([bfloat16_values]) == torch.bfloat16
+    assert exact_half_dtype([float16_values]) == torch.float16
+    assert exact_half_dtype([bfloat16_values, float16_values]) is None  # one dtype for every matrix
+    assert exact_half_dtype([torch.tensor([1.0 + 2 ** -12])]) is None
+
+
+def _rounded_to(model, dtype: torch.dtype):
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(dtype).float())
+    return model
+
+
+def test_compiled_assistant_stores_exact_half_weights(models):
+    """With bfloat16 values, the compiled assistant keeps its matrices in bfloat16 and steps as float32 ones do."""
+    import copy
+
+    target = models['plain']
+    reference = _rounded_to(_assistant(target, ordered=True), torch.bfloat16)
+    assistant = copy.deepcopy(reference)
+    eager = FastCausalLM(target, CONTEXT, MAX_QUERY, 'eager')
+    compiled = FastAssistant(assistant, eager, 'inductor')
+    assert compiled.weights_dtype == torch.bfloat16
+    matrices = [p for p in assistant.parameters() if p.dim() == 2]
+    assert matrices and all(p.dtype == torch.bfloat16 for p in matrices)
+    assert all(p.dtype == torch.float32 for p in assistant.parameters() if p.dim() == 1)  # norms stay float32
+    expected = FastAssistant(reference, eager, 'eager')
+    out = eager.prefill(torch.tensor([[2, *range(10, 30)]]))
+    for _ in range(2 * WINDOW):  # target greedy decoding through the sliding window, the assistant drafting
+        token, hidden = out.logits[:, -1:].argmax(-1), out.hidden[:, -1:]
+        want, got = expected.step(token, hidden, eager.length), compiled.step(token, hidden, eager.length)
+        _close(got.logits, want.logits)
+        _close(got.hidden, want.hidden)
+        out = eager.step(token)

@@ -37,7 +37,11 @@ class MtpDrafter(Drafter):
         assistant = models.load_assistant(path, context.device, context.dtype)
         models.check_same_vocab(context.target, context.tokenizer, assistant, path, 'MTP assistant')
         models.check_assistant_fits(context.target, assistant, path)
-        return cls(assistant, context.target_lm)
+        drafter = cls(assistant, context.target_lm)
+        if drafter._fast is not None and drafter._fast.weights_dtype is not None:
+            context.progress('MTP assistant: matrices stored as {} (exact), computed in float32'.format(
+                str(drafter._fast.weights_dtype).replace('torch.', '')))
+        return drafter
 
     def warmup(self, progress) -> None:
         if self._fast is not None:

@@ -82,6 +82,9 @@ def _text_parts(model):
     return inner, model.lm_head, model.config, None
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit storage of drafter weights, in order of preference
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # as Gemma4RMSNorm: in float32, weight applied directly (no 1 + weight)
     return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).type_as(x)
@@ -101,25 +104,55 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     return out[0].transpose(0, 1).reshape(query.shape[0], -1)
 
 
+def _fused_on_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == 'cpu' and torch.compiler.is_compiling()
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Return x [q, in] times weight [out, in] transposed, plus bias: [q, out]."""
-    if x.shape[0] == 1 and x.device.type == 'cpu' and torch.compiler.is_compiling():
-        out = _matvec(weight, x[0])[None]
+    """
+    Return x [q, in] times weight [out, in] transposed, plus bias: [q, out], in x's dtype.
+
+    Compiled for CPU, one row (a decode step) is a multiply-reduce, which inductor fuses into one loop that reads
+    each weight row once (converting a 16-bit one, store_exact_half, on the fly). The bundled target's step then
+    takes 1/1.16 of the time with aten's matrix-vector product. Passes of several rows (verify) keep aten's matrix
+    product, which is faster there. Only the summation order changes.
+    """
+    if _fused_on_cpu(x) and x.shape[0] == 1:
+        out = (weight[:, None, :] * x[None, :, :]).sum(-1).t()
         return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
+    return F.linear(x, weight.to(x.dtype), bias)
 
 
 def _matvec(rows: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
-    """
-    Return rows [n, in] times vector [in]: [n].
-
-    Compiled for CPU it is a multiply-reduce, which inductor fuses into one loop over the rows. The bundled target's
-    one-token step then takes 1/1.16 of the time with aten's matrix-vector product (its 85 products alone 1/1.6).
-    Verify passes (q >= 2) keep aten's matrix product, which is faster there. Only the summation order changes.
-    """
-    if vector.device.type == 'cpu' and torch.compiler.is_compiling():
+    """Return rows [n, in] times vector [in]: [n], in vector's dtype (fused as in _linear)."""
+    if _fused_on_cpu(vector):
         return (rows * vector).sum(-1)
-    return rows @ vector
+    return rows.to(vector.dtype) @ vector
+
+
+def exact_half_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
+    """Return bfloat16 or float16 when it holds every one of these float32 tensors exactly, else None."""
+    for dtype in HALF_DTYPES:
+        if all(torch.equal(tensor.to(dtype).float(), tensor) for tensor in tensors):
+            return dtype
+    return None
+
+
+def store_exact_half(model) -> torch.dtype | None:
+    """
+    Store a float32 model's matrices (2-D parameters) in 16 bits where that loses nothing; returns the dtype.
+
+    For the MTP assistant when inductor compiles its steps for CPU: they are memory-bound, and _linear converts each
+    weight row to float32 as it reads it, so a step reads half the bytes and computes what float32 weights compute
+    (checkpoints stored as bfloat16 or float16 load as exactly such values). The model's own forward no longer
+    runs afterwards; only the lean forward does. None (nothing changed) when some matrix needs float32.
+    """
+    matrices = [p for p in model.parameters() if p.dim() == 2 and p.dtype == torch.float32]
+    dtype = exact_half_dtype([p.detach() for p in matrices]) if matrices else None
+    if dtype is not None:
+        for parameter in matrices:
+            parameter.data = parameter.data.to(dtype)
+    return dtype
 
 
 class _Rope:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import StaticKvCache
-from .model import LeanAssistant, LeanGemma4, StepOutput
+from .model import LeanAssistant, LeanGemma4, StepOutput, store_exact_half
 
 STEP_MODES = ('eager', 'inductor', 'cudagraph')
 CPU_AUTO_MODE = 'inductor'
@@ -296,12 +296,20 @@ class FastCausalLM:
 
 
 class FastAssistant:
-    """The MTP assistant as one step function reading a FastCausalLM target's static cache."""
+    """
+    The MTP assistant as one step function reading a FastCausalLM target's static cache.
+
+    With inductor on CPU its matrices are stored in 16 bits where that is exact (``weights_dtype``; see
+    model.store_exact_half): its own forward is then off. Its steps are all one token, which that suits; a draft
+    model's catch-up steps of two tokens ran slower so (bench figures in bench/RESULTS.md).
+    """
 
     def __init__(self, assistant, target: FastCausalLM, compile_mode: str = 'auto'):
         self.lean = LeanAssistant(assistant, target.lean)
         self.target = target
         self.mode = resolve_compile_mode(compile_mode, target.lean.device)
+        compiled_for_cpu = self.mode == 'inductor' and target.lean.device.type == 'cpu'
+        self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu else None
         self._steps = _Steps(self.mode, target.lean.device, target.cache.context_limit)
 
     @torch.inference_mode()
