@@ -110,21 +110,26 @@ def _fused_on_cpu(x: torch.Tensor) -> bool:
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """
-    Return x [q, in] times weight [out, in] transposed, plus bias: [q, out], in x's dtype.
+    Return x [q, in] times weight [out, in] transposed, plus bias: [q, out].
 
-    Compiled for CPU, one row (a decode step) is a multiply-reduce, which inductor fuses into one loop that reads
-    each weight row once (converting a 16-bit one, store_exact_half, on the fly). The bundled target's step then
-    takes 1/1.16 of the time with aten's matrix-vector product. Passes of several rows (verify) keep aten's matrix
-    product, which is faster there. Only the summation order changes.
+    Compiled for CPU, one row (a decode step) goes through _matvec. The bundled target's step then takes 1/1.16 of
+    the time with aten's matrix-vector product. Passes of several rows (verify) keep aten's matrix product, which
+    is faster there. A 16-bit weight is converted (a step that dynamo runs eager after all, say past its recompile
+    limit, stays correct).
     """
     if _fused_on_cpu(x) and x.shape[0] == 1:
-        out = (weight[:, None, :] * x[None, :, :]).sum(-1).t()
+        out = _matvec(weight, x[0])[None]
         return out if bias is None else out + bias
     return F.linear(x, weight.to(x.dtype), bias)
 
 
 def _matvec(rows: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
-    """Return rows [n, in] times vector [in]: [n], in vector's dtype (fused as in _linear)."""
+    """
+    Return rows [n, in] times vector [in]: [n], in vector's dtype.
+
+    Compiled for CPU it is a multiply-reduce, which inductor fuses into one loop that reads each row once (and
+    converts a 16-bit one, store_exact_half, on the fly). Only the summation order changes.
+    """
     if _fused_on_cpu(vector):
         return (rows * vector).sum(-1)
     return rows.to(vector.dtype) @ vector
