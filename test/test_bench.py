@@ -193,6 +193,11 @@ def test_leviathan_model():
     tau, speedup = predict_speedup(0.5, 2, 0.5, 0.0, probe)
     assert tau == pytest.approx(0.5 * 1.75 + 0.5)
     assert speedup == pytest.approx(tau / (0.5 * 1.2 + 0.5))
+    # Our systems are predicted on the curve of our own verify passes.
+    probe.engine_verify_cost = {'auto': {1: 1.0, 3: 1.5}}
+    assert probe.verify_cost_at(2, 'auto') == pytest.approx(1.25)
+    tau, speedup = predict_speedup(0.5, 2, 1.0, 0.1, probe, 'auto')
+    assert speedup == pytest.approx(1.75 / (2 * 0.1 + 1.5))
 
 
 def _timed(system, category, rate):

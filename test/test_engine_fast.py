@@ -149,6 +149,18 @@ def test_status_reports_the_path_and_its_memory(tiny_engine, tiny_engine_off):
     assert off.kv_cache_bytes == 0
 
 
+def test_timed_target_passes_cover_every_size_and_leave_requests_exact(tiny_engine, reference):
+    prompt_ids = tiny_engine.tokenizer(STORY_PROMPT).input_ids
+    seconds = tiny_engine.time_target_passes(prompt_ids, [1, 3, 9])
+    assert sorted(seconds) == [1, 3, 9] and min(seconds.values()) > 0
+    result = tiny_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=24, drafter='draft'))
+    assert result.token_ids == reference(prompt_ids, 24)
+    with pytest.raises(ValueError, match='max_draft_tokens'):
+        tiny_engine.time_target_passes(prompt_ids, [1, 10])
+    with pytest.raises(ValueError, match='no room'):
+        tiny_engine.time_target_passes([], [1])
+
+
 def test_context_limit_sizes_the_cache_and_bounds_requests(tiny_engine_config):
     engine = Engine.from_config(dataclasses.replace(tiny_engine_config, context_limit=64, drafter='draft'))
     assert engine._target.cache.context_limit == 64

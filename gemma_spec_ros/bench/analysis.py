@@ -150,20 +150,25 @@ def fit_alpha(samples: list[Measurement]) -> float | None:
     return accepted / reached if reached else None
 
 
-def round_cost(k: float, drafting_share: float, cost_ratio: float, probe: CostProbe) -> float:
-    """Mean cost of a decode round in 1-token target passes: k * c + v(k + 1) when drafting, 1 when plain."""
-    return drafting_share * (k * cost_ratio + probe.verify_cost_at(k + 1)) + (1.0 - drafting_share)
+def round_cost(k: float, drafting_share: float, cost_ratio: float, probe: CostProbe, compile_mode: str = '') -> float:
+    """
+    Mean cost of a decode round in 1-token target passes: k * c + v(k + 1) when drafting, 1 when plain.
+
+    v is our engine's curve in compile_mode when given (else transformers' forward's).
+    """
+    verify = probe.verify_cost_at(k + 1, compile_mode)
+    return drafting_share * (k * cost_ratio + verify) + (1.0 - drafting_share)
 
 
 def predict_speedup(alpha: float, k: float, drafting_share: float, cost_ratio: float,
-                    probe: CostProbe) -> tuple[float, float]:
+                    probe: CostProbe, compile_mode: str = '') -> tuple[float, float]:
     """
     Predict (tau, speedup) per decode round; a share of rounds may find nothing to draft (plain rounds).
 
     A drafting round yields E(alpha, k) tokens, a plain round 1; speedup = tokens per round / round_cost.
     """
     tokens = drafting_share * iid_expected_tokens(alpha, k) + (1.0 - drafting_share)
-    return tokens, tokens / round_cost(k, drafting_share, cost_ratio, probe)
+    return tokens, tokens / round_cost(k, drafting_share, cost_ratio, probe, compile_mode)
 
 
 def _rate(samples: list[Measurement]) -> float:
@@ -211,9 +216,10 @@ def _cell(system: System, category: str, samples: list[Measurement], probe: Cost
             paused = sum(s.paused_rounds for s in samples)
             share = _ratio(decode_passes - paused, decode_passes)
             k = _ratio(drafted, decode_passes - paused)
+        mode = system.compile or 'auto'  # our verify passes cost what our decode steps cost
         cell.predicted_tau, cell.predicted_speedup = predict_speedup(cell.alpha, k, share, cell.draft_cost_ratio,
-                                                                     probe)
-        cell.tau_cost_speedup = cell.tau / round_cost(k, share, cell.draft_cost_ratio, probe)
+                                                                     probe, mode)
+        cell.tau_cost_speedup = cell.tau / round_cost(k, share, cell.draft_cost_ratio, probe, mode)
     return cell
 
 

@@ -260,7 +260,7 @@ class Bench:
 
     def cost_sampler(self, prompt: Prompt) -> CostSampler:
         sizes = [1] + [k + 1 for k in self.settings.ks]
-        return CostSampler(self.target, self.encode(prompt), sizes, self.draft_model, self.assistant)
+        return CostSampler(self.target, self.encode(prompt), sizes, self.draft_model, self.assistant, self.engines)
 
 
 def measure_once(runner: Runner, prompt_ids: list[int], max_new_tokens: int) -> tuple[Outcome, int, int]:

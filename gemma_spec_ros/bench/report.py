@@ -132,7 +132,8 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
               'tok/s: decode tokens per second after the first token, median (min–max) over repeats. '
               'tau: tokens per decode target pass, bonus token included. alpha: i.i.d. acceptance fitted to the '
               "engine's per-position acceptance. c: drafter step / target step (engine-measured for ours, probe "
-              'for transformers). Predicted: Leviathan speedup from alpha, c and the measured verify-cost curve; '
+              'for transformers). Predicted: Leviathan speedup from alpha, c and the verify-cost curve of our decode '
+              'steps (cost probe); '
               'efficiency = measured speedup vs our plain / predicted. Loop eff. = measured speedup / (measured tau '
               '/ predicted round cost): the same model with the measured tau, so it isolates loop overhead from '
               'the i.i.d.-acceptance assumption.', '',
@@ -167,6 +168,10 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
                       n, ms, probe['verify_cost'][n]) for n, ms in probe['target_forward_ms'].items()),
                   probe['draft_step_ms'], probe['draft_cost_ratio']['draft'], probe['assistant_step_ms'],
                   probe['draft_cost_ratio']['mtp'])]
+    for mode, forward_ms in probe.get('engine_forward_ms', {}).items():
+        lines += ['', 'Our verify passes (engine.compile {}, the curve of our predictions): {}.'.format(
+            mode, ', '.join('{} tok {:.2f} ms (v = {:.2f})'.format(n, ms, probe['engine_verify_cost'][mode][n])
+                            for n, ms in forward_ms.items()))]
     ours, hf = summary.cell(summary.ours_plain), summary.cell('hf/none')
     if ours and hf and ours.tokens_per_s and hf.tokens_per_s:
         lines += ['', 'Plain decoding per token: ours {:.2f} ms, transformers generate {:.2f} ms, bare 1-token '

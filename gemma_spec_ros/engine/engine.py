@@ -205,6 +205,32 @@ class Engine:
         with self._lock, torch.inference_mode():
             return self._run(plan, on_delta, cancel)
 
+    def time_target_passes(self, prompt_ids: list[int], sizes: list[int]) -> dict[int, float]:
+        """
+        Seconds of one verify pass of the target over n tokens after prompt_ids, for each n in sizes (benchmarks).
+
+        The passes run through the decode steps the engine verifies with, each from the same prefilled context
+        (rolled back after it), between requests.
+        """
+        if not sizes or min(sizes) < 1 or max(sizes) > self.config.max_draft_tokens + 1:
+            raise ValueError('pass sizes must be 1..{} (max_draft_tokens + 1), got {}'.format(
+                self.config.max_draft_tokens + 1, sizes))
+        if not prompt_ids or len(prompt_ids) + max(sizes) > self._context_limit:
+            raise ValueError('a {}-token prompt leaves no room for {} tokens in the {}-token context'.format(
+                len(prompt_ids), max(sizes), self._context_limit))
+        stopwatch = _Stopwatch(self._device)
+        seconds = {}
+        with self._lock, torch.inference_mode():
+            self._target.reset()
+            self._target.prefill(torch.tensor([prompt_ids], device=self._device))
+            next_tokens = torch.tensor([(prompt_ids[::-1] * max(sizes))[:max(sizes)]], device=self._device)  # real ids
+            for n in sizes:
+                started = stopwatch.mark()
+                self._target.append(next_tokens[:, :n], logits_to_keep=0).logits.sum().item()  # the round's sync
+                seconds[n] = stopwatch.seconds(started, stopwatch.mark())
+                self._target.crop(-n)
+        return seconds
+
     # ----------------------------------------------------------------------------------------------- the loop
     def _run(self, plan: RequestPlan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> GenerationResult:
         started = time.perf_counter()
