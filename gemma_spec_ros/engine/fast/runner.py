@@ -3,14 +3,14 @@ Step functions per query length over the lean forward and the static cache: eage
 
 - ``eager``: the lean forward runs eager on the static cache.
 - ``inductor``: torch.compile graphs. On CPU two per step function, q = 1 and q >= 2, with the query length and the
-  full-attention key length dynamic, so they serve every q and position. On CUDA one per (q, key-length bucket),
-  captured as CUDA graphs by inductor (mode reduce-overhead).
+  full-attention key length dynamic, so they serve every q and position; their wrappers are C++ (cpp_wrapper). On
+  CUDA one per (q, key-length bucket), captured as CUDA graphs by inductor (mode reduce-overhead).
 - ``cudagraph`` (CUDA only): the eager lean forward captured as a torch.cuda.CUDAGraph per (q, logits kept,
   key-length bucket), replayed on static input buffers.
-- ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU. Measured with bench/fast_measure.py on the bundled target
-  (1 thread, greedy, 128 tokens, quiet 2-core host): transformers 12.8 ms/token, lean eager 8.5, inductor 4.9;
-  warm-up of target + draft + assistant 74 s with a cold inductor cache, 14 s warm (torch's FX-graph and
-  AOTAutograd caches persist across processes in TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER).
+- ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU (inductor: faster than eager on every step measured, README
+  "Measured figures"). Warm-up of target + draft + assistant takes minutes with a cold inductor cache, ~25 s
+  warm: torch's FX-graph and AOTAutograd caches persist across processes in TORCHINDUCTOR_CACHE_DIR, default
+  /tmp/torchinductor_$USER.
 
 Warm up after every model is loaded and the thread count is set: compiled graphs guard on torch's thread count and
 on the registered pytree types, and a change recompiles (slowly, but correctly).
@@ -185,8 +185,8 @@ class _Steps:
             return function
         if self.mode == 'cudagraph':
             return _Graph(function, inputs, self._pool)
-        if self.dynamic:
-            return torch.compile(_fresh(function), fullgraph=True, dynamic=False)
+        if self.dynamic:  # the graph's wrapper in C++: no Python between its kernels (model.py: _step_layer_region)
+            return torch.compile(_fresh(function), fullgraph=True, dynamic=False, options={'cpp_wrapper': True})
         compiled = torch.compile(_fresh(function), fullgraph=True, dynamic=False, mode='reduce-overhead')
 
         def run_captured(*inputs):  # outputs of inductor's CUDA graphs are overwritten by the next replay: copy
