@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from gemma_spec_ros.engine.fast import model as fast_model
 from gemma_spec_ros.engine.fast.cache import StaticKvCache
 from gemma_spec_ros.engine.fast.runner import FastAssistant, FastCausalLM, resolve_compile_mode
 
@@ -279,8 +280,11 @@ def test_compile_modes():
 
 @pytest.mark.skipif(os.environ.get('GEMMA_SPEC_COMPILE_TESTS') != '1',
                     reason='inductor compiles take minutes on a shared CPU: set GEMMA_SPEC_COMPILE_TESTS=1')
-def test_inductor_steps_match_eager_without_recompiling(models):
+@pytest.mark.parametrize('inline', [True, False], ids=['layers inlined, C++ wrapper', 'a region per layer shape'])
+def test_inductor_steps_match_eager_without_recompiling(models, monkeypatch, inline):
     """Two graphs (q = 1, q >= 2) serve every query length and position; the assistant's serves every position."""
+    if not inline:  # the path of models deeper than INLINE_MAX_LAYERS
+        monkeypatch.setattr(fast_model, 'INLINE_MAX_LAYERS', 0)
     model = models['plain']
     assistant = _assistant(model, ordered=True)  # load every model first: that can register new pytree types,
     eager = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')  # which compiled graphs guard on

@@ -251,11 +251,14 @@ def _step_layer(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_inpu
     return _finish(shape, w, hidden, _attend(query, keys, values, mask), per_layer_input)
 
 
-# Compiled for CUDA, a layer is compiled once per layer shape and reused (hierarchical compilation), which keeps the
-# compile time independent of the depth. Compiled for CPU, the layers are inlined into one graph instead: inductor
-# then writes the graph's wrapper in C++ (runner: cpp_wrapper, which cannot call a nested region), and a step runs
-# its kernels without Python between them (bundled target: plain step 8.8 -> 7.7 ms in an A/B).
+# A layer is compiled once per layer shape and reused (hierarchical compilation), which keeps the compile time
+# independent of the depth. Compiled for CPU, a model of at most INLINE_MAX_LAYERS layers inlines them into one graph
+# instead: inductor then writes the graph's wrapper in C++ (runner: cpp_wrapper, which cannot call a nested region),
+# and a step runs its kernels without Python between them (bundled 12-layer target: plain step 8.8 -> 7.7 ms in an
+# A/B, its cold compile 1.8x longer). Deeper models (Gemma-4-E2B: 35 layers) keep the regions: their compile time
+# would grow with the depth.
 _step_layer_region = torch.compiler.nested_compile_region(_step_layer)
+INLINE_MAX_LAYERS = 16
 
 
 def _check_activation(config) -> None:
@@ -282,6 +285,11 @@ class _Decoder:
 
     layers: list[_Layer]
 
+    @property
+    def inlines_layers(self) -> bool:
+        """Whether steps compiled for CPU inline the layers into one graph (else one region per layer shape)."""
+        return len(self.layers) <= INLINE_MAX_LAYERS
+
     def _layers(self, hidden: torch.Tensor, state: _Pass, per_layer: torch.Tensor | None) -> torch.Tensor:
         cache = state.cache
         slots = {kind: cache.write_slots(kind, state.positions) for kind in (FULL, SLIDING)}
@@ -291,7 +299,8 @@ class _Decoder:
             per_layer_input = None if per_layer is None else per_layer[:, index]
             keys, values = cache.keys[layer.kv_index], cache.values[layer.kv_index]
             if state.pending is None:
-                step_layer = _step_layer if _compiling_for_cpu(hidden) else _step_layer_region
+                inline = self.inlines_layers and _compiling_for_cpu(hidden)
+                step_layer = _step_layer if inline else _step_layer_region
                 hidden = step_layer(layer.shape, layer.weights, hidden, per_layer_input, cos, sin, state.masks[kind],
                                     keys, values, slots[kind])
                 continue

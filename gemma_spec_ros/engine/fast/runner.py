@@ -3,8 +3,9 @@ Step functions per query length over the lean forward and the static cache: eage
 
 - ``eager``: the lean forward runs eager on the static cache.
 - ``inductor``: torch.compile graphs. On CPU two per step function, q = 1 and q >= 2, with the query length and the
-  full-attention key length dynamic, so they serve every q and position; their wrappers are C++ (cpp_wrapper). On
-  CUDA one per (q, key-length bucket), captured as CUDA graphs by inductor (mode reduce-overhead).
+  full-attention key length dynamic, so they serve every q and position; for models of up to 16 layers their
+  wrappers are C++ (cpp_wrapper). On CUDA one per (q, key-length bucket), captured as CUDA graphs by inductor (mode
+  reduce-overhead).
 - ``cudagraph`` (CUDA only): the eager lean forward captured as a torch.cuda.CUDAGraph per (q, logits kept,
   key-length bucket), replayed on static input buffers.
 - ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU (inductor: faster than eager on every step measured, README
@@ -119,10 +120,12 @@ class _Steps:
     every step. Otherwise a variant is one q and, unless eager, one full-attention key-length bucket.
     """
 
-    def __init__(self, mode: str, device: torch.device, context_limit: int):
+    def __init__(self, mode: str, device: torch.device, context_limit: int, cpp_wrapper: bool):
+        """cpp_wrapper: CPU graphs get C++ wrappers (for models whose layers are inlined: LeanGemma4.inlines_layers)."""
         self.mode = mode
         self.context_limit = context_limit
         self.dynamic = mode == 'inductor' and device.type == 'cpu'
+        self._options = {'cpp_wrapper': cpp_wrapper}
         self._variants: dict[tuple, Callable] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == 'cudagraph' else None
 
@@ -185,8 +188,8 @@ class _Steps:
             return function
         if self.mode == 'cudagraph':
             return _Graph(function, inputs, self._pool)
-        if self.dynamic:  # the graph's wrapper in C++: no Python between its kernels (model.py: _step_layer_region)
-            return torch.compile(_fresh(function), fullgraph=True, dynamic=False, options={'cpp_wrapper': True})
+        if self.dynamic:  # with cpp_wrapper no Python runs between the graph's kernels (model.py: INLINE_MAX_LAYERS)
+            return torch.compile(_fresh(function), fullgraph=True, dynamic=False, options=self._options)
         compiled = torch.compile(_fresh(function), fullgraph=True, dynamic=False, mode='reduce-overhead')
 
         def run_captured(*inputs):  # outputs of inductor's CUDA graphs are overwritten by the next replay: copy
@@ -209,7 +212,7 @@ class FastCausalLM:
         self.cache: StaticKvCache = self.lean.new_cache(context_limit, max_query)
         self.max_query = max_query
         self.mode = resolve_compile_mode(compile_mode, self.lean.device)
-        self._steps = _Steps(self.mode, self.lean.device, context_limit)
+        self._steps = _Steps(self.mode, self.lean.device, context_limit, self.lean.inlines_layers)
 
     @property
     def length(self) -> int:
@@ -310,7 +313,7 @@ class FastAssistant:
         self.mode = resolve_compile_mode(compile_mode, target.lean.device)
         compiled_for_cpu = self.mode == 'inductor' and target.lean.device.type == 'cpu'
         self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu else None
-        self._steps = _Steps(self.mode, target.lean.device, target.cache.context_limit)
+        self._steps = _Steps(self.mode, target.lean.device, target.cache.context_limit, self.lean.inlines_layers)
 
     @torch.inference_mode()
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int) -> StepOutput:
