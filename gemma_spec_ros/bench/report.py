@@ -176,7 +176,7 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
     if ours and hf and ours.tokens_per_s and hf.tokens_per_s:
         ours_pass = next(iter(probe.get('engine_forward_ms', {}).values()), {})  # the first mode's: ours
         lines += ['', 'Plain decoding per token: ours {:.2f} ms, transformers generate {:.2f} ms; a bare 1-token '
-                  "target forward: transformers' {:.2f} ms{} (the rest is loop overhead).".format(
+                  "target forward: transformers' {:.2f} ms{}.".format(
                       1000.0 / ours.tokens_per_s, 1000.0 / hf.tokens_per_s, probe['target_forward_ms'][1],
                       ", our engine's {:.2f} ms".format(ours_pass[1]) if ours_pass else '')]
     for key, label in (('hf_calibration', 'transformers eager'), ('hf_static_calibration', 'transformers static')):
