@@ -293,14 +293,13 @@ class _Decoder:
     def _layers(self, hidden: torch.Tensor, state: _Pass, per_layer: torch.Tensor | None) -> torch.Tensor:
         cache = state.cache
         slots = {kind: cache.write_slots(kind, state.positions) for kind in (FULL, SLIDING)}
+        step_layer = _step_layer if self.inlines_layers and _compiling_for_cpu(hidden) else _step_layer_region
         for index, layer in enumerate(self.layers):
             kind = layer.shape.layer_type
             cos, sin = state.rope[kind]
             per_layer_input = None if per_layer is None else per_layer[:, index]
             keys, values = cache.keys[layer.kv_index], cache.values[layer.kv_index]
             if state.pending is None:
-                inline = self.inlines_layers and _compiling_for_cpu(hidden)
-                step_layer = _step_layer if inline else _step_layer_region
                 hidden = step_layer(layer.shape, layer.weights, hidden, per_layer_input, cos, sin, state.masks[kind],
                                     keys, values, slots[kind])
                 continue

@@ -3,9 +3,9 @@ Step functions per query length over the lean forward and the static cache: eage
 
 - ``eager``: the lean forward runs eager on the static cache.
 - ``inductor``: torch.compile graphs. On CPU two per step function, q = 1 and q >= 2, with the query length and the
-  full-attention key length dynamic, so they serve every q and position; for models of up to 16 layers their
-  wrappers are C++ (cpp_wrapper). On CUDA one per (q, key-length bucket), captured as CUDA graphs by inductor (mode
-  reduce-overhead).
+  full-attention key length dynamic, so they serve every q and position; for models of up to
+  model.INLINE_MAX_LAYERS layers their wrappers are C++ (cpp_wrapper). On CUDA one per (q, key-length bucket),
+  captured as CUDA graphs by inductor (mode reduce-overhead).
 - ``cudagraph`` (CUDA only): the eager lean forward captured as a torch.cuda.CUDAGraph per (q, logits kept,
   key-length bucket), replayed on static input buffers.
 - ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU (inductor: faster than eager on every step measured, README
@@ -121,7 +121,7 @@ class _Steps:
     """
 
     def __init__(self, mode: str, device: torch.device, context_limit: int, cpp_wrapper: bool):
-        """cpp_wrapper: CPU graphs get C++ wrappers (for models whose layers are inlined: LeanGemma4.inlines_layers)."""
+        """cpp_wrapper: C++ wrappers for CPU graphs (for models whose layers are inlined: inlines_layers)."""
         self.mode = mode
         self.context_limit = context_limit
         self.dynamic = mode == 'inductor' and device.type == 'cpu'
