@@ -8,6 +8,7 @@ verify_cost[n - 1] (measured on the bundled target), scaled by a load factor.
 
 import json
 import random
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,6 +165,20 @@ def test_scripted_mixed_prompt_gate_reacts_within_a_few_rounds():
     assert resumed - 300 <= 2 * (16 + PROBE_ROUNDS)                      # prose -> code: within two probes
     assert all(d.speculating for d in result.decisions[resumed:])
     assert result.flips(1) == 2                                          # one pause, one resume
+
+
+def test_a_text_that_accepts_more_than_the_last_one_soon_drafts_long():
+    # after a text whose later drafts fail, a text that accepts 95 % of drafts: the positions the short drafts
+    # never reach must not keep the old text's estimates (they kept K = 1 for 30+ rounds on some seeds)
+    ratios = []
+    for seed in range(10):
+        rng = random.Random(seed)
+        controller, cost = new_controller(gate=False)
+        replay(controller, cost, scripted_run_lengths([0.8, 0.5] + [0.4] * 6, 60, rng), c=0.2)
+        controller.start()
+        run_lengths = scripted_run_lengths([0.95] * 8, 40, rng)
+        ratios.append(replay(controller, cost, run_lengths, c=0.2).rate / max(fixed_k_rates(run_lengths, 0.2).values()))
+    assert statistics.mean(ratios) >= 0.88, ratios  # 0.83 when undrafted positions kept their old evidence
 
 
 def test_new_request_lets_a_paused_gate_probe_at_once():

@@ -17,7 +17,9 @@ decoding. It pauses when even an optimistic reading of the acceptance (one stand
 when probes show a clear gain; the band between keeps a steady gain from flipping the gate. A CUSUM test on the
 accepted counts notices when the text changes character (code to prose) and rebuilds the recent estimates from the
 rounds since the change, so the gate reacts within a few rounds. While paused, old evidence fades with every plain
-round, so probes soon decide.
+round, so probes soon decide. In the recent and the per-state long-run estimates, the evidence of positions beyond
+the drafted K fades faster than that of drafted ones. It was measured on older text, and left as it was it kept K
+low on a later text that accepts far more; an undrafted position's estimate now falls back to the pooled one.
 
 Exploration is bounded and counted: now and then one round drafts K + 1 to measure the next position, while
 paused a few probe rounds run at least every probe_interval rounds (sooner when probing costs little), and with
@@ -34,6 +36,8 @@ from .stats import expected_tokens
 DECAY = 0.98              # per round, weight of older rounds in the recent acceptance and draft-cost estimates
 LONG_DECAY = 0.995        # per round, the long-run acceptance that recent estimates shrink toward (and fall back
                           # to at positions not judged lately)
+UNDRAFTED_DECAY = 0.8     # per round, extra weight left to the recent and per-state evidence of the positions the
+                          # round did not draft
 PRIOR_ALPHA = 0.5         # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 2.0        # rounds' worth of weight of the prior of each position
 AFTER_MISS, AFTER_FULL = 0, 1  # acceptance states: the previous round had a rejected draft (or was plain) / had none
@@ -188,18 +192,24 @@ class DraftCost:
 
 
 class PositionCounts:
-    """Decayed per-position counts: judged[i] rounds reached draft i+1 (all earlier accepted), kept[i] accepted it."""
+    """
+    Decayed per-position counts: judged[i] rounds reached draft i+1 (all earlier accepted), kept[i] accepted it.
 
-    def __init__(self, max_k: int, decay: float):
+    A round that did not draft position i+1 fades its counts by undrafted_decay besides the decay.
+    """
+
+    def __init__(self, max_k: int, decay: float, undrafted_decay: float = 1.0):
         self.decay = decay
+        self.undrafted_decay = undrafted_decay
         self.judged = [0.0] * max_k  # [K]
         self.kept = [0.0] * max_k    # [K]
 
     def add(self, num_drafted: int, num_accepted: int) -> None:
         reached = min(num_drafted, num_accepted + 1)
         for position in range(len(self.judged)):
-            self.judged[position] = self.decay * self.judged[position] + (position < reached)
-            self.kept[position] = self.decay * self.kept[position] + (position < num_accepted)
+            decay = self.decay if position < num_drafted else self.decay * self.undrafted_decay
+            self.judged[position] = decay * self.judged[position] + (position < reached)
+            self.kept[position] = decay * self.kept[position] + (position < num_accepted)
 
     def fade(self, factor: float | None = None) -> None:
         """Age the counts by one round that judged nothing here (or scale them by factor)."""
@@ -259,9 +269,9 @@ class AdaptiveK:
         self.probe_interval = max(1, probe_interval)
         self.speculating = True
         self.exploration = ExplorationCost()
-        self._pooled = PositionCounts(max_k, LONG_DECAY)                     # all rounds: prior of the states
-        self._long = [PositionCounts(max_k, LONG_DECAY) for _ in range(2)]   # [AFTER_MISS, AFTER_FULL]
-        self._recent = [PositionCounts(max_k, DECAY) for _ in range(2)]
+        self._pooled = PositionCounts(max_k, LONG_DECAY)  # all rounds: prior of the states
+        self._long = [PositionCounts(max_k, LONG_DECAY, UNDRAFTED_DECAY) for _ in range(2)]  # [AFTER_MISS, AFTER_FULL]
+        self._recent = [PositionCounts(max_k, DECAY, UNDRAFTED_DECAY) for _ in range(2)]
         self._state = AFTER_MISS                     # the state the next round starts in
         self._accepted = PRIOR_ALPHA * PRIOR_WEIGHT  # decayed accepted drafts
         self._evaluated = PRIOR_WEIGHT               # decayed drafts the target judged (accepted + first rejected)
@@ -457,7 +467,7 @@ class AdaptiveK:
             return
         since = self._since_up if self._cusum_up >= CUSUM_ALARM else self._since_down
         changed = list(self._history)[len(self._history) - min(since - 1, len(self._history)):]
-        self._recent = [PositionCounts(self.max_k, DECAY) for _ in range(2)]
+        self._recent = [PositionCounts(self.max_k, DECAY, UNDRAFTED_DECAY) for _ in range(2)]
         for state, drafted, accepted in changed:
             self._add(state, drafted, accepted)
         for counts in (self._pooled, *self._long):
