@@ -186,17 +186,20 @@ def test_leviathan_model():
     probe = CostProbe(context_tokens=100, rounds=1, target_forward_ms={1: 10.0, 3: 12.0}, verify_cost={1: 1.0, 3: 1.2},
                       draft_step_ms=1.0, assistant_step_ms=1.0, draft_cost_ratio={})
     assert probe.verify_cost_at(2) == pytest.approx(1.1)
-    tau, speedup = predict_speedup(0.5, 2, 1.0, 0.1, probe)
+    tau, speedup = predict_speedup(0.5, [0, 0, 7], 0.1, probe)  # 7 rounds of K = 2
     assert tau == pytest.approx(1.75)
     assert speedup == pytest.approx(1.75 / (2 * 0.1 + 1.2))
     # Rounds with nothing to draft are plain rounds: one token for one 1-token pass.
-    tau, speedup = predict_speedup(0.5, 2, 0.5, 0.0, probe)
+    tau, speedup = predict_speedup(0.5, [3, 0, 3], 0.0, probe)
     assert tau == pytest.approx(0.5 * 1.75 + 0.5)
     assert speedup == pytest.approx(tau / (0.5 * 1.2 + 0.5))
+    # K varies (adaptive K, short n-gram matches): each round is predicted at its own K, not all at the mean K.
+    tau, _ = predict_speedup(0.5, [0, 1, 0, 1], 0.0, probe)
+    assert tau == pytest.approx(0.5 * 1.5 + 0.5 * 1.875) and tau < 1.75
     # Our systems are predicted on the curve of our own verify passes.
     probe.engine_verify_cost = {'auto': {1: 1.0, 3: 1.5}}
     assert probe.verify_cost_at(2, 'auto') == pytest.approx(1.25)
-    tau, speedup = predict_speedup(0.5, 2, 1.0, 0.1, probe, 'auto')
+    tau, speedup = predict_speedup(0.5, [0, 0, 1], 0.1, probe, 'auto')
     assert speedup == pytest.approx(1.75 / (2 * 0.1 + 1.5))
 
 

@@ -52,7 +52,11 @@ def test_greedy_parity_adaptive_k(tiny_engine, reference, drafter):
 def test_ngram_accepts_on_repetitive_prompt(tiny_engine, reference):
     result = tiny_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=LONG, drafter='ngram',
                                                     num_draft_tokens=4))
-    assert result.stats.accepted_tokens > 0 and result.stats.tau > 1.0
+    stats = result.stats
+    assert stats.accepted_tokens > 0 and stats.tau > 1.0
+    by_length = stats.rounds_by_draft_length  # n-gram rounds draft what the prompt matches: 0..K
+    assert len(by_length) <= 5 and sum(by_length) == stats.target_passes - 1
+    assert sum(k * rounds for k, rounds in enumerate(by_length)) == stats.drafted_tokens
 
 
 @pytest.mark.parametrize('k', [1, 3, 8])
@@ -65,6 +69,9 @@ def test_agreeing_drafter_accepts_everything(agreeing_engine, reference, k):
     assert stats.acceptance_rate == 1.0 and stats.per_position_acceptance == [1.0] * k
     assert stats.target_passes == 1 + math.ceil((LONG - 1) / (k + 1))
     assert stats.tau == pytest.approx(LONG / stats.target_passes)
+    by_length = stats.rounds_by_draft_length  # every round drafts K but the last, which the token budget may cut
+    assert sum(by_length) == stats.target_passes - 1 and by_length[k] >= sum(by_length) - 1
+    assert sum(n * rounds for n, rounds in enumerate(by_length)) == stats.drafted_tokens
 
 
 def test_agreeing_drafter_sampled_proposals_are_accepted(agreeing_engine):

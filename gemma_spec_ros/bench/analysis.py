@@ -150,25 +150,40 @@ def fit_alpha(samples: list[Measurement]) -> float | None:
     return accepted / reached if reached else None
 
 
-def round_cost(k: float, drafting_share: float, cost_ratio: float, probe: CostProbe, compile_mode: str = '') -> float:
+def round_cost(rounds_by_draft_length: list[int], cost_ratio: float, probe: CostProbe,
+               compile_mode: str = '') -> float:
     """
-    Mean cost of a decode round in 1-token target passes: k * c + v(k + 1) when drafting, 1 when plain.
+    Mean cost of a decode round in 1-token target passes: k * c + v(k + 1) for a round that drafted k (plain: 1).
 
-    v is our engine's curve in compile_mode when given (else transformers' forward's).
+    rounds_by_draft_length[k]: rounds that drafted k tokens. v is our engine's curve in compile_mode when given
+    (else transformers' forward's).
     """
-    verify = probe.verify_cost_at(k + 1, compile_mode)
-    return drafting_share * (k * cost_ratio + verify) + (1.0 - drafting_share)
+    total = sum(count * (k * cost_ratio + probe.verify_cost_at(k + 1, compile_mode))
+                for k, count in enumerate(rounds_by_draft_length))
+    return total / sum(rounds_by_draft_length)
 
 
-def predict_speedup(alpha: float, k: float, drafting_share: float, cost_ratio: float,
-                    probe: CostProbe, compile_mode: str = '') -> tuple[float, float]:
+def predict_speedup(alpha: float, rounds_by_draft_length: list[int], cost_ratio: float, probe: CostProbe,
+                    compile_mode: str = '') -> tuple[float, float]:
     """
-    Predict (tau, speedup) per decode round; a share of rounds may find nothing to draft (plain rounds).
+    Predict (tau, speedup) per decode round from the rounds' draft lengths (K varies: adaptive K, short n-grams).
 
-    A drafting round yields E(alpha, k) tokens, a plain round 1; speedup = tokens per round / round_cost.
+    A round that drafted k yields E(alpha, k) tokens (a plain round 1); speedup = tokens per round / round_cost.
+    Taking E at the mean K instead would over-predict: E is concave in k.
     """
-    tokens = drafting_share * iid_expected_tokens(alpha, k) + (1.0 - drafting_share)
-    return tokens, tokens / round_cost(k, drafting_share, cost_ratio, probe, compile_mode)
+    tokens = sum(count * iid_expected_tokens(alpha, k) for k, count in enumerate(rounds_by_draft_length))
+    tokens /= sum(rounds_by_draft_length)
+    return tokens, tokens / round_cost(rounds_by_draft_length, cost_ratio, probe, compile_mode)
+
+
+def _draft_lengths(samples: list[Measurement]) -> list[int]:
+    """Return the decode rounds by draft length, summed over samples ([] when none reports them)."""
+    counts: list[int] = []
+    for sample in samples:
+        counts += [0] * (len(sample.rounds_by_draft_length) - len(counts))
+        for k, count in enumerate(sample.rounds_by_draft_length):
+            counts[k] += count
+    return counts
 
 
 def _rate(samples: list[Measurement]) -> float:
@@ -209,17 +224,12 @@ def _cell(system: System, category: str, samples: list[Measurement], probe: Cost
     cell.draft_cost_ratio = statistics.median(engine_costs) if engine_costs else probe.draft_cost_ratio[
         system.drafter]
     cell.alpha = fit_alpha(samples)
-    if cell.alpha is not None:
-        if system.k:  # rounds that drafted anything drafted K (ngram may find no match)
-            k, share = float(system.k), min(1.0, cell.mean_k / system.k)
-        else:  # adaptive: rounds the profit gate paused are plain; the others draft their mean K
-            paused = sum(s.paused_rounds for s in samples)
-            share = _ratio(decode_passes - paused, decode_passes)
-            k = _ratio(drafted, decode_passes - paused)
+    draft_lengths = _draft_lengths(samples)
+    if cell.alpha is not None and sum(draft_lengths):
         mode = system.compile or 'auto'  # our verify passes cost what our decode steps cost
-        cell.predicted_tau, cell.predicted_speedup = predict_speedup(cell.alpha, k, share, cell.draft_cost_ratio,
-                                                                     probe, mode)
-        cell.tau_cost_speedup = cell.tau / round_cost(k, share, cell.draft_cost_ratio, probe, mode)
+        cell.predicted_tau, cell.predicted_speedup = predict_speedup(cell.alpha, draft_lengths,
+                                                                     cell.draft_cost_ratio, probe, mode)
+        cell.tau_cost_speedup = cell.tau / round_cost(draft_lengths, cell.draft_cost_ratio, probe, mode)
     return cell
 
 

@@ -92,6 +92,7 @@ class Measurement:
     token_ids: list[int] = field(repr=False, default_factory=list)
     structure_complete: bool = False  # the output completed the request's json_schema (constrained runs)
     decode_cpu_s: float = 0.0      # our engine: CPU seconds of the generating thread over decode_s
+    rounds_by_draft_length: list[int] = field(default_factory=list)  # [K + 1] decode rounds that drafted k (ours)
 
 
 @dataclass

@@ -66,6 +66,7 @@ class Outcome:
     accepted_tokens: int
     per_position_acceptance: list[float] = field(default_factory=list)
     mean_num_draft_tokens: float = 0.0
+    rounds_by_draft_length: list[int] = field(default_factory=list)  # [K + 1] decode rounds that drafted k (ours)
     draft_cost_ratio: float = 0.0
     paused_rounds: int = 0         # rounds our profit gate ran plain
     drafter_used: str = 'none'
@@ -110,7 +111,8 @@ class EngineRunner:
             wall_s=returned[0] - start,
             target_passes=stats.target_passes, drafted_tokens=stats.drafted_tokens,
             accepted_tokens=stats.accepted_tokens, per_position_acceptance=list(stats.per_position_acceptance),
-            mean_num_draft_tokens=stats.mean_num_draft_tokens, draft_cost_ratio=stats.draft_cost_ratio,
+            mean_num_draft_tokens=stats.mean_num_draft_tokens,
+            rounds_by_draft_length=list(stats.rounds_by_draft_length), draft_cost_ratio=stats.draft_cost_ratio,
             paused_rounds=stats.paused_rounds, drafter_used=stats.drafter, warnings=list(result.warnings),
             structure_complete=result.structure_complete, decode_cpu_s=end_cpu - first_cpu)
 

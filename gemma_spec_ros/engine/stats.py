@@ -95,6 +95,7 @@ class RoundTally:
     drafted: int = 0
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)    # [K] rounds that drafted position i
+    by_draft_length: list[int] = field(default_factory=lambda: [0])  # [K + 1] rounds that drafted k tokens
     accepted_at: list[int] = field(default_factory=list)   # [K] rounds that accepted position i
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) from the first token on
 
@@ -108,6 +109,9 @@ class RoundTally:
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.arrivals.append((emitted_time, num_accepted + 1))
+        while len(self.by_draft_length) <= num_drafted:
+            self.by_draft_length.append(0)
+        self.by_draft_length[num_drafted] += 1
         while len(self.drafted_at) < num_drafted:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
@@ -129,6 +133,7 @@ def generation_stats(tally: RoundTally, prompt_tokens: int, new_tokens: int, sta
         acceptance_rate=tally.accepted / tally.drafted if tally.drafted else 0.0,
         per_position_acceptance=[a / d for a, d in zip(tally.accepted_at, tally.drafted_at, strict=True)],
         mean_num_draft_tokens=tally.drafted / tally.rounds if tally.rounds else 0.0,
+        rounds_by_draft_length=list(tally.by_draft_length),
         draft_cost_ratio=draft_cost_ratio, drafter=drafter, paused_rounds=tally.paused_rounds,
         time_to_first_token=first_token_time - started,
         inter_token_latency_p50=percentile(gaps, 50), inter_token_latency_p95=percentile(gaps, 95),

@@ -120,6 +120,8 @@ class GenerationStats:
     acceptance_rate: float = 0.0
     per_position_acceptance: list[float] = field(default_factory=list)  # [K]
     mean_num_draft_tokens: float = 0.0
+    rounds_by_draft_length: list[int] = field(default_factory=list)  # [max drafts + 1] decode rounds that drafted
+                                                                     # k tokens (k = 0: a plain round)
     draft_cost_ratio: float = 0.0      # measured c
     drafter: str = 'none'              # drafter actually used
     paused_rounds: int = 0             # decode rounds run plain because the profit gate paused speculation
