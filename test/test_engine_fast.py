@@ -73,7 +73,8 @@ def test_mtp_assistant_reads_only_the_kept_target_cache(tiny_engine, reference):
         fresh_target.reset()
         fresh_target.prefill(torch.tensor([context.tokens[:-1]]))
         expected = fresh_assistant.step(context.last_token.unsqueeze(0), drafter._hidden, position).logits
-        actual = drafter._step(context.last_token, drafter._hidden, position, None)[0]
+        with drafter._steps_at(position) as step:
+            actual = step(context.last_token, drafter._hidden)[0]
         torch.testing.assert_close(actual, expected[:, -1], atol=1e-4, rtol=1e-4)
         checked.append(position)
         done, keep = len(context.tokens) - len(prompt_ids), position % (k + 1)

@@ -313,6 +313,29 @@ def test_inductor_steps_match_eager_without_recompiling(models, monkeypatch, inl
             token, hidden = expected.logits[:, :1].argmax(-1), expected.hidden[:, :1]
 
 
+def test_compiled_assistant_round_recompiles_when_threads_change(models):
+    """A draft round switches guard evaluation off once for all its steps; a thread-count change inside recompiles."""
+    target = models['plain']
+    assistant = _assistant(target, ordered=True)
+    eager = FastCausalLM(target, CONTEXT, MAX_QUERY, 'eager')
+    compiled, expected = FastAssistant(assistant, eager, 'inductor'), FastAssistant(assistant, eager, 'eager')
+    compiled.warmup()
+    out = eager.prefill(torch.tensor([[2, *range(10, 30)]]))
+    token, hidden = out.logits[:, -1:].argmax(-1), out.hidden[:, -1:]
+    threads = torch.get_num_threads()
+    try:
+        with compiled.drafting(eager.length) as step, expected.drafting(eager.length) as expected_step:
+            for index in range(4):
+                if index == 2:
+                    torch.set_num_threads(threads + 1)
+                got, want = step(token, hidden), expected_step(token, hidden)
+                _close(got.logits, want.logits)
+                _close(got.hidden, want.hidden)
+                token, hidden = want.logits.argmax(-1), want.hidden
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_exact_half_dtype_keeps_every_value():
     from gemma_spec_ros.engine.fast.model import exact_half_dtype
 

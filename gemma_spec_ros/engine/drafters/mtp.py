@@ -1,5 +1,8 @@
 """The Gemma 4 MTP assistant: drafts from the target's last hidden state and K/V."""
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 
 from .. import causal_lm, models
@@ -67,30 +70,36 @@ class MtpDrafter(Drafter):
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         if self._hidden is None:
             return None
-        position = len(context.tokens) - 1
-        # transformers' path takes the position as a tensor: made once per round, not per step
-        position_ids = None if self._fast is not None else torch.tensor([[position]], device=self._hidden.device)
         token = context.last_token
         hidden = self._hidden
-        with grammar_lookahead(context) as look:
+        with grammar_lookahead(context) as look, self._steps_at(len(context.tokens) - 1) as step:
             drafts = DraftRound(context, context.min_confidence, look)
             for _ in range(k):
-                logits, hidden = self._step(token, hidden, position, position_ids)
+                logits, hidden = step(token, hidden)
                 token, more = drafts.draw(logits)
                 if not more:
                     break
         return drafts.proposal()
 
-    def _step(self, token: torch.Tensor, hidden: torch.Tensor, position: int,
-              position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    @contextmanager
+    def _steps_at(self, position: int) -> Iterator[Callable[[torch.Tensor, torch.Tensor], tuple]]:
         """
-        One draft step from token [1] and hidden [1, 1, backbone]: logits [1, vocab] and the next hidden.
+        Yield the draft step of one round at position: step(token [1], hidden [1, 1, backbone]) -> logits, hidden.
 
-        position_ids [1, 1]: position as a tensor on transformers' path, None on the fast path.
+        The logits are [1, vocab], the hidden feeds the next step. Every step of a round drafts at the same
+        position: what the steps share (the position tensor, on the fast path the guard stance) is set up once.
         """
         if self._fast is not None:
-            out = self._fast.step(token.unsqueeze(0), hidden, position)
-            return out.logits[:, -1], out.hidden
-        inputs = torch.cat([self._embed(token.unsqueeze(0)), hidden], dim=-1)  # [1, 1, 2 * hidden]
-        out = self._assistant(inputs_embeds=inputs, position_ids=position_ids, shared_kv_states=self._shared_kv)
-        return out.logits[:, -1], out.last_hidden_state
+            with self._fast.drafting(position) as fast_step:
+                def step(token, hidden):
+                    out = fast_step(token.unsqueeze(0), hidden)
+                    return out.logits[:, -1], out.hidden
+                yield step
+            return
+        position_ids = torch.tensor([[position]], device=self._hidden.device)
+
+        def step(token, hidden):
+            inputs = torch.cat([self._embed(token.unsqueeze(0)), hidden], dim=-1)  # [1, 2 * hidden]
+            out = self._assistant(inputs_embeds=inputs, position_ids=position_ids, shared_kv_states=self._shared_kv)
+            return out.logits[:, -1], out.last_hidden_state
+        yield step

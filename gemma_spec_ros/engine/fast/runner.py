@@ -21,7 +21,8 @@ import gc
 import linecache
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,7 @@ class _Steps:
         self._options = {'cpp_wrapper': cpp_wrapper}
         self._variants: dict[tuple, Callable] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == 'cudagraph' else None
+        self._skipping_guards = False
 
     @property
     def count(self) -> int:
@@ -168,20 +170,39 @@ class _Steps:
         if variant is None:
             variant = self._create(make(), (*inputs, kv_positions))
             self._variants[variant_key] = variant
-            outputs = variant(*inputs, kv_positions)  # compiles: every guard is built and checked
+            with torch.compiler.set_stance('default'):  # compiles: every guard is built and checked, even in a block
+                outputs = variant(*inputs, kv_positions)  # that skips guards
             if self.mode == 'inductor':
                 _release_compile_garbage()
             return outputs
         if self.dynamic:
-            # each variant is its own code object with one compiled entry, called only from here with inputs made
-            # the same way, so no guard can tell entries apart; skipping their evaluation saves ~0.5 ms a step
             try:
-                with torch.compiler.set_stance('default', skip_guard_eval_unsafe=True):
+                with self.skipping_guards():
                     return variant(*inputs, kv_positions)
             except RuntimeError as exc:  # raised before the graph runs when it must recompile (threads changed)
                 if 'skip_guard_eval_unsafe' not in str(exc):
                     raise
+            with torch.compiler.set_stance('default'):  # guards evaluated and the step recompiled, even in a block
+                return variant(*inputs, kv_positions)
         return variant(*inputs, kv_positions)
+
+    @contextmanager
+    def skipping_guards(self) -> Iterator[None]:
+        """
+        Skip the guard evaluation of the dynamic CPU variants run inside (a block of runs pays the stance once).
+
+        Each variant is its own code object with one compiled entry, called only from run() with inputs made the same
+        way, so no guard can tell entries apart; skipping their evaluation saves ~0.5 ms a step.
+        """
+        if not self.dynamic or self._skipping_guards:
+            yield
+            return
+        self._skipping_guards = True
+        try:
+            with torch.compiler.set_stance('default', skip_guard_eval_unsafe=True):
+                yield
+        finally:
+            self._skipping_guards = False
 
     def _create(self, function: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
         if self.mode == 'eager':
@@ -315,22 +336,37 @@ class FastAssistant:
         self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu else None
         self._steps = _Steps(self.mode, target.lean.device, target.cache.context_limit, self.lean.inlines_layers)
 
-    @torch.inference_mode()
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int) -> StepOutput:
         """
         One draft step at position (= the target cache length): token_ids [1, 1], hidden [1, 1, backbone].
 
         Returns logits [1, 1, vocab] and the hidden [1, 1, backbone] for the next step.
         """
+        with self.drafting(position) as step:
+            return step(token_ids, hidden)
+
+    @contextmanager
+    def drafting(self, position: int) -> Iterator[Callable[[torch.Tensor, torch.Tensor], StepOutput]]:
+        """
+        Yield the step function of one draft round at position: step(token_ids, hidden) as in step().
+
+        Every step of a round drafts at the same position: its position tensors are made, and the guard evaluation
+        switched off, once per round instead of once per step.
+        """
         cache = self.target.cache
         if not 0 < position <= cache.length:
             raise ValueError('the assistant drafts at a position in 1..{} (the target cache length), got {}'.format(
                 cache.length, position))
-        positions = torch.tensor([position], device=self.target.lean.device)
-        kv_positions = cache.key_positions[:self._steps.key_length(position)]
-        logits, projected = self._steps.run((1,), self._step_function, (token_ids, hidden, positions), kv_positions,
-                                            dynamic_dims=(None, None, None))
-        return StepOutput(logits, projected)
+        with torch.inference_mode(), self._steps.skipping_guards():
+            positions = torch.tensor([position], device=self.target.lean.device)
+            kv_positions = cache.key_positions[:self._steps.key_length(position)]
+
+            def step(token_ids: torch.Tensor, hidden: torch.Tensor) -> StepOutput:
+                logits, projected = self._steps.run((1,), self._step_function, (token_ids, hidden, positions),
+                                                    kv_positions, dynamic_dims=(None, None, None))
+                return StepOutput(logits, projected)
+
+            yield step
 
     def _step_function(self):
         lean, cache = self.lean, self.target.cache
