@@ -8,7 +8,7 @@ import torch
 
 from gemma_spec_ros.engine.fast import model as fast_model
 from gemma_spec_ros.engine.fast.cache import StaticKvCache
-from gemma_spec_ros.engine.fast.runner import FastAssistant, FastCausalLM, resolve_compile_mode
+from gemma_spec_ros.engine.fast.runner import GREEDY_STEPS, FastAssistant, FastCausalLM, resolve_compile_mode
 
 WINDOW = 8
 MAX_QUERY = 9          # K_max + 1 with K_max = 8
@@ -293,7 +293,7 @@ def test_inductor_steps_match_eager_without_recompiling(models, monkeypatch, inl
     assert (report.mode, report.graphs) == ('inductor', 2)
     eager_assistant, compiled_assistant = FastAssistant(assistant, eager, 'eager'), FastAssistant(assistant, eager,
                                                                                                   'inductor')
-    assert compiled_assistant.warmup().graphs == 1
+    assert compiled_assistant.warmup().graphs == 1 + len(GREEDY_STEPS)  # the step, and the greedy rounds' steps
     prompt = torch.tensor([[2, *range(10, 30)]])
     hidden = eager.prefill(prompt).hidden
     compiled.prefill(prompt)
@@ -304,6 +304,7 @@ def test_inductor_steps_match_eager_without_recompiling(models, monkeypatch, inl
                 token, hidden, eager.length)
             _close(actual.logits, expected.logits)
             _close(actual.hidden, expected.hidden)
+            compiled_assistant.greedy_drafts(token, hidden, eager.length, 7)  # every greedy step function
             ids = torch.cat([token, torch.arange(40, 40 + q - 1)[None]], dim=1)
             expected, actual = eager.step(ids), compiled.step(ids)
             _close(actual.logits, expected.logits)
@@ -334,6 +335,28 @@ def test_compiled_assistant_round_recompiles_when_threads_change(models):
                 token, hidden = want.logits.argmax(-1), want.hidden
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize('mode', ['eager', 'inductor'])
+def test_greedy_drafts_are_the_argmax_of_each_step(models, mode):
+    """Greedy rounds run several steps per call (GREEDY_STEPS): the same drafts and confidences as step by step."""
+    target = models['plain']
+    eager = FastCausalLM(target, CONTEXT, MAX_QUERY, 'eager')
+    assistant = FastAssistant(_assistant(target, ordered=True), eager, mode)
+    assistant.warmup()
+    out = eager.prefill(torch.tensor([[2, *range(10, 30)]]))
+    first_token, first_hidden = out.logits[:, -1:].argmax(-1), out.hidden[:, -1:]
+    for k in (1, 3, 4, 7):  # one call, two, one, three
+        tokens, confidences = assistant.greedy_drafts(first_token, first_hidden, eager.length, k)
+        token, hidden, expected_tokens, expected_confidences = first_token, first_hidden, [], []
+        for _ in range(k):
+            step = assistant.step(token, hidden, eager.length)
+            probs = torch.softmax(step.logits[0, -1].float(), dim=-1)
+            token, hidden = probs.argmax().view(1, 1), step.hidden
+            expected_tokens.append(token.item())
+            expected_confidences.append(probs.max())
+        assert tokens.tolist() == expected_tokens
+        _close(confidences, torch.stack(expected_confidences))
 
 
 def test_exact_half_dtype_keeps_every_value():

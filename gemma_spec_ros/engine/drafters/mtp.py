@@ -16,9 +16,10 @@ class MtpDrafter(Drafter):
 
     Every draft step feeds [target embedding of the last token, hidden state] at the same position and attends the
     target's K/V of the tokens before it. On the fast path one step function reads the target's static cache (the
-    rolled-back drafts are outside its masks); on transformers' path the assistant gets the shared K/V of each
-    target pass, cut to the kept tokens. It stops early only at the confidence cut-off the adaptive controller
-    calibrated for it (none unless replaying its rounds shows that one pays).
+    rolled-back drafts are outside its masks), and greedy rounds without grammar or cut-off run several steps per
+    call (FastAssistant.greedy_drafts); on transformers' path the assistant gets the shared K/V of each target
+    pass, cut to the kept tokens. It stops early only at the confidence cut-off the adaptive controller calibrated
+    for it (none unless replaying its rounds shows that one pays).
     """
 
     name = 'mtp'
@@ -70,9 +71,14 @@ class MtpDrafter(Drafter):
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         if self._hidden is None:
             return None
+        position = len(context.tokens) - 1
+        if self._fast is not None and context.sampling.greedy and context.constraint is None \
+                and not context.min_confidence:  # nothing to decide between the steps: several per call
+            tokens, confidences = self._fast.greedy_drafts(context.last_token.view(1, 1), self._hidden, position, k)
+            return Proposal(tokens, None, confidences)
         token = context.last_token
         hidden = self._hidden
-        with grammar_lookahead(context) as look, self._steps_at(len(context.tokens) - 1) as step:
+        with grammar_lookahead(context) as look, self._steps_at(position) as step:
             drafts = DraftRound(context, context.min_confidence, look)
             for _ in range(k):
                 logits, hidden = step(token, hidden)
