@@ -32,6 +32,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the argmax of logits [..., vocab] and its probability (a greedy draft's confidence), each [...]."""
+    logits = logits.float()
+    return logits.argmax(dim=-1), torch.softmax(logits, dim=-1).amax(dim=-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row of probs [n, vocab] -> [n]."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

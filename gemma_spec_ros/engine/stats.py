@@ -95,8 +95,8 @@ class RoundTally:
     drafted: int = 0
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)    # [K] rounds that drafted position i
-    by_draft_length: list[int] = field(default_factory=lambda: [0])  # [K + 1] rounds that drafted k tokens
     accepted_at: list[int] = field(default_factory=list)   # [K] rounds that accepted position i
+    by_draft_length: list[int] = field(default_factory=lambda: [0])  # [K + 1] rounds that drafted k tokens
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) from the first token on
 
     def add_prefill(self, first_token_time: float) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from .. import models
 from ..grammar import GrammarConstraint, Lookahead, mask_logits
-from ..sampling import SamplingParams, logits_to_probs, sample
+from ..sampling import SamplingParams, greedy_pick, logits_to_probs, sample
 
 
 @dataclass
@@ -122,8 +122,7 @@ class DraftRound:
         if look is not None:
             logits = mask_logits(logits, look.mask(logits.device))
         if context.sampling.greedy:
-            token, draft_probs = logits.argmax(dim=-1), None
-            confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)  # [1]
+            (token, confidence), draft_probs = greedy_pick(logits), None  # [1] each
         else:
             draft_probs = logits_to_probs(logits, context.sampling)  # [1, vocab]
             token = sample(draft_probs, context.generator)

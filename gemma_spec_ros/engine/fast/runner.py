@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import greedy_pick
 from .cache import StaticKvCache
 from .model import LeanAssistant, LeanGemma4, StepOutput, store_exact_half
 
@@ -409,10 +410,10 @@ class FastAssistant:
             tokens, confidences = [], []
             for _ in range(num_steps):
                 out = lean.step(token_ids, hidden, positions, cache, kv_positions.shape[0])
-                logits = out.logits[0, -1].float()                       # [vocab]
-                tokens.append(logits.argmax())
-                confidences.append(torch.softmax(logits, dim=-1).amax())  # as DraftRound.draw's greedy confidence
-                token_ids, hidden = tokens[-1].view(1, 1), out.hidden
+                token, confidence = greedy_pick(out.logits[0, -1])  # as DraftRound.draw's greedy draft
+                tokens.append(token)
+                confidences.append(confidence)
+                token_ids, hidden = token.view(1, 1), out.hidden
             return torch.stack(tokens), torch.stack(confidences), hidden
         return steps
 
