@@ -310,7 +310,12 @@ def _get_metrics(url: str) -> str:
 
 
 class _Proxy:
-    """A TCP forwarder to the server on a fixed local port; stop() closes the listener and every connection."""
+    """
+    A TCP forwarder to the server on a fixed local port; stop() closes the listener and every connection.
+
+    After hold_streams(), an event stream stalls after its first event until stop() drops it: a server that dies
+    mid-stream, at a moment that does not race the stream's end.
+    """
 
     def __init__(self, target_port: int):
         self._target_port = target_port
@@ -319,9 +324,14 @@ class _Proxy:
 
     def start(self) -> None:
         self._sockets: list[socket.socket] = []
+        self._holding = False
+        self._dropped = threading.Event()
         self._listener = socket.create_server(('127.0.0.1', self.port))
         self._sockets.append(self._listener)
         threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def hold_streams(self) -> None:
+        self._holding = True
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -331,14 +341,17 @@ class _Proxy:
                 return
             upstream = socket.create_connection(('127.0.0.1', self._target_port))
             self._sockets += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, from_server: bool = False) -> None:
+        streaming = False
         try:
             while data := source.recv(65536):
                 sink.sendall(data)
+                streaming = streaming or (from_server and b'text/event-stream' in data)
+                if streaming and self._holding and b'data:' in data:
+                    self._dropped.wait()
         except OSError:
             pass
         for sock in (source, sink):
@@ -354,3 +367,4 @@ class _Proxy:
             except OSError:
                 pass
             sock.close()
+        self._dropped.set()

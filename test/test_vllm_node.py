@@ -88,7 +88,8 @@ def test_server_down_aborts_then_back_recovers_without_restart(context, server):
             engine_status(client, 'vllm_node_faults', lambda e: e[0] == 'OK')
             back = client.send(make_goal(CODE_PROMPT, max_new_tokens=16))
             assert back.status == 'succeeded' and back.result.stats.new_tokens == 16, back.result.error
-            # gone mid-goal: aborted with the partial text and the reason
+            # gone mid-goal: aborted with the partial text and the reason (the stream stalls until the cut)
+            proxy.hold_streams()
             cut = threading.Event()
 
             def on_feedback(feedback):
