@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.engine.adaptive import CUSUM_ALARM, PROBE_ROUNDS, AdaptiveK, TargetCost, drafts_under_cutoff
+from gemma_spec_ros.engine.adaptive import (
+    CUSUM_ALARM,
+    DECAY,
+    PROBE_ROUNDS,
+    AdaptiveK,
+    TargetCost,
+    drafts_under_cutoff,
+)
 
 DATA = json.loads((Path(__file__).parent / 'data' / 'acceptance_traces.json').read_text())
 VERIFY = DATA['verify_cost']  # [9] seconds of a pass over 1..9 tokens
@@ -211,7 +218,7 @@ def test_gate_ignores_a_load_change_between_plain_and_verify_passes():
     controller, cost = new_controller()
     result = replay(controller, cost, run_lengths, c=0.3, load=lambda index: 1.0 if index < 100 else 2.5)
     assert result.flips(1) == 0 and all(d.speculating for d in result.decisions[1:])
-    assert controller.draft_step_seconds == pytest.approx(0.3 * 2.5, rel=0.01)
+    assert controller.draft_token_seconds == pytest.approx(0.3 * 2.5, rel=0.01)
     assert controller.break_even_tau(4) == pytest.approx((4 * 0.3 + VERIFY[4]) / VERIFY[0], rel=0.01)
 
 
@@ -278,11 +285,15 @@ def test_draft_cost_fits_a_fixed_part_per_round_besides_the_steps():
     rng = random.Random(2)
     controller, cost = new_controller(gate=False)
     replay(controller, cost, [2] * 10, c=0.2)  # measure plain decoding and the verify curve first
-    for _ in range(200):
-        k = rng.randint(1, MAX_K)
+    ks = [rng.randint(1, MAX_K) for _ in range(200)]
+    for k in ks:
         cost.record(k + 1, VERIFY[k])
         controller.record(k, min(k, 2), 0.1 + 0.2 * k)
-    assert controller.draft_step_seconds == pytest.approx(0.2, rel=0.01)
+    # c prices the fixed part too: the recent rounds' drafting seconds per drafted token
+    weights = [DECAY ** age for age in range(len(ks))][::-1]
+    pairs = list(zip(weights, ks, strict=True))
+    per_token = sum(w * (0.1 + 0.2 * k) for w, k in pairs) / sum(w * k for w, k in pairs)
+    assert 0.21 < per_token < 0.25 and controller.draft_token_seconds == pytest.approx(per_token, rel=0.01)
     assert controller.break_even_tau(1) == pytest.approx((0.1 + 0.2 + VERIFY[1]) / VERIFY[0], rel=0.01)
     assert controller.break_even_tau(8) == pytest.approx((0.1 + 1.6 + VERIFY[8]) / VERIFY[0], rel=0.01)
     # a drafter without a fixed part gets none

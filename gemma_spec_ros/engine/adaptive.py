@@ -190,6 +190,11 @@ class DraftCost:
         assert self.step is not None, 'a drafting round is recorded first'
         return self.fixed + num_drafted * self.step
 
+    def per_token(self) -> float | None:
+        """Load-free seconds per drafted token over recent rounds, the fixed part included (None before drafting)."""
+        _, drafted, _, seconds, _ = self._sums
+        return seconds / drafted if drafted > 0 else None
+
 
 class PositionCounts:
     """
@@ -254,9 +259,11 @@ class ExplorationCost:
 
 @dataclass
 class _Round:
+    """An uncut round, kept to replay under each cut-off."""
+
     num_drafted: int
     num_accepted: int
-    confidences: list[float] | None  # [num_drafted] drafter probability of each draft
+    drafted_under: tuple[int, ...]  # [len(CUTOFFS)] drafts it would have proposed under each cut-off
 
 
 class AdaptiveK:
@@ -303,10 +310,10 @@ class AdaptiveK:
         return self._curves[state]
 
     @property
-    def draft_step_seconds(self) -> float | None:
-        """Seconds per drafted token at the current load, besides the fixed part per round (None before drafting)."""
-        step = self._draft_cost.step
-        return None if step is None else step * self.target_cost.load
+    def draft_token_seconds(self) -> float | None:
+        """Seconds per drafted token at the current load, its share of the fixed part per round included."""
+        per_token = self._draft_cost.per_token()
+        return None if per_token is None else per_token * self.target_cost.load
 
     @property
     def cutoff(self) -> float:
@@ -429,7 +436,8 @@ class AdaptiveK:
         self._draft_cost.record(num_drafted, draft_seconds / load)
         cutoff = decision.min_confidence if decision is not None else 0.0
         if confidences is not None and cutoff == 0.0 and len(confidences) == num_drafted:
-            self._uncut.append(_Round(num_drafted, num_accepted, list(confidences)))
+            self._uncut.append(_Round(num_drafted, num_accepted, tuple(
+                drafts_under_cutoff(confidences, num_drafted, cutoff) for cutoff in CUTOFFS)))
 
     def _add(self, state: int, num_drafted: int, num_accepted: int) -> None:
         self._recent[state].add(num_drafted, num_accepted)
@@ -552,18 +560,16 @@ class AdaptiveK:
         rounds = [r for r in self._uncut if r.num_drafted >= k]
         if len(rounds) < CUTOFF_MIN_ROUNDS or self._draft_cost.step is None:
             return 0.0
+        costs = [self._round_cost(drafted, shape) or 0.0 for drafted in range(k + 1)]  # [k + 1]
 
-        def replay_rate(cap: int, cutoff: float) -> float:
-            tokens = seconds = 0.0
-            for r in rounds:
-                drafted = drafts_under_cutoff(r.confidences, cap, cutoff)
-                tokens += min(r.num_accepted, drafted) + 1
-                seconds += self._round_cost(drafted, shape) or 0.0
-            return tokens / seconds
+        def replay_rate(drafted: list[int]) -> float:  # [rounds] drafts of each round in the replay
+            tokens = sum(min(r.num_accepted, d) for r, d in zip(rounds, drafted, strict=True)) + len(rounds)
+            return tokens / sum(costs[d] for d in drafted)
 
         # against the best uncut K up to k: a cut-off that only shortens drafts at random is no better than that
-        uncut = max(replay_rate(cap, 0.0) for cap in range(1, k + 1))
-        gain, cutoff = max((replay_rate(k, c) / uncut, c) for c in CUTOFFS)
+        uncut = max(replay_rate([cap] * len(rounds)) for cap in range(1, k + 1))
+        gain, cutoff = max((replay_rate([min(k, r.drafted_under[index]) for r in rounds]) / uncut, cutoff)
+                           for index, cutoff in enumerate(CUTOFFS))
         return cutoff if gain > 1 + CUTOFF_MIN_GAIN else 0.0
 
     def may_speculate_next(self) -> bool:

@@ -189,8 +189,8 @@ class Engine:
 
     def _cost_ratio(self, controller: AdaptiveK) -> float:
         plain = self._target_cost.seconds(1)
-        step = controller.draft_step_seconds
-        return step / plain if step is not None and plain else 0.0
+        per_token = controller.draft_token_seconds
+        return per_token / plain if per_token is not None and plain else 0.0
 
     def validate(self, request: GenerationRequest) -> RequestPlan:
         """Check a request and tokenize its prompt (no model work): the plan, or ValueError naming the field."""
