@@ -262,6 +262,34 @@ def test_cutoff_calibrated_from_recorded_confidences_beats_drafting_all_k():
     assert result.rate > max(hindsight.values())  # beats every fixed K without cut-off on the same rounds
 
 
+@pytest.mark.parametrize('cut_saves_drafting', [True, False])
+def test_a_cutoff_that_saves_only_drafting_pays_only_where_a_cut_ends_drafting(cut_saves_drafting):
+    # verify passes cost the same for every size, so a cut saves drafting or nothing; the confidences are exact
+    # (high on each accepted draft, low on the first rejected one)
+    rng = random.Random(4)
+    controller = AdaptiveK(MAX_K, TargetCost(MAX_K + 1), profit_gate=False, probe_interval=32,
+                           cut_saves_drafting=cut_saves_drafting)
+    cost = controller.target_cost
+    chosen = []
+    for _ in range(300):
+        run_length = 0
+        while run_length < MAX_K and rng.random() < 0.7:
+            run_length += 1
+        confidences = [0.9] * run_length + [0.05] + [rng.random() for _ in range(MAX_K)]
+        decision = controller.decide()
+        planned = decision.num_draft_tokens
+        k = drafts_under_cutoff(confidences, planned, decision.min_confidence) if planned else 0
+        cost.record(k + 1, 1.0)
+        drafting = 0.3 * (k if cut_saves_drafting else planned)
+        controller.record(k, min(k, run_length), drafting, confidences=confidences[:k])
+        chosen.append(decision.min_confidence)
+    late = chosen[150:]
+    if cut_saves_drafting:
+        assert sum(cutoff > 0 for cutoff in late) > len(late) // 3
+    else:
+        assert not any(late) and controller.cutoff == 0
+
+
 def test_uninformative_confidence_gets_no_cutoff():
     rng = random.Random(3)
     run_lengths = scripted_run_lengths([0.8] * 8, 200, rng)

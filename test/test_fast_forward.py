@@ -357,6 +357,11 @@ def test_greedy_drafts_are_the_argmax_of_each_step(models, mode):
             expected_confidences.append(probs.max())
         assert tokens.tolist() == expected_tokens
         _close(confidences, torch.stack(expected_confidences))
+    # a cut-off ends the round at its first draft under it, included (as DraftRound's), in any call of the round
+    for cutoff in [c.item() + 1e-6 for c in expected_confidences]:
+        keep = 1 + next(i for i, c in enumerate(expected_confidences) if c < cutoff)
+        tokens, confidences = assistant.greedy_drafts(first_token, first_hidden, eager.length, 7, cutoff)
+        assert tokens.tolist() == expected_tokens[:keep] and confidences.shape == (keep,)
 
 
 def test_exact_half_dtype_keeps_every_value():

@@ -23,7 +23,9 @@ low on a later text that accepts far more; an undrafted position's estimate now 
 
 Exploration is bounded and counted: now and then one round drafts K + 1 to measure the next position, while
 paused a few probe rounds run at least every probe_interval rounds (sooner when probing costs little), and with
-drafter confidences a share of rounds drafts without cut-off to keep calibrating it.
+drafter confidences a share of rounds drafts without cut-off to keep calibrating it. A cut-off is priced by what a
+cut saves: the drafts not drafted and the shorter verify pass, or only the latter for a drafter that drafts in calls
+of several steps (cut_saves_drafting False: the MTP assistant's greedy rounds on the fast path).
 """
 
 import itertools
@@ -269,8 +271,10 @@ class _Round:
 class AdaptiveK:
     """Per-drafter controller: acceptance per position and state, drafter step cost, cut-off; shared target cost."""
 
-    def __init__(self, max_k: int, target_cost: TargetCost, profit_gate: bool, probe_interval: int):
+    def __init__(self, max_k: int, target_cost: TargetCost, profit_gate: bool, probe_interval: int,
+                 cut_saves_drafting: bool = True):
         self.max_k = max_k
+        self.cut_saves_drafting = cut_saves_drafting  # False: a cut round costs the drafting of the planned K
         self.target_cost = target_cost
         self.profit_gate = profit_gate
         self.probe_interval = max(1, probe_interval)
@@ -433,8 +437,9 @@ class AdaptiveK:
         self._state = AFTER_FULL if num_accepted == num_drafted >= FULL_MIN_DRAFTS else AFTER_MISS
         self._accepted = DECAY * self._accepted + num_accepted
         self._evaluated = DECAY * self._evaluated + min(num_drafted, num_accepted + 1)
-        self._draft_cost.record(num_drafted, draft_seconds / load)
         cutoff = decision.min_confidence if decision is not None else 0.0
+        if self.cut_saves_drafting or not cutoff:  # else its seconds are those of drafts it did not keep
+            self._draft_cost.record(num_drafted, draft_seconds / load)
         if confidences is not None and cutoff == 0.0 and len(confidences) == num_drafted:
             self._uncut.append(_Round(num_drafted, num_accepted, tuple(
                 drafts_under_cutoff(confidences, num_drafted, cutoff) for cutoff in CUTOFFS)))
@@ -560,15 +565,18 @@ class AdaptiveK:
         rounds = [r for r in self._uncut if r.num_drafted >= k]
         if len(rounds) < CUTOFF_MIN_ROUNDS or self._draft_cost.step is None:
             return 0.0
-        costs = [self._round_cost(drafted, shape) or 0.0 for drafted in range(k + 1)]  # [k + 1]
+        costs = [self._round_cost(drafted, shape) or 0.0 for drafted in range(k + 1)]  # [k + 1] by drafts kept
+        drafting = self._draft_cost.seconds
+        cut_costs = costs if self.cut_saves_drafting else [  # a cut round pays the drafting of all k
+            cost + drafting(k) - drafting(drafted) for drafted, cost in enumerate(costs)]
 
-        def replay_rate(drafted: list[int]) -> float:  # [rounds] drafts of each round in the replay
+        def replay_rate(drafted: list[int], costs: list[float]) -> float:  # drafted: [rounds] drafts kept
             tokens = sum(min(r.num_accepted, d) for r, d in zip(rounds, drafted, strict=True)) + len(rounds)
             return tokens / sum(costs[d] for d in drafted)
 
         # against the best uncut K up to k: a cut-off that only shortens drafts at random is no better than that
-        uncut = max(replay_rate([cap] * len(rounds)) for cap in range(1, k + 1))
-        gain, cutoff = max((replay_rate([min(k, r.drafted_under[index]) for r in rounds]) / uncut, cutoff)
+        uncut = max(replay_rate([cap] * len(rounds), costs) for cap in range(1, k + 1))
+        gain, cutoff = max((replay_rate([min(k, r.drafted_under[index]) for r in rounds], cut_costs) / uncut, cutoff)
                            for index, cutoff in enumerate(CUTOFFS))
         return cutoff if gain > 1 + CUTOFF_MIN_GAIN else 0.0
 

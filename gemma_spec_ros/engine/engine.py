@@ -100,7 +100,8 @@ class Engine:
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos_ids)  # EOS ends a grammar
         self._target_cost = TargetCost(config.max_draft_tokens + 1)
         self._controllers = {name: AdaptiveK(config.max_draft_tokens, self._target_cost, config.profit_gate,
-                                             config.probe_interval) for name in drafters if name != 'none'}
+                                             config.probe_interval, drafter.cut_saves_drafting)
+                             for name, drafter in drafters.items() if name != 'none'}
         self._lifetime = {'tokens': 0, 'passes': 0, 'drafted': 0, 'accepted': 0}
         self.set_default_drafter(config.drafter)
 

@@ -62,6 +62,8 @@ class Drafter(ABC):
 
     name = ''
     needs_target_states = False  # True: target passes must return the last hidden state and shared K/V
+    cut_saves_drafting = True    # a confidence cut-off ends drafting at once (False: drafts come from calls of
+                                 # several steps, so a cut saves verify work only)
     weights_bytes = 0            # the drafter's own model
     kv_cache_bytes = 0           # its preallocated caches
 

@@ -29,6 +29,7 @@ class MtpDrafter(Drafter):
         self._assistant = assistant
         self._fast = FastAssistant(assistant, target_lm, target_lm.mode) if isinstance(target_lm, FastCausalLM) \
             else None
+        self.cut_saves_drafting = self._fast is None  # greedy rounds on the fast path draft in calls of several
         self._embed = target_lm.model.get_input_embeddings()
         self.weights_bytes = causal_lm.parameter_bytes(assistant)
         self._hidden = None      # [1, 1, hidden] target state that predicted the last token
@@ -72,9 +73,10 @@ class MtpDrafter(Drafter):
         if self._hidden is None:
             return None
         position = len(context.tokens) - 1
-        if self._fast is not None and context.sampling.greedy and context.constraint is None \
-                and not context.min_confidence:  # nothing to decide between the steps: several per call
-            tokens, confidences = self._fast.greedy_drafts(context.last_token.view(1, 1), self._hidden, position, k)
+        if self._fast is not None and context.sampling.greedy and context.constraint is None:
+            # nothing to decide between the steps: several per call, a cut-off checked after each call
+            tokens, confidences = self._fast.greedy_drafts(context.last_token.view(1, 1), self._hidden, position, k,
+                                                           context.min_confidence)
             return Proposal(tokens, None, confidences)
         token = context.last_token
         hidden = self._hidden

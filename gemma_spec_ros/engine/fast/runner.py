@@ -357,14 +357,16 @@ class FastAssistant:
                 return StepOutput(logits, projected)
             yield step
 
-    def greedy_drafts(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int,
-                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def greedy_drafts(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int, k: int,
+                      min_confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """
         Draft k greedy tokens at position from token_ids [1, 1] and hidden [1, 1, backbone] (as step() and argmax).
 
         Returns the tokens [k] and the assistant's probability of each [k]. Runs GREEDY_STEPS steps per call where
         it can: each step function unrolls its steps with their argmax, so a round of K = 4 pays one call's
-        overhead instead of four (and no Python between the steps).
+        overhead instead of four (and no Python between the steps). With a cut-off (min_confidence > 0) the round
+        ends at its first draft under it, that draft included, as DraftRound's does: the calls after that draft's
+        are not run (the drafts after it in the same call are computed and dropped).
         """
         tokens, confidences = [], []
         with self._round(position) as (positions, kv_positions):
@@ -377,6 +379,12 @@ class FastAssistant:
                 confidences.append(chunk_confidences)
                 token_ids = chunk_tokens[-1:].view(1, 1)
                 k -= size
+                if min_confidence:
+                    low = (chunk_confidences < min_confidence).nonzero()  # one host sync per call
+                    if low.numel():
+                        keep = low[0, 0].item() + 1
+                        tokens[-1], confidences[-1] = chunk_tokens[:keep], chunk_confidences[:keep]
+                        break
         return torch.cat(tokens), torch.cat(confidences)
 
     @contextmanager
