@@ -382,24 +382,22 @@ class AdaptiveK:
         return sum(w * t for w, t in zip(weights, tokens, strict=True)) / sum(
             w * c for w, c in zip(weights, costs, strict=True))
 
-    def gain_band(self) -> tuple[float, float, float] | None:
+    def _gain(self, reading: int = 0) -> float | None:
         """
-        Return the long-run speedup over plain decoding as (low, point, high).
+        Return the long-run speedup over plain decoding (None before measurements).
 
-        Low and high read the first draft position's acceptance one standard error down and up: every round judges
-        it, and it caps all later positions (whose sparse evidence would otherwise make the band useless).
+        reading -1 / 1 reads the first draft position's acceptance PAUSE_Z standard errors down / up: every round
+        judges it, and it caps all later positions (whose sparse evidence would otherwise make the reading useless).
         """
         shape = self.target_cost.relative()
         plain = self.rate(0, shape)
-        curves = [self.position_alpha(state) for state in (AFTER_MISS, AFTER_FULL)]
-        errors = [self._recent[state].error(0, curve[0]) for state, curve in enumerate(curves)]
-        readings = [self._policy_rate([[min(MAX_RATE, max(0.0, curve[0] + sign * PAUSE_Z * error))] + curve[1:]
-                                       for curve, error in zip(curves, errors, strict=True)], shape)
-                    for sign in (-1, 0, 1)]
-        if plain is None or any(rate is None for rate in readings):
-            return None
-        low, point, high = (rate / plain for rate in readings)
-        return low, point, high
+        curves = []
+        for state in (AFTER_MISS, AFTER_FULL):
+            curve = self.position_alpha(state)
+            error = self._recent[state].error(0, curve[0])
+            curves.append([min(MAX_RATE, max(0.0, curve[0] + reading * PAUSE_Z * error))] + curve[1:])
+        rate = self._policy_rate(curves, shape)
+        return None if plain is None or rate is None else rate / plain
 
     # ------------------------------------------------------------------------------------------ recording
     def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, *,
@@ -504,9 +502,9 @@ class AdaptiveK:
             self._probe_left -= 1
             return Decision(self.best_k(), False, exploring=True)
         if not self.speculating:
-            band = self.gain_band() if self._probed else None
+            gain = self._gain() if self._probed else None
             self._probed = False
-            if band is None or band[1] <= 1 + RESUME_MARGIN:
+            if gain is None or gain <= 1 + RESUME_MARGIN:
                 self._paused_rounds += 1
                 if self._paused_rounds < self._probe_every():
                     return Decision(0, False)
@@ -516,9 +514,9 @@ class AdaptiveK:
                 return Decision(self.best_k(), False, exploring=True)
             self.speculating = True
             return self._speculate()
-        band = self.gain_band()
         evidence = sum(counts.judged[0] for counts in self._recent)
-        if band is not None and band[2] < 1.0 and evidence >= MIN_EVIDENCE:
+        optimistic = self._gain(1) if evidence >= MIN_EVIDENCE else None
+        if optimistic is not None and optimistic < 1.0:
             self.speculating = False
             self._paused_rounds = 0
             return Decision(0, False)
