@@ -19,9 +19,11 @@ MAP = json.loads((Path(__file__).parent / 'data' / 'acceptance_map.json').read_t
 KS = list(range(1, MAP['max_k'] + 1))
 
 
-@pytest.fixture(scope='module', params=[0, 1, 2])
+# (timing noise, seed): single passes on a shared CPU swing by tens of percent
+@pytest.fixture(scope='module', params=[(0.1, 0), (0.1, 1), (0.1, 2), (0.3, 0), (0.3, 1)])
 def replayed(request):
-    return replay_bench(MAP, KS, repeats=2, noise=0.1, seed=request.param, overhead=0.02)
+    noise, seed = request.param
+    return replay_bench(MAP, KS, repeats=2, noise=noise, seed=seed, overhead=0.02)
 
 
 def test_adaptive_keeps_up_with_the_best_fixed_k_of_every_category(replayed):

@@ -90,7 +90,7 @@ def test_per_position_acceptance_limits_k():
     cost = TargetCost(9)
     controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=8)
     for _ in range(3):
-        simulate(controller, cost, lambda _: 0.0, 1, 0.01, lambda n: 1.0)
+        simulate(controller, cost, lambda _: 0.0, 1, 0.01, lambda n: 1.0 + 0.05 * n)
     for _ in range(60):
         k = controller.decide().num_draft_tokens
         cost.record(k + 1, 1.0 + 0.05 * (k + 1))

@@ -98,7 +98,12 @@ def _lookup_proposals(engine, drafter: str, prompt_ids: list[int], output: list[
 
 
 def measure_costs(engine, prompt_ids: list[int], drafters: list[str], max_k: int, repeats: int) -> dict:
-    """Target pass per size 1..max_k+1 over a plain pass; per drafter, c per token and the fixed part per round."""
+    """
+    Target pass per size 1..max_k+1 over a plain pass, and per drafter its costs.
+
+    Per drafter: c per token besides the fixed part per round, that fixed part, and whether a confidence cut-off
+    saves drafting (Drafter.cut_saves_drafting).
+    """
     from gemma_spec_ros.engine.types import GenerationRequest
 
     for _ in range(repeats):  # every size, interleaved, feeds the engine's own cost measurement
@@ -111,10 +116,11 @@ def measure_costs(engine, prompt_ids: list[int], drafters: list[str], max_k: int
     plain_seconds = engine._target_cost.seconds(1)  # noqa: SLF001
     return {'verify_cost': [round(s / plain, 4) for s in relative[1:]],
             'plain_step_ms': round(plain_seconds * 1000, 3),
-            'draft_cost_ratio': {d: round(engine._cost_ratio(engine._controllers[d]), 4)  # noqa: SLF001
+            'draft_cost_ratio': {d: round(engine._controllers[d]._draft_cost.step / plain, 4)  # noqa: SLF001
                                  for d in drafters},
             'draft_fixed_ratio': {d: round(engine._controllers[d]._draft_cost.fixed / plain, 4)  # noqa: SLF001
-                                  for d in drafters}}
+                                  for d in drafters},
+            'cut_saves_drafting': {d: engine._drafters[d].cut_saves_drafting for d in drafters}}  # noqa: SLF001
 
 
 def _write(path: str, result: dict) -> None:

@@ -7,7 +7,9 @@ The replay runs the bench's interleaved order.
 
 A greedy round after s emitted tokens accepts min(K, run_lengths[s]) drafts whatever came before, so the replay
 is exact in tokens and rounds. Time is charged from the map's measured costs, in plain target passes: a round
-with k drafts costs k * c + verify_cost[k] + the loop's per-round overhead (plain rounds pay it too). As in the
+with k drafts costs the drafter's fixed part + k * c + verify_cost[k] + the loop's per-round overhead (plain
+rounds pay it too); a round cut short by a confidence cut-off pays the drafting of its whole K where the drafter
+drafts in calls of several steps (the map's cut_saves_drafting). As in the
 engine, one controller per drafter sees every round of that drafter, pinned-K rounds included, and one target
 cost curve sees all passes; the controller is fed the same costs, optionally with multiplicative timing noise.
 """
@@ -30,15 +32,16 @@ class Costs:
     draft_cost_ratio: dict[str, float]  # per drafted token, in plain passes
     overhead: float = 0.0             # the loop's own work per round, in plain passes
     draft_fixed_ratio: dict[str, float] = field(default_factory=dict)  # per drafting round, in plain passes
+    cut_saves_drafting: dict[str, bool] = field(default_factory=dict)  # False: a cut round drafts its whole K
 
     def draft_seconds(self, drafter: str, num_drafted: int) -> float:
         if not num_drafted:
             return 0.0
         return self.draft_fixed_ratio.get(drafter, 0.0) + num_drafted * self.draft_cost_ratio.get(drafter, 0.0)
 
-    def relative_cost(self, drafter: str, num_drafted: int) -> float:
-        """Return a round's time over a plain round's time."""
-        seconds = self.draft_seconds(drafter, num_drafted) + self.verify_cost[num_drafted]
+    def relative_cost(self, drafter: str, num_drafted: int, num_paid: int) -> float:
+        """Return a round's time over a plain round's time: num_paid drafting steps, num_drafted verified."""
+        seconds = self.draft_seconds(drafter, num_paid) + self.verify_cost[num_drafted]
         return (seconds + self.overhead) / (self.verify_cost[0] + self.overhead)
 
 
@@ -70,7 +73,8 @@ class Simulation:
     def __init__(self, drafters: list[str], costs: Costs, max_k: int, noise: float, seed: int):
         self.costs = costs
         self.target_cost = TargetCost(max_k + 1)
-        self.controllers = {d: AdaptiveK(max_k, self.target_cost, profit_gate=True, probe_interval=32)
+        self.controllers = {d: AdaptiveK(max_k, self.target_cost, profit_gate=True, probe_interval=32,
+                                         cut_saves_drafting=costs.cut_saves_drafting.get(d, True))
                             for d in drafters}
         self._noise, self._rng = noise, random.Random(seed)
 
@@ -92,13 +96,14 @@ class Simulation:
                 decision = controller.decide()
             else:
                 decision = Decision(k, True)
-            drafted = min(decision.num_draft_tokens, total - emitted - 1)
+            drafted = planned = min(decision.num_draft_tokens, total - emitted - 1)
             round_confidences = confidences[emitted][:drafted] if confidences[emitted] else None
             if drafted and round_confidences and decision.min_confidence:
                 drafted = drafts_under_cutoff(round_confidences, drafted, decision.min_confidence)
                 round_confidences = round_confidences[:drafted]
             accepted = min(drafted, run_lengths[emitted])
-            draft_seconds = self._observed(self.costs.draft_seconds(drafter, drafted))
+            paid = drafted if self.costs.cut_saves_drafting.get(drafter, True) else planned
+            draft_seconds = self._observed(self.costs.draft_seconds(drafter, paid))
             self.target_cost.record(drafted + 1, self._observed(self.costs.verify_cost[drafted]))
             if controller is not None:
                 overhead = self._observed(self.costs.overhead)
@@ -107,7 +112,7 @@ class Simulation:
             if replay is not None and k == ADAPTIVE:
                 replay.decisions.append(decision)
             tally.tokens += min(accepted + 1, total - emitted)
-            tally.seconds += self.costs.relative_cost(drafter, drafted)
+            tally.seconds += self.costs.relative_cost(drafter, drafted, paid)
             tally.rounds += 1
             tally.paused_rounds += not decision.speculating and decision.num_draft_tokens == 0
             tally.drafted += drafted
@@ -119,7 +124,7 @@ def replay_bench(acceptance_map: dict, ks: list[int], repeats: int = 2, noise: f
     """Run plain, every fixed K and adaptive for every drafter on every prompt, shuffled per (repeat, prompt)."""
     recorded = acceptance_map['costs']
     costs = Costs(recorded['verify_cost'], recorded['draft_cost_ratio'], overhead,
-                  recorded.get('draft_fixed_ratio', {}))
+                  recorded.get('draft_fixed_ratio', {}), recorded.get('cut_saves_drafting', {}))
     prompts = _take_per_category(acceptance_map['prompts'], per_category)
     drafters = drafters or sorted(prompts[0]['maps'])
     simulation = Simulation(drafters, costs, acceptance_map['max_k'], noise, seed)

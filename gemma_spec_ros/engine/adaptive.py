@@ -47,7 +47,8 @@ FULL_MIN_DRAFTS = 2       # a fully accepted round starts AFTER_FULL only when i
                           # draft says little about a run (K = 1 rounds in a text that alternates hits and misses
                           # would otherwise send long drafts into misses)
 LOAD_DECAY = 0.7          # per target pass, weight of the older load factor (load moves fast)
-SHAPE_DECAY = 0.8         # per pair of adjacent passes of different sizes, weight of the older cost shape
+SHAPE_DECAY = 0.95        # per pair of adjacent passes of different sizes, weight of the older cost shape (timing
+                          # noise on a shared CPU swings single passes by tens of percent)
 PROBE_ROUNDS = 3          # speculative rounds per probe while paused
 PROBE_BUDGET = 0.05       # while paused, probes may cost this share of the plain rounds' time (so a cheap drafter
                           # probes often, a dear one every probe_interval rounds)
