@@ -441,7 +441,7 @@ class AdaptiveK:
             self._draft_cost.record(num_drafted, draft_seconds / load)
         if confidences is not None and cutoff == 0.0 and len(confidences) == num_drafted:
             self._uncut.append(_Round(num_drafted, num_accepted, tuple(
-                drafts_under_cutoff(confidences, num_drafted, cutoff) for cutoff in CUTOFFS)))
+                drafts_under_cutoff(confidences, num_drafted, level) for level in CUTOFFS)))
 
     def _add(self, state: int, num_drafted: int, num_accepted: int) -> None:
         self._recent[state].add(num_drafted, num_accepted)
@@ -569,9 +569,9 @@ class AdaptiveK:
         cut_costs = costs if self.cut_saves_drafting else [  # a cut round pays the drafting of all k
             cost + drafting(k) - drafting(drafted) for drafted, cost in enumerate(costs)]
 
-        def replay_rate(drafted: list[int], costs: list[float]) -> float:  # drafted: [rounds] drafts kept
+        def replay_rate(drafted: list[int], round_costs: list[float]) -> float:  # drafted: [rounds] drafts kept
             tokens = sum(min(r.num_accepted, d) for r, d in zip(rounds, drafted, strict=True)) + len(rounds)
-            return tokens / sum(costs[d] for d in drafted)
+            return tokens / sum(round_costs[d] for d in drafted)
 
         # against the best uncut K up to k: a cut-off that only shortens drafts at random is no better than that
         uncut = max(replay_rate([cap] * len(rounds), costs) for cap in range(1, k + 1))
