@@ -19,9 +19,11 @@ from gemma_spec_ros.engine.adaptive import (
     DECAY,
     PROBE_ROUNDS,
     AdaptiveK,
+    DraftCost,
     TargetCost,
     drafts_under_cutoff,
 )
+from gemma_spec_ros.engine.fast.runner import greedy_calls
 
 DATA = json.loads((Path(__file__).parent / 'data' / 'acceptance_traces.json').read_text())
 VERIFY = DATA['verify_cost']  # [9] seconds of a pass over 1..9 tokens
@@ -328,3 +330,43 @@ def test_draft_cost_fits_a_fixed_part_per_round_besides_the_steps():
     controller, cost = new_controller(gate=False)
     replay(controller, cost, [2] * 100, c=0.3)
     assert controller.break_even_tau(4) == pytest.approx((4 * 0.3 + VERIFY[4]) / VERIFY[0], rel=0.01)
+
+
+def test_draft_cost_prices_calls_of_several_steps_apart_from_the_steps():
+    # greedy MTP rounds: K = 4 is one call, K = 5 two; drafting costs 0.05 per round + 0.4 per call + 0.1 per draft
+    def seconds(k):
+        return 0.05 + 0.4 * greedy_calls(k) + 0.1 * k
+
+    rng = random.Random(3)
+    fit = DraftCost()
+    for k in [rng.randint(1, MAX_K) for _ in range(200)]:
+        fit.record(k, greedy_calls(k), seconds(k))
+    assert (fit.fixed, fit.per_call, fit.step) == pytest.approx((0.05, 0.4, 0.1), rel=1e-6)
+    assert fit.seconds(5, greedy_calls(5)) == pytest.approx(seconds(5))
+    assert fit.seconds(5, greedy_calls(5)) > fit.seconds(4, greedy_calls(4)) + 0.4
+    # calls that move with K cannot be told from the steps: one call per draft, or only K = 4 and 8 (one call, two)
+    for ks, calls in ((range(1, MAX_K + 1), lambda k: k), ((4, 8), greedy_calls)):
+        fit = DraftCost()
+        for k in [rng.choice(ks) for _ in range(200)]:
+            fit.record(k, calls(k), 0.05 + 0.4 * calls(k) + 0.1 * k)
+        assert fit.per_call == 0.0
+        assert all(fit.seconds(k, calls(k)) == pytest.approx(0.05 + 0.4 * calls(k) + 0.1 * k) for k in ks)
+
+
+def test_the_controller_prices_a_round_by_its_drafter_calls():
+    # same rounds and drafting seconds: told the calls, the controller sees that K = 5 costs a call more than K = 4
+    def seconds(k):
+        return 0.02 + 0.25 * greedy_calls(k) + 0.02 * k
+
+    rng = random.Random(4)
+    break_even = {}
+    for name, calls in (('greedy', greedy_calls), ('one per draft', lambda k: k)):
+        controller, cost = new_controller(gate=False)
+        controller.draft_calls = calls
+        replay(controller, cost, [2] * 10, c=0.1)
+        for k in [rng.randint(1, MAX_K) for _ in range(200)]:
+            cost.record(k + 1, VERIFY[k])
+            controller.record(k, min(k, 3), seconds(k))
+        break_even[name] = [controller.break_even_tau(k) for k in (4, 5)]
+    assert break_even['greedy'] == pytest.approx([(seconds(k) + VERIFY[k]) / VERIFY[0] for k in (4, 5)], rel=0.01)
+    assert break_even['one per draft'][1] - break_even['one per draft'][0] < 0.6 * (seconds(5) - seconds(4))

@@ -209,3 +209,32 @@ def test_compiled_steps_recompile_when_torch_threads_change_after_warm_up(agreei
     finally:
         torch.set_num_threads(TEST_THREADS)
     assert result.token_ids == reference(prompt_ids, 24)
+
+
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_the_controller_prices_the_drafter_calls_each_round_makes(tiny_engine, monkeypatch, temperature):
+    # greedy MTP rounds on the fast path draft in calls of several steps (K = 5: 4 + 1), sampled ones one per draft
+    drafter, controller = tiny_engine._drafters['mtp'], tiny_engine._controllers['mtp']
+    steps, calls, rounds = drafter._fast._steps, [], []
+    run_step, propose = steps.run, drafter.propose
+
+    def counted_run(*args, **kwargs):
+        calls[-1] += 1
+        return run_step(*args, **kwargs)
+
+    def counted_propose(context, k):
+        calls.append(0)
+        proposal = propose(context, k)
+        if proposal is not None:
+            rounds.append((proposal.tokens.shape[0], calls[-1]))
+        return proposal
+
+    monkeypatch.setattr(steps, 'run', counted_run)
+    monkeypatch.setattr(drafter, 'propose', counted_propose)
+    prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
+    for k in (3, 5, 8):
+        tiny_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=24, temperature=temperature,
+                                               drafter='mtp', num_draft_tokens=k))
+    assert {k for k, _ in rounds} >= {3, 5, 8}
+    assert all(made == controller.draft_calls(k) for k, made in rounds), rounds
+    assert (controller.draft_calls(5) == 2) == (temperature == 0.0)

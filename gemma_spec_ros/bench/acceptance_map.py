@@ -20,6 +20,7 @@ import time
 from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, default_prompts_path, load_prompts, take_per_category
 
 DRAFTERS = ('ngram', 'draft', 'mtp')
+VERIFY_ROUNDS_PER_REPEAT = 20  # timed passes of every size per cost repeat
 
 
 def _say(message: str) -> None:
@@ -101,25 +102,39 @@ def measure_costs(engine, prompt_ids: list[int], drafters: list[str], max_k: int
     """
     Target pass per size 1..max_k+1 over a plain pass, and per drafter its costs.
 
-    Per drafter: c per token besides the fixed part per round, that fixed part, and whether a confidence cut-off
-    saves drafting (Drafter.cut_saves_drafting).
+    The verify curve is the median of timed passes of every size in a shuffled order per repeat
+    (Engine.time_target_passes): pinned-K requests rarely pair passes of different sizes, which the engine's own
+    curve learns from.
+    Per drafter: c per token besides the fixed part per round and the part per drafter call, those parts, the calls
+    of a greedy round of each K (Drafter.draft_calls) and whether a confidence cut-off saves drafting
+    (Drafter.cut_saves_drafting).
     """
+    import random
+    import statistics
+
+    from gemma_spec_ros.engine.requests import SamplingParams
     from gemma_spec_ros.engine.types import GenerationRequest
 
+    sizes, passes = list(range(1, max_k + 2)), {}
+    for _ in range(VERIFY_ROUNDS_PER_REPEAT * repeats):
+        random.shuffle(sizes)
+        for n, seconds in engine.time_target_passes(prompt_ids, sizes).items():
+            passes.setdefault(n, []).append(seconds)
+    verify = [statistics.median(passes[n]) for n in range(1, max_k + 2)]  # [max_k + 1] seconds
     for _ in range(repeats):  # every size, interleaved, feeds the engine's own cost measurement
         for drafter in drafters:
             for k in [0, *range(1, max_k + 1)]:
                 engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=48,
                                                   drafter='none' if k == 0 else drafter, num_draft_tokens=k))
-    relative = engine._target_cost.relative()  # noqa: SLF001
-    plain = relative[1]
-    plain_seconds = engine._target_cost.seconds(1)  # noqa: SLF001
-    return {'verify_cost': [round(s / plain, 4) for s in relative[1:]],
-            'plain_step_ms': round(plain_seconds * 1000, 3),
-            'draft_cost_ratio': {d: round(engine._controllers[d]._draft_cost.step / plain, 4)  # noqa: SLF001
-                                 for d in drafters},
-            'draft_fixed_ratio': {d: round(engine._controllers[d]._draft_cost.fixed / plain, 4)  # noqa: SLF001
-                                  for d in drafters},
+    plain = engine._target_cost.relative()[1]  # noqa: SLF001 (the drafting fits' load-free unit)
+    fits = {d: engine._controllers[d]._draft_cost for d in drafters}  # noqa: SLF001
+    calls = {d: engine._drafters[d].draft_calls(SamplingParams(), False) for d in drafters}  # noqa: SLF001
+    return {'verify_cost': [round(s / verify[0], 4) for s in verify],
+            'plain_step_ms': round(verify[0] * 1000, 3),
+            'draft_cost_ratio': {d: round(fit.step / plain, 4) for d, fit in fits.items()},
+            'draft_fixed_ratio': {d: round(fit.fixed / plain, 4) for d, fit in fits.items()},
+            'draft_call_ratio': {d: round(fit.per_call / plain, 4) for d, fit in fits.items()},
+            'draft_calls': {d: [calls[d](k) for k in range(max_k + 1)] for d in drafters},
             'cut_saves_drafting': {d: engine._drafters[d].cut_saves_drafting for d in drafters}}  # noqa: SLF001
 
 
@@ -162,7 +177,9 @@ def main(argv=None) -> int:
         'about': 'bundled models, greedy, compile {}, {} thread(s); run_lengths[s]: drafts of {} accepted by a '
                  'round after s emitted tokens; confidences[s]: the drafter probability of each draft; costs: '
                  'verify_cost[n - 1] = target pass over n tokens / a plain pass, draft_cost_ratio c = drafter step / '
-                 'plain pass, draft_fixed_ratio = drafting cost per round besides the steps / plain pass'.format(
+                 'plain pass, draft_fixed_ratio = drafting cost per round besides the steps and calls / plain pass, '
+                 'draft_call_ratio = cost per drafter call / plain pass, draft_calls[k] = calls of a greedy round of k '
+                 'drafts'.format(
                      args.compile, args.threads, args.max_k),
         'max_k': args.max_k, 'max_new_tokens': args.max_new_tokens, 'costs': None, 'prompts': records}
     with torch.inference_mode():

@@ -7,9 +7,9 @@ The replay runs the bench's interleaved order.
 
 A greedy round after s emitted tokens accepts min(K, run_lengths[s]) drafts whatever came before, so the replay
 is exact in tokens and rounds. Time is charged from the map's measured costs, in plain target passes: a round
-with k drafts costs the drafter's fixed part + k * c + verify_cost[k] + the loop's per-round overhead (plain
-rounds pay it too); a round cut short by a confidence cut-off pays the drafting of its whole K where the drafter
-drafts in calls of several steps (the map's cut_saves_drafting). As in the
+with k drafts in n drafter calls costs the drafter's fixed part + n * its per-call part + k * c + verify_cost[k] +
+the loop's per-round overhead (plain rounds pay it too); a round cut short by a confidence cut-off pays the
+drafting of its whole K where the drafter drafts in calls of several steps (the map's cut_saves_drafting). As in the
 engine, one controller per drafter sees every round of that drafter, pinned-K rounds included, and one target
 cost curve sees all passes; the controller is fed the same costs, optionally with multiplicative timing noise.
 """
@@ -21,7 +21,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from gemma_spec_ros.engine.adaptive import AdaptiveK, Decision, TargetCost, drafts_under_cutoff
+from gemma_spec_ros.engine.adaptive import AdaptiveK, Decision, TargetCost, drafts_under_cutoff, one_call_per_draft
 
 ADAPTIVE = 0  # the system key of adaptive K (fixed systems are keyed by their K)
 
@@ -33,11 +33,20 @@ class Costs:
     overhead: float = 0.0             # the loop's own work per round, in plain passes
     draft_fixed_ratio: dict[str, float] = field(default_factory=dict)  # per drafting round, in plain passes
     cut_saves_drafting: dict[str, bool] = field(default_factory=dict)  # False: a cut round drafts its whole K
+    draft_call_ratio: dict[str, float] = field(default_factory=dict)  # per drafter call, in plain passes
+    draft_calls: dict[str, list[int]] = field(default_factory=dict)   # [max_k + 1] calls of a round of k drafts
+                                                                       # (absent: one per draft)
+
+    def calls(self, drafter: str):
+        """Return the drafter's calls per round of k drafts, as a function of k."""
+        table = self.draft_calls.get(drafter)
+        return one_call_per_draft if table is None else table.__getitem__
 
     def draft_seconds(self, drafter: str, num_drafted: int) -> float:
         if not num_drafted:
             return 0.0
-        return self.draft_fixed_ratio.get(drafter, 0.0) + num_drafted * self.draft_cost_ratio.get(drafter, 0.0)
+        return (self.draft_fixed_ratio.get(drafter, 0.0) + num_drafted * self.draft_cost_ratio.get(drafter, 0.0)
+                + self.calls(drafter)(num_drafted) * self.draft_call_ratio.get(drafter, 0.0))
 
     def relative_cost(self, drafter: str, num_drafted: int, num_paid: int) -> float:
         """Return a round's time over a plain round's time: num_paid drafting steps, num_drafted verified."""
@@ -76,6 +85,8 @@ class Simulation:
         self.controllers = {d: AdaptiveK(max_k, self.target_cost, profit_gate=True, probe_interval=32,
                                          cut_saves_drafting=costs.cut_saves_drafting.get(d, True))
                             for d in drafters}
+        for drafter, controller in self.controllers.items():
+            controller.draft_calls = costs.calls(drafter)
         self._noise, self._rng = noise, random.Random(seed)
 
     def _observed(self, seconds: float) -> float:
@@ -124,7 +135,8 @@ def replay_bench(acceptance_map: dict, ks: list[int], repeats: int = 2, noise: f
     """Run plain, every fixed K and adaptive for every drafter on every prompt, shuffled per (repeat, prompt)."""
     recorded = acceptance_map['costs']
     costs = Costs(recorded['verify_cost'], recorded['draft_cost_ratio'], overhead,
-                  recorded.get('draft_fixed_ratio', {}), recorded.get('cut_saves_drafting', {}))
+                  recorded.get('draft_fixed_ratio', {}), recorded.get('cut_saves_drafting', {}),
+                  recorded.get('draft_call_ratio', {}), recorded.get('draft_calls', {}))
     prompts = _take_per_category(acceptance_map['prompts'], per_category)
     drafters = drafters or sorted(prompts[0]['maps'])
     simulation = Simulation(drafters, costs, acceptance_map['max_k'], noise, seed)

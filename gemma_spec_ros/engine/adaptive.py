@@ -25,12 +25,15 @@ Exploration is bounded and counted: now and then one round drafts K + 1 to measu
 paused a few probe rounds run at least every probe_interval rounds (sooner when probing costs little), and with
 drafter confidences a share of rounds drafts without cut-off to keep calibrating it. A cut-off is priced by what a
 cut saves: the drafts not drafted and the shorter verify pass, or only the latter for a drafter that drafts in calls
-of several steps (cut_saves_drafting False: the MTP assistant's greedy rounds on the fast path).
+of several steps (cut_saves_drafting False: the MTP assistant's greedy rounds on the fast path). Drafting is
+priced per round, per drafter call and per draft (DraftCost), with the calls each K takes from the drafter of the
+current request (draft_calls).
 """
 
 import itertools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .stats import expected_tokens
@@ -152,6 +155,11 @@ def _fill(shape: list[float | None]) -> list[float]:
     return filled
 
 
+def one_call_per_draft(num_drafts: int) -> int:
+    """Drafter calls of a round of num_drafts drafts for a drafter that runs one step per call."""
+    return num_drafts
+
+
 def drafts_under_cutoff(confidences: list[float], cap: int, cutoff: float) -> int:
     """Drafts a round of at most cap proposes under a confidence cut-off: up to the first one below it, included."""
     low = next((i for i, confidence in enumerate(confidences[:cap]) if confidence < cutoff), cap - 1)
@@ -160,42 +168,61 @@ def drafts_under_cutoff(confidences: list[float], cap: int, cutoff: float) -> in
 
 class DraftCost:
     """
-    Load-free seconds of drafting k tokens, fitted as fixed + k * step by decayed least squares over recent rounds.
+    Load-free seconds of drafting k tokens in n calls, fitted as fixed + n * per_call + k * step (least squares).
 
-    A model drafter pays a fixed part per round (feeding it the tokens the last round accepted, the call itself)
-    besides its steps; a cost per token alone makes short drafts look cheap and long ones dear. While K hardly
-    varies the two cannot be told apart, and the fit goes through zero (a cost per token).
+    The fit is decayed over recent rounds. A model drafter pays a fixed part per round (feeding it the tokens the
+    last round accepted, the round's set-up) and a price per call (dispatch, a host sync) besides its steps; a cost
+    per token alone makes short drafts look cheap and long ones dear. A drafter that runs several steps per call
+    (the MTP assistant's greedy rounds: K = 4 is one call, K = 5 two) makes some K dearer than their neighbours,
+    which only the per-call part can price. What recent rounds cannot tell apart is not fitted: while the calls
+    move with K (one call per draft, or K only 4 and 8) the per-call part joins the others, and while K hardly
+    varies the fit goes through zero (a cost per token).
     """
 
-    MIN_K_VARIANCE = 0.25  # variance of K over recent rounds needed to fit the fixed part
+    MIN_K_VARIANCE = 0.25   # variance of K over recent rounds needed to fit the fixed part
+    MIN_CALLS_VARIANCE = 0.1  # variance of the calls, and the share of it that K does not explain, needed to fit the
+                              # per-call part
 
     def __init__(self):
-        self._sums = [0.0] * 5  # decayed: weight, k, k^2, seconds, k * seconds
+        self._sums = [0.0] * 9  # decayed: weight, k, n, seconds, k^2, n^2, k * n, k * seconds, n * seconds
         self.fixed = 0.0
+        self.per_call = 0.0
         self.step: float | None = None  # None before the first drafting round
 
-    def record(self, num_drafted: int, seconds: float) -> None:
-        terms = (1.0, num_drafted, num_drafted * num_drafted, seconds, num_drafted * seconds)
+    def record(self, num_drafted: int, num_calls: int, seconds: float) -> None:
+        k, n = num_drafted, num_calls
+        terms = (1.0, k, n, seconds, k * k, n * n, k * n, k * seconds, n * seconds)
         self._sums = [DECAY * total + term for total, term in zip(self._sums, terms, strict=True)]
-        weight, k, k2, t, kt = self._sums
-        spread = weight * k2 - k * k
-        if spread >= self.MIN_K_VARIANCE * weight * weight:
-            step = (weight * kt - k * t) / spread
+        self.fixed, self.per_call, self.step = self._fit()
+
+    def _fit(self) -> tuple[float, float, float]:
+        """Return (fixed, per_call, step): the richest model the recent rounds identify with no negative part."""
+        weight, k, n, t, k2, n2, kn, kt, nt = self._sums
+        k_spread, n_spread = weight * k2 - k * k, weight * n2 - n * n  # weight^2 x variance
+        kn_spread, kt_spread, nt_spread = weight * kn - k * n, weight * kt - k * t, weight * nt - n * t
+        if k_spread >= self.MIN_K_VARIANCE * weight * weight:
+            determinant = k_spread * n_spread - kn_spread * kn_spread
+            if determinant >= self.MIN_CALLS_VARIANCE * weight * weight * k_spread:  # calls vary apart from K
+                step = (kt_spread * n_spread - nt_spread * kn_spread) / determinant
+                per_call = (nt_spread * k_spread - kt_spread * kn_spread) / determinant
+                fixed = (t - step * k - per_call * n) / weight
+                if step > 0 and per_call >= 0 and fixed >= 0:
+                    return fixed, per_call, step
+            step = kt_spread / k_spread
             fixed = (t - step * k) / weight
             if step > 0 and fixed >= 0:
-                self.fixed, self.step = fixed, step
-                return
-        self.fixed, self.step = 0.0, kt / k2
+                return fixed, 0.0, step
+        return 0.0, 0.0, kt / k2
 
-    def seconds(self, num_drafted: int) -> float:
+    def seconds(self, num_drafted: int, num_calls: int) -> float:
         if not num_drafted:
             return 0.0
         assert self.step is not None, 'a drafting round is recorded first'
-        return self.fixed + num_drafted * self.step
+        return self.fixed + num_calls * self.per_call + num_drafted * self.step
 
     def per_token(self) -> float | None:
         """Load-free seconds per drafted token over recent rounds, the fixed part included (None before drafting)."""
-        _, drafted, _, seconds, _ = self._sums
+        _, drafted, _, seconds, *_ = self._sums
         return seconds / drafted if drafted > 0 else None
 
 
@@ -276,6 +303,8 @@ class AdaptiveK:
                  cut_saves_drafting: bool = True):
         self.max_k = max_k
         self.cut_saves_drafting = cut_saves_drafting  # False: a cut round costs the drafting of the planned K
+        self.draft_calls: Callable[[int], int] = one_call_per_draft  # drafter calls of a round of k drafts; set
+                                                                     # per request (Drafter.draft_calls)
         self.target_cost = target_cost
         self.profit_gate = profit_gate
         self.probe_interval = max(1, probe_interval)
@@ -287,7 +316,7 @@ class AdaptiveK:
         self._state = AFTER_MISS                     # the state the next round starts in
         self._accepted = PRIOR_ALPHA * PRIOR_WEIGHT  # decayed accepted drafts
         self._evaluated = PRIOR_WEIGHT               # decayed drafts the target judged (accepted + first rejected)
-        self._draft_cost = DraftCost()               # load-free seconds of drafting k tokens
+        self._draft_cost = DraftCost()               # load-free seconds of drafting k tokens in n calls
         self._overhead = 0.0                         # load-free seconds per round outside drafting and target pass
         self._history: deque[tuple[int, int, int]] = deque(maxlen=HISTORY)  # (state, drafted, accepted)
         self._cusum_up = self._cusum_down = 0.0
@@ -329,7 +358,11 @@ class AdaptiveK:
         verify = shape[k + 1]
         if verify is None or (k and self._draft_cost.step is None):
             return None
-        return self._draft_cost.seconds(k) + verify + self._overhead
+        return self._drafting(k) + verify + self._overhead
+
+    def _drafting(self, k: int) -> float:
+        """Load-free seconds of drafting k tokens (0 for a plain round)."""
+        return self._draft_cost.seconds(k, self.draft_calls(k))
 
     def rate(self, k: int, curve: list[float | None] | None = None, rates: list[float] | None = None) -> float | None:
         """Return expected tokens per load-free second with k drafts (k = 0: plain), or None before measurements."""
@@ -346,7 +379,7 @@ class AdaptiveK:
         for k in range(1, self.max_k + 1):
             survive *= rates[k - 1]
             tokens += survive
-            cost = self._draft_cost.seconds(k) + shape[k + 1] + self._overhead
+            cost = self._drafting(k) + shape[k + 1] + self._overhead
             choices.append((tokens / cost, k, tokens, survive, cost))
         return choices
 
@@ -438,7 +471,7 @@ class AdaptiveK:
         self._evaluated = DECAY * self._evaluated + min(num_drafted, num_accepted + 1)
         cutoff = decision.min_confidence if decision is not None else 0.0
         if self.cut_saves_drafting or not cutoff:  # else its seconds are those of drafts it did not keep
-            self._draft_cost.record(num_drafted, draft_seconds / load)
+            self._draft_cost.record(num_drafted, self.draft_calls(num_drafted), draft_seconds / load)
         if confidences is not None and cutoff == 0.0 and len(confidences) == num_drafted:
             self._uncut.append(_Round(num_drafted, num_accepted, tuple(
                 drafts_under_cutoff(confidences, num_drafted, level) for level in CUTOFFS)))
@@ -565,7 +598,7 @@ class AdaptiveK:
         if len(rounds) < CUTOFF_MIN_ROUNDS or self._draft_cost.step is None:
             return 0.0
         costs = [self._round_cost(drafted, shape) or 0.0 for drafted in range(k + 1)]  # [k + 1] by drafts kept
-        drafting = self._draft_cost.seconds
+        drafting = self._drafting
         cut_costs = costs if self.cut_saves_drafting else [  # a cut round pays the drafting of all k
             cost + drafting(k) - drafting(drafted) for drafted, cost in enumerate(costs)]
 

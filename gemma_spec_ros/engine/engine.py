@@ -265,9 +265,11 @@ class Engine:
     def _prefill(self, run: _Run) -> list[int]:
         """Start the drafter, run the prompt through the target in one pass and pick the first token."""
         self._guard(run, lambda: run.drafter.start(run.tokens))
-        if run.controller is not None and not run.plan.pinned_k:
+        if run.controller is not None:
             with self._measure_lock:
-                run.controller.start()  # a new text: a gate paused on the previous one probes at once
+                run.controller.draft_calls = run.drafter.draft_calls(run.plan.sampling, run.constraint is not None)
+                if not run.plan.pinned_k:
+                    run.controller.start()  # a new text: a gate paused on the previous one probes at once
         prompt = torch.tensor([run.tokens], device=self._device)
         out = self._target.prefill(prompt, logits_to_keep=1, want_states=run.drafter.needs_target_states)
         logits = out.logits[0, -1:]  # [1, vocab]

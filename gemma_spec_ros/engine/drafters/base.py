@@ -1,13 +1,14 @@
 """The drafter interface: start a request, propose up to k tokens, observe each target pass."""
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from .. import models
+from ..adaptive import one_call_per_draft
 from ..grammar import GrammarConstraint, Lookahead, mask_logits
 from ..sampling import SamplingParams, greedy_pick, logits_to_probs, sample
 
@@ -78,6 +79,10 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         """Up to k tokens that continue context.tokens, or None for a plain round."""
+
+    def draft_calls(self, sampling: SamplingParams, constrained: bool) -> Callable[[int], int]:
+        """How many calls a round of k drafts makes in a request sampled so (under a grammar or not): one per draft."""
+        return one_call_per_draft
 
     def observe(self, target_out, num_fed: int, num_kept: int) -> None:  # noqa: B027 (optional hook)
         """

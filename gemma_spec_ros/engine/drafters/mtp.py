@@ -6,7 +6,10 @@ from contextlib import contextmanager
 import torch
 
 from .. import causal_lm, models
+from ..adaptive import one_call_per_draft
 from ..fast import FastAssistant, FastCausalLM
+from ..fast.runner import greedy_calls
+from ..sampling import SamplingParams
 from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
 
 
@@ -69,11 +72,18 @@ class MtpDrafter(Drafter):
             kv = {kind: (keys[..., :-drop, :], values[..., :-drop, :]) for kind, (keys, values) in kv.items()}
         self._shared_kv = kv
 
+    def _drafts_in_calls(self, sampling: SamplingParams, constrained: bool) -> bool:
+        """Greedy rounds on the fast path, with nothing to decide between steps, run several steps per call."""
+        return self._fast is not None and sampling.greedy and not constrained
+
+    def draft_calls(self, sampling: SamplingParams, constrained: bool) -> Callable[[int], int]:
+        return greedy_calls if self._drafts_in_calls(sampling, constrained) else one_call_per_draft
+
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         if self._hidden is None:
             return None
         position = len(context.tokens) - 1
-        if self._fast is not None and context.sampling.greedy and context.constraint is None:
+        if self._drafts_in_calls(context.sampling, context.constraint is not None):
             # nothing to decide between the steps: several per call, a cut-off checked after each call
             tokens, confidences = self._fast.greedy_drafts(context.last_token.view(1, 1), self._hidden, position, k,
                                                            context.min_confidence)

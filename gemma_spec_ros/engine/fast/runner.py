@@ -38,6 +38,20 @@ GREEDY_STEPS = (1, 2, 4)  # MTP draft steps per call of a greedy round's step fu
 Progress = Callable[[str], None]
 
 
+def greedy_chunks(num_drafts: int) -> list[int]:
+    """Return the steps per call of a greedy MTP round of num_drafts drafts: each the most GREEDY_STEPS that fit."""
+    chunks = []
+    while num_drafts:
+        chunks.append(max(steps for steps in GREEDY_STEPS if steps <= num_drafts))
+        num_drafts -= chunks[-1]
+    return chunks
+
+
+def greedy_calls(num_drafts: int) -> int:
+    """Return the calls of a greedy MTP round of num_drafts drafts (K = 4 one, K = 5 two)."""
+    return len(greedy_chunks(num_drafts))
+
+
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
     """auto|eager|inductor|cudagraph -> the mode used on this device (ValueError for an unknown or impossible one)."""
     if mode not in ('auto', *STEP_MODES):
@@ -370,15 +384,13 @@ class FastAssistant:
         """
         tokens, confidences = [], []
         with self._round(position) as (positions, kv_positions):
-            while k:
-                size = max(steps for steps in GREEDY_STEPS if steps <= k)
+            for size in greedy_chunks(k):
                 chunk_tokens, chunk_confidences, hidden = self._steps.run(
                     ('greedy', size), lambda size=size: self._greedy_function(size), (token_ids, hidden, positions),
                     kv_positions, dynamic_dims=(None, None, None))
                 tokens.append(chunk_tokens)
                 confidences.append(chunk_confidences)
                 token_ids = chunk_tokens[-1:].view(1, 1)
-                k -= size
                 if min_confidence:
                     low = (chunk_confidences < min_confidence).nonzero()  # one host sync per call
                     if low.numel():
