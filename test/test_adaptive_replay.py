@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.bench.acceptance_map import record_map
+from gemma_spec_ros.bench.acceptance_map import measure_costs, record_map
 from gemma_spec_ros.bench.adaptive_replay import ADAPTIVE, Costs, Simulation, Tally, best_single_k, replay_bench, table
 
 MAP = json.loads((Path(__file__).parent / 'data' / 'acceptance_map.json').read_text())
@@ -60,6 +60,19 @@ def test_replay_matches_the_engine_round_for_round(tiny_engine):
         simulation.request('ngram', k, mapping, tally)
         assert tally.rounds + 1 == result.stats.target_passes
         assert tally.tokens + 1 == len(result.token_ids)
+
+
+def test_measured_costs_price_each_drafter_call(tiny_engine):
+    # the map's costs as the replay charges them: the verify curve, and per drafter its parts and calls per K
+    prompt = tiny_engine.tokenizer('def add(a, b):\n    return a + b\n').input_ids
+    recorded = measure_costs(tiny_engine, prompt, ['ngram', 'mtp'], 8, repeats=1)
+    assert len(recorded['verify_cost']) == 9 and recorded['verify_cost'][0] == 1.0
+    assert all(cost > 0 for cost in recorded['verify_cost'])
+    assert recorded['draft_calls'] == {'ngram': list(range(9)), 'mtp': [0, 1, 1, 2, 1, 2, 2, 3, 2]}  # 1, 2, 4 steps
+    costs = Costs(recorded['verify_cost'], recorded['draft_cost_ratio'], 0.0, recorded['draft_fixed_ratio'],
+                  recorded['cut_saves_drafting'], {'mtp': 0.5}, recorded['draft_calls'])
+    assert costs.draft_seconds('mtp', 5) - costs.draft_seconds('mtp', 4) == pytest.approx(
+        0.5 + recorded['draft_cost_ratio']['mtp'])  # K = 5 takes a second call
 
 
 def _run_alone(simulation: Simulation, drafter: str, k: int, prompts: list[dict]) -> Tally:
