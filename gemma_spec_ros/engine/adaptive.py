@@ -179,9 +179,9 @@ class DraftCost:
     varies the fit goes through zero (a cost per token).
     """
 
-    MIN_K_VARIANCE = 0.25   # variance of K over recent rounds needed to fit the fixed part
-    MIN_CALLS_VARIANCE = 0.1  # variance of the calls, and the share of it that K does not explain, needed to fit the
-                              # per-call part
+    MIN_K_VARIANCE = 0.25     # variance of K over recent rounds needed to fit the fixed part
+    MIN_CALLS_VARIANCE = 0.1  # variance of the calls that K does not explain (around their linear fit on K) needed
+                              # to fit the per-call part
 
     def __init__(self):
         self._sums = [0.0] * 9  # decayed: weight, k, n, seconds, k^2, n^2, k * n, k * seconds, n * seconds
