@@ -68,7 +68,7 @@ def test_measured_costs_price_each_drafter_call(tiny_engine):
     recorded = measure_costs(tiny_engine, prompt, ['ngram', 'mtp'], 8, repeats=1)
     assert len(recorded['verify_cost']) == 9 and recorded['verify_cost'][0] == 1.0
     assert all(cost > 0 for cost in recorded['verify_cost'])
-    assert recorded['draft_calls'] == {'ngram': list(range(9)), 'mtp': [0, 1, 1, 2, 1, 2, 2, 3, 2]}  # 1, 2, 4 steps
+    assert recorded['draft_calls'] == {'ngram': list(range(9)), 'mtp': [0, 1, 1, 2, 1, 2, 2, 3, 1]}  # 1, 2, 4, 8 steps
     costs = Costs(recorded['verify_cost'], recorded['draft_cost_ratio'], 0.0, recorded['draft_fixed_ratio'],
                   recorded['cut_saves_drafting'], {'mtp': 0.5}, recorded['draft_calls'])
     assert costs.draft_seconds('mtp', 5) - costs.draft_seconds('mtp', 4) == pytest.approx(

@@ -34,7 +34,7 @@ from .model import LeanAssistant, LeanGemma4, StepOutput, store_exact_half
 STEP_MODES = ('eager', 'inductor', 'cudagraph')
 CPU_AUTO_MODE = 'inductor'
 MIN_BUCKET = 256          # smallest full-attention key length a CUDA graph is captured for
-GREEDY_STEPS = (1, 2, 4)  # MTP draft steps per call of a greedy round's step functions (FastAssistant.greedy_drafts)
+GREEDY_STEPS = (1, 2, 4, 8)  # MTP draft steps per call of a greedy round's step functions (FastAssistant.greedy_drafts)
 Progress = Callable[[str], None]
 
 
