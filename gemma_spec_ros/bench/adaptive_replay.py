@@ -19,6 +19,7 @@ import json
 import random
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gemma_spec_ros.engine.adaptive import AdaptiveK, Decision, TargetCost, drafts_under_cutoff, one_call_per_draft
@@ -37,10 +38,10 @@ class Costs:
     draft_calls: dict[str, list[int]] = field(default_factory=dict)   # [max_k + 1] calls of a round of k drafts
                                                                        # (absent: one per draft)
 
-    def calls(self, drafter: str):
+    def calls(self, drafter: str) -> Callable[[int], int]:
         """Return the drafter's calls per round of k drafts, as a function of k."""
         table = self.draft_calls.get(drafter)
-        return one_call_per_draft if table is None else table.__getitem__
+        return one_call_per_draft if table is None else lambda num_drafts: table[num_drafts]
 
     def draft_seconds(self, drafter: str, num_drafted: int) -> float:
         if not num_drafted:

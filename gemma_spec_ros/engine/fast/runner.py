@@ -17,6 +17,7 @@ Warm up after every model is loaded and the thread count is set: compiled graphs
 on the registered pytree types, and a change recompiles (slowly, but correctly).
 """
 
+import functools
 import gc
 import linecache
 import time
@@ -47,6 +48,7 @@ def greedy_chunks(num_drafts: int) -> list[int]:
     return chunks
 
 
+@functools.cache  # the adaptive controller prices every K at every decision
 def greedy_calls(num_drafts: int) -> int:
     """Return the calls of a greedy MTP round of num_drafts drafts (K = 4 one, K = 5 two)."""
     return len(greedy_chunks(num_drafts))
