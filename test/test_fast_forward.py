@@ -269,6 +269,31 @@ def test_cache_memory_and_limits(models):
         StaticKvCache(cache.specs, 0, WINDOW, MAX_QUERY, 'cpu', torch.float32)
 
 
+def _inside(tensor: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
+    start = tensor.data_ptr()
+    return any(buffer.data_ptr() <= start and start + tensor.numel() * tensor.element_size() <= buffer.data_ptr()
+               + buffer.numel() * buffer.element_size() for buffer in buffers)
+
+
+@pytest.mark.parametrize('kind', ['features', 'multimodal'])
+def test_lean_weights_live_in_one_flat_buffer_per_dtype(kind):
+    """The model's parameters are moved into the lean forward's buffers (shared, not copied), a tied weight once."""
+    model = _build(kind)
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    fast = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')
+    buffers = fast.lean.tensors.buffers
+    assert [buffer.dtype for buffer in buffers] == [torch.float32]
+    read = [parameter for name, parameter in model.named_parameters() if 'layers.' in name or 'embed' in name]
+    assert read and all(_inside(parameter, buffers) for parameter in read)
+    assert fast.lean.embed is fast.lean.lm_head  # tied: stored once
+    every = sum(tensor.numel() for tensor in [*model.parameters(), *model.buffers()])
+    assert buffers[0].numel() < every + fast_model.FlatTensors.ALIGN * 400  # nothing copied twice
+    assert all(torch.equal(parameter, before[name]) for name, parameter in model.named_parameters())
+    ids = torch.tensor([[2, 11, 12, 13]])
+    with torch.no_grad():  # the transformers model still runs on the moved parameters
+        _close(fast.prefill(ids).logits, model(ids).logits[:, -1:])
+
+
 def test_compile_modes():
     with pytest.raises(ValueError, match='engine.compile'):
         resolve_compile_mode('fast', torch.device('cpu'))
@@ -281,11 +306,11 @@ def test_compile_modes():
 @pytest.mark.skipif(os.environ.get('GEMMA_SPEC_COMPILE_TESTS') != '1',
                     reason='inductor compiles take minutes on a shared CPU: set GEMMA_SPEC_COMPILE_TESTS=1')
 @pytest.mark.parametrize('inline', [True, False], ids=['layers inlined, C++ wrapper', 'a region per layer shape'])
-def test_inductor_steps_match_eager_without_recompiling(models, monkeypatch, inline):
+def test_inductor_steps_match_eager_without_recompiling(monkeypatch, inline):
     """Two graphs (q = 1, q >= 2) serve every query length and position; the assistant's serves every position."""
     if not inline:  # the path of models deeper than INLINE_MAX_LAYERS
         monkeypatch.setattr(fast_model, 'INLINE_MAX_LAYERS', 0)
-    model = models['plain']
+    model = _build('plain')  # not the fixture: other tests moved its weights into flat buffers, which regions refuse
     assistant = _assistant(model, ordered=True)  # load every model first: that can register new pytree types,
     eager = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')  # which compiled graphs guard on
     compiled = FastCausalLM(model, CONTEXT, MAX_QUERY, 'inductor')
@@ -395,6 +420,9 @@ def test_compiled_assistant_stores_exact_half_weights(models):
     matrices = [p for p in assistant.parameters() if p.dim() == 2]
     assert matrices and all(p.dtype == torch.bfloat16 for p in matrices)
     assert all(p.dtype == torch.float32 for p in assistant.parameters() if p.dim() == 1)  # norms stay float32
+    buffers = compiled.lean.tensors.buffers  # the compiled steps read the 16-bit matrices, not float32 copies
+    assert [buffer.dtype for buffer in buffers] == [torch.bfloat16, torch.float32, torch.int64]
+    assert all(_inside(p, buffers) for p in matrices)
     expected = FastAssistant(reference, eager, 'eager')
     out = eager.prefill(torch.tensor([[2, *range(10, 30)]]))
     for _ in range(2 * WINDOW):  # target greedy decoding through the sliding window, the assistant drafting

@@ -30,7 +30,7 @@ import torch
 
 from ..sampling import greedy_pick
 from .cache import StaticKvCache
-from .model import LeanAssistant, LeanGemma4, StepOutput, store_exact_half
+from .model import LeanAssistant, LeanGemma4, StepOutput, return_freed_memory, store_exact_half
 
 STEP_MODES = ('eager', 'inductor', 'cudagraph')
 CPU_AUTO_MODE = 'inductor'
@@ -79,7 +79,8 @@ def _release_compile_garbage() -> None:
     torch.compiler keeps the bytes of every cache artifact it wrote or read (for torch.compiler.save_cache_artifacts,
     which the engine does not call), linecache the source files read for guard and node stack traces. Freed before
     the next graph compiles, the memory is reused by it: the serving peak after warm-up falls by ~10 MiB (5 graphs,
-    bench/fast_measure.py memory; freed only at the end, the fragments stay resident).
+    bench/fast_measure.py memory; freed only at the end, the fragments stay resident). What the heap then keeps
+    free goes back to the OS.
     """
     try:
         from torch.compiler._cache import CacheArtifactManager
@@ -89,6 +90,7 @@ def _release_compile_garbage() -> None:
         CacheArtifactManager.clear()
     linecache.clearcache()
     gc.collect()
+    return_freed_memory()
 
 
 def _buckets(context_limit: int) -> list[int]:
@@ -347,11 +349,11 @@ class FastAssistant:
     """
 
     def __init__(self, assistant, target: FastCausalLM, compile_mode: str = 'auto'):
-        self.lean = LeanAssistant(assistant, target.lean)
         self.target = target
         self.mode = resolve_compile_mode(compile_mode, target.lean.device)
         compiled_for_cpu = self.mode == 'inductor' and target.lean.device.type == 'cpu'
         self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu else None
+        self.lean = LeanAssistant(assistant, target.lean)  # after the dtype change: it packs the weights as they are
         self._steps = _Steps(self.mode, target.lean.device, target.cache.context_limit, self.lean.inlines_layers)
 
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int) -> StepOutput:
