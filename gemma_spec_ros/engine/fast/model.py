@@ -40,7 +40,7 @@ class FlatTensors:
     compiled by torch.compile reads each tensor as a slice of its buffer: the graph then takes one input per dtype
     instead of one per tensor. Every input of a compiled call costs Python and C++ work (~2 us each, measured on 200
     inputs), and the bundled target's step read 170 tensors. Only for graphs without nested compile regions (CPU,
-    layers inlined: _Decoder.packs_weights): a region's inputs must not alias each other.
+    layers inlined: _Decoder._packs_weights): a region's inputs must not alias each other.
     """
 
     ALIGN = 16  # elements: each tensor starts on a 64-byte boundary in float32
@@ -85,15 +85,17 @@ class FlatTensors:
         return_freed_memory()
 
     def __getitem__(self, handle: int | None) -> torch.Tensor | None:
-        if handle is None:
-            return None
-        if self.buffers and torch.compiler.is_compiling():
-            return self._slice(handle)
-        return self._tensors[handle]
+        return self._lookup()(handle)
 
     def each(self, handles: NamedTuple) -> NamedTuple:
         """Return the same named tuple with each handle replaced by its tensor."""
-        return type(handles)(*[self[handle] for handle in handles])
+        lookup = self._lookup()
+        return type(handles)(*[lookup(handle) for handle in handles])
+
+    def _lookup(self):
+        """Return handle -> tensor: a slice of the flat buffers while compiling packed tensors, else the tensor."""
+        read = self._slice if self.buffers and torch.compiler.is_compiling() else self._tensors.__getitem__
+        return lambda handle: None if handle is None else read(handle)
 
     def _slice(self, handle: int) -> torch.Tensor:
         index, offset, shape = self._places[handle]
