@@ -400,6 +400,25 @@ def test_exact_half_dtype_keeps_every_value():
     assert exact_half_dtype([torch.tensor([1.0 + 2 ** -12])]) is None
 
 
+@pytest.mark.parametrize('mkl_tuned', [True, False], ids=['MKL tuned: aten from 2 rows', 'generic: multiply-reduce'])
+def test_compiled_cpu_products_match_aten(monkeypatch, mkl_tuned):
+    """Compiled for CPU, one row is a multiply-reduce, and so are several unless MKL runs its tuned code."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(fast_model, '_MKL_TUNED', mkl_tuned)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48)  # a 16-bit weight, as store_exact_half
+    for rows in (1, 3):
+        x = torch.randn(rows, 32)
+
+        def product(x, weight, bias):  # a fresh function per compile: nothing cached from another case
+            return fast_model._linear(x, weight, bias)
+        out, code = run_and_get_code(torch.compile(product, fullgraph=True, dynamic=False), x, weight, bias)
+        _close(out, torch.nn.functional.linear(x, weight.float(), bias))
+        calls_aten = 'extern_kernels.addmm(' in ''.join(code)  # aten's product with the bias
+        assert calls_aten == (rows > 1 and mkl_tuned)
+
+
 def _rounded_to(model, dtype: torch.dtype):
     with torch.no_grad():
         for parameter in model.parameters():
