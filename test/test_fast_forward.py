@@ -8,7 +8,13 @@ import torch
 
 from gemma_spec_ros.engine.fast import model as fast_model
 from gemma_spec_ros.engine.fast.cache import StaticKvCache
-from gemma_spec_ros.engine.fast.runner import GREEDY_STEPS, FastAssistant, FastCausalLM, resolve_compile_mode
+from gemma_spec_ros.engine.fast.runner import (
+    GREEDY_STEPS,
+    FastAssistant,
+    FastCausalLM,
+    dynamic_query_variant,
+    resolve_compile_mode,
+)
 
 WINDOW = 8
 MAX_QUERY = 9          # K_max + 1 with K_max = 8
@@ -307,7 +313,7 @@ def test_compile_modes():
                     reason='inductor compiles take minutes on a shared CPU: set GEMMA_SPEC_COMPILE_TESTS=1')
 @pytest.mark.parametrize('inline', [True, False], ids=['layers inlined, C++ wrapper', 'a region per layer shape'])
 def test_inductor_steps_match_eager_without_recompiling(monkeypatch, inline):
-    """Two graphs (q = 1, q >= 2) serve every query length and position; the assistant's serves every position."""
+    """A graph per query range serves every query length and position; the assistant's serves every position."""
     if not inline:  # the path of models deeper than INLINE_MAX_LAYERS
         monkeypatch.setattr(fast_model, 'INLINE_MAX_LAYERS', 0)
     model = _build('plain')  # not the fixture: other tests moved its weights into flat buffers, which regions refuse
@@ -315,7 +321,8 @@ def test_inductor_steps_match_eager_without_recompiling(monkeypatch, inline):
     eager = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')  # which compiled graphs guard on
     compiled = FastCausalLM(model, CONTEXT, MAX_QUERY, 'inductor')
     report = compiled.warmup()
-    assert (report.mode, report.graphs) == ('inductor', 2)
+    ranges = {dynamic_query_variant(q) for q in range(1, MAX_QUERY + 1)}  # 1, 2[, the rows aten multiplies]
+    assert (report.mode, report.graphs) == ('inductor', len(ranges)) and len(ranges) in (2, 3)
     eager_assistant, compiled_assistant = FastAssistant(assistant, eager, 'eager'), FastAssistant(assistant, eager,
                                                                                                   'inductor')
     assert compiled_assistant.warmup().graphs == 1 + len(GREEDY_STEPS)  # the step, and the greedy rounds' steps
@@ -400,15 +407,15 @@ def test_exact_half_dtype_keeps_every_value():
     assert exact_half_dtype([torch.tensor([1.0 + 2 ** -12])]) is None
 
 
-@pytest.mark.parametrize('mkl_tuned', [True, False], ids=['MKL tuned: aten from 2 rows', 'generic: multiply-reduce'])
-def test_compiled_cpu_products_match_aten(monkeypatch, mkl_tuned):
-    """Compiled for CPU, one row is a multiply-reduce, and so are several unless MKL runs its tuned code."""
+@pytest.mark.parametrize('max_rows', [1, 4])
+def test_compiled_cpu_products_match_aten(monkeypatch, max_rows):
+    """Compiled for CPU, passes of up to ROW_PRODUCT_MAX_ROWS rows are multiply-reduces, longer ones aten's product."""
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(fast_model, '_MKL_TUNED', mkl_tuned)
+    monkeypatch.setattr(fast_model, 'ROW_PRODUCT_MAX_ROWS', max_rows)
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48)  # a 16-bit weight, as store_exact_half
-    for rows in (1, 3):
+    for rows in (1, 3, 5):
         x = torch.randn(rows, 32)
 
         def product(x, weight, bias):  # a fresh function per compile: nothing cached from another case
@@ -416,7 +423,7 @@ def test_compiled_cpu_products_match_aten(monkeypatch, mkl_tuned):
         out, code = run_and_get_code(torch.compile(product, fullgraph=True, dynamic=False), x, weight, bias)
         _close(out, torch.nn.functional.linear(x, weight.float(), bias))
         calls_aten = 'extern_kernels.addmm(' in ''.join(code)  # aten's product with the bias
-        assert calls_aten == (rows > 1 and mkl_tuned)
+        assert calls_aten == (rows > max_rows)
 
 
 def _rounded_to(model, dtype: torch.dtype):

@@ -203,14 +203,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """
     Return x [q, in] times weight [out, in] transposed, plus bias: [q, out].
 
-    Compiled for CPU, a one-row step, and every step where aten's matrix product is not MKL's tuned code
-    (_MKL_TUNED), is a multiply-reduce: inductor fuses it into one loop per output row that converts a 16-bit
-    weight (store_exact_half) on the fly; only the summation order changes. A one-row step of the bundled target
-    takes 1/1.16 of the time with aten's matrix-vector product; on an AMD CPU passes of 2-9 rows take about a
-    quarter less than with aten's product. Eager runs keep aten (a 16-bit weight is converted, so a step that dynamo
-    runs eager after all, say past its recompile limit, stays correct).
+    Compiled for CPU, a pass of up to ROW_PRODUCT_MAX_ROWS rows is a multiply-reduce: inductor fuses it into one loop
+    per output that converts a 16-bit weight (store_exact_half) on the fly; only the summation order changes. Longer
+    passes and eager runs keep aten's product (a 16-bit weight is converted, so a step that dynamo runs eager after
+    all, say past its recompile limit, stays correct).
     """
-    if _compiling_for_cpu(x) and (x.shape[0] == 1 or not _MKL_TUNED):
+    if _compiling_for_cpu(x) and x.shape[0] <= ROW_PRODUCT_MAX_ROWS:
         out = (weight * x[:, None, :]).sum(-1)
         return out if bias is None else out + bias
     return F.linear(x, weight.to(x.dtype), bias)
@@ -227,7 +225,12 @@ def _mkl_runs_tuned_code() -> bool:
         return False
 
 
-_MKL_TUNED = _mkl_runs_tuned_code()  # read before any step is traced: dynamo sees a constant
+# The longest pass whose products a compiled CPU step computes as multiply-reduces (_linear), where each is faster
+# than aten's product: a one-row step of the bundled target takes 1/1.16 of the time with aten's matrix-vector
+# product (Intel Xeon); where MKL runs its generic code the multiply-reduce is faster through 4 rows (AMD EPYC,
+# passes of 2 / 3 / 4 tokens 10.0 / 12.2 / 13.5 -> 8.1 / 9.7 / 12.4 ms; even at 5, slower from 6 on), while on the
+# Xeon aten's product of 2 rows cost about what one row did. Read before any step is traced: dynamo sees a constant.
+ROW_PRODUCT_MAX_ROWS = 1 if _mkl_runs_tuned_code() else 4
 
 
 def exact_half_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:

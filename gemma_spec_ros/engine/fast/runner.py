@@ -2,8 +2,9 @@
 Step functions per query length over the lean forward and the static cache: eager, inductor-compiled or captured.
 
 - ``eager``: the lean forward runs eager on the static cache.
-- ``inductor``: torch.compile graphs. On CPU two per step function, q = 1 and q >= 2, with the query length and the
-  full-attention key length dynamic, so they serve every q and position; for models of up to
+- ``inductor``: torch.compile graphs. On CPU one per step function and query range (dynamic_query_variant: q = 1,
+  then q >= 2, split where the lean forward's products change from multiply-reduces to aten's), with the query
+  length and the full-attention key length dynamic, so they serve every q and position; for models of up to
   model.INLINE_MAX_LAYERS layers their wrappers are C++ (cpp_wrapper). On CUDA one per (q, key-length bucket),
   captured as CUDA graphs by inductor (mode reduce-overhead).
 - ``cudagraph`` (CUDA only): the eager lean forward captured as a torch.cuda.CUDAGraph per (q, logits kept,
@@ -30,7 +31,7 @@ import torch
 
 from ..sampling import greedy_pick
 from .cache import StaticKvCache
-from .model import LeanAssistant, LeanGemma4, StepOutput, return_freed_memory, store_exact_half
+from .model import ROW_PRODUCT_MAX_ROWS, LeanAssistant, LeanGemma4, StepOutput, return_freed_memory, store_exact_half
 
 STEP_MODES = ('eager', 'inductor', 'cudagraph')
 CPU_AUTO_MODE = 'inductor'
@@ -52,6 +53,18 @@ def greedy_chunks(num_drafts: int) -> list[int]:
 def greedy_calls(num_drafts: int) -> int:
     """Return the calls of a greedy MTP round of num_drafts drafts (K = 4 one, K = 5 two)."""
     return len(greedy_chunks(num_drafts))
+
+
+def dynamic_query_variant(q: int) -> int:
+    """
+    Return the shortest query of the dynamic CPU step variant that serves q tokens.
+
+    The variants: q = 1; q = 2 through model.ROW_PRODUCT_MAX_ROWS (2 keeps the query length off torch's 0/1
+    specialisation); every longer q, whose products are aten's.
+    """
+    if q == 1:
+        return 1
+    return 2 if q <= ROW_PRODUCT_MAX_ROWS else ROW_PRODUCT_MAX_ROWS + 1
 
 
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
@@ -137,8 +150,9 @@ class _Steps:
     """
     Runs a step function per variant in the chosen mode, creating (compiling, capturing) each on first use.
 
-    On CPU with inductor the variants are q = 1 and q >= 2 (query and key lengths dynamic), so two graphs serve
-    every step. Otherwise a variant is one q and, unless eager, one full-attention key-length bucket.
+    On CPU with inductor the variants are query ranges (dynamic_query_variant; query and key lengths dynamic), so
+    two or three graphs serve every step. Otherwise a variant is one q and, unless eager, one full-attention
+    key-length bucket.
     """
 
     def __init__(self, mode: str, device: torch.device, context_limit: int, cpp_wrapper: bool):
@@ -178,7 +192,7 @@ class _Steps:
         if self.mode == 'eager':
             variant_key = key
         elif self.dynamic:
-            variant_key = (*key, min(q, 2))
+            variant_key = (*key, dynamic_query_variant(q))
         else:
             variant_key = (*key, q, kv_positions.shape[0])
         if self.dynamic:  # at every call: a recompile (say, after a thread-count change) must stay dynamic
@@ -328,7 +342,9 @@ class FastCausalLM:
         """
         say = progress or (lambda message: None)
         started = time.perf_counter()
-        queries = [1, 2] if self._steps.dynamic else range(1, self.max_query + 1)
+        queries = range(1, self.max_query + 1)
+        if self._steps.dynamic:
+            queries = sorted({dynamic_query_variant(q) for q in queries})
         for q in queries:
             for length in self._steps.key_lengths():
                 self.cache.reset()
