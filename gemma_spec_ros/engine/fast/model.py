@@ -228,7 +228,7 @@ def _mkl_runs_tuned_code() -> bool:
 # The longest pass whose products a compiled CPU step computes as multiply-reduces (_linear), where each is faster
 # than aten's product: a one-row step of the bundled target takes 1/1.16 of the time with aten's matrix-vector
 # product (Intel Xeon); where MKL runs its generic code the multiply-reduce is faster through 4 rows (AMD EPYC,
-# passes of 2 / 3 / 4 tokens 10.0 / 12.2 / 13.5 -> 8.1 / 9.7 / 12.4 ms; even at 5, slower from 6 on), while on the
+# passes of 2 / 3 / 4 tokens 10.0 / 12.2 / 13.5 -> 8.1 / 9.7 / 12.4 ms; equal at 5, slower from 6), while on the
 # Xeon aten's product of 2 rows cost about what one row did. Read before any step is traced: dynamo sees a constant.
 ROW_PRODUCT_MAX_ROWS = 1 if _mkl_runs_tuned_code() else 4
 
