@@ -37,6 +37,47 @@ def test_target_cost_interpolates_and_extrapolates():
     assert cost.seconds(1) == 1.0
 
 
+def test_target_cost_leaves_a_stall_out_but_follows_a_lasting_slowdown():
+    cost = TargetCost(9)
+    for _ in range(5):
+        cost.record(1, 1.0)
+        cost.record(5, 2.0)
+    cost.record(5, 1000.0)  # a compile on first use, or the process descheduled
+    assert cost.seconds(5) == pytest.approx(2.0) and cost.seconds(1) == pytest.approx(1.0)
+    for _ in range(10):  # the machine is 10x slower from now on
+        cost.record(1, 10.0)
+        cost.record(5, 20.0)
+    assert cost.seconds(1) == pytest.approx(10.0, rel=0.05)
+    assert cost.seconds(5) / cost.seconds(1) == pytest.approx(2.0, rel=0.05)
+
+
+def test_target_cost_measures_a_size_again_after_its_first_pass():
+    cost = TargetCost(9)
+    cost.record(1, 50.0)  # the first pass of the run compiled its step: no estimate yet to call it a stall
+    cost.record(1, 1.0)
+    cost.record(3, 1.5)
+    assert cost.seconds(1) == pytest.approx(1.0) and cost.seconds(3) == pytest.approx(1.5)
+
+
+def test_a_drafting_or_loop_stall_leaves_the_controller_s_costs_alone():
+    cost = TargetCost(9)
+    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=4)
+
+    def speculative_round(draft_seconds, round_seconds):
+        cost.record(5, 2.0)
+        controller.record(4, 4, draft_seconds, round_seconds=round_seconds)
+
+    cost.record(1, 1.0)
+    controller.record(0, 0, 0.0, round_seconds=1.0)
+    for _ in range(20):
+        speculative_round(0.4, 2.5)
+    per_token, break_even = controller.draft_token_seconds, controller.break_even_tau(4)
+    speculative_round(400.0, 402.5)  # the drafter's first call of a new shape compiled
+    speculative_round(0.4, 300.0)    # the loop was descheduled
+    assert controller.draft_token_seconds == pytest.approx(per_token, rel=0.05)
+    assert controller.break_even_tau(4) == pytest.approx(break_even, rel=0.05)
+
+
 def test_noisy_costs_keep_break_even_tau_at_least_one():
     cost = TargetCost(9)
     cost.record(1, 2.0)   # plain pass measured under load

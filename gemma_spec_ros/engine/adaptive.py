@@ -10,7 +10,9 @@ maximizes E(K) / cost(K).
 
 Costs are kept in load-free units: the target cost curve is a shape times a load factor that follows the latest
 pass, so that plain decoding measured under one load is never compared with verify passes measured under another
-(on a shared machine that made the gate flip).
+(on a shared machine that made the gate flip). A stall, a pass or drafting round many times its estimate (a compile
+on first use, the process descheduled), is left out of the costs: one 36 s pass otherwise priced its K out for the
+rest of the run.
 
 The profit gate judges the policy's long-run rate (both states, weighted by how often each occurs) against plain
 decoding. It pauses when even an optimistic reading of the acceptance (one standard error up) loses, and resumes
@@ -52,6 +54,9 @@ FULL_MIN_DRAFTS = 2       # a fully accepted round starts AFTER_FULL only when i
 LOAD_DECAY = 0.7          # per target pass, weight of the older load factor (load moves fast)
 SHAPE_DECAY = 0.95        # per pair of adjacent passes of different sizes, weight of the older cost shape (timing
                           # noise on a shared CPU swings single passes by tens of percent)
+STALL_FACTOR = 8.0        # a pass or a drafting round this many times its estimate is a stall (a compile on first
+                          # use, the process descheduled): left out of the costs, unless the next is one too (then
+                          # the load changed)
 PROBE_ROUNDS = 3          # speculative rounds per probe while paused
 PROBE_BUDGET = 0.05       # while paused, probes may cost this share of the plain rounds' time (so a cheap drafter
                           # probes often, a dear one every probe_interval rounds)
@@ -81,22 +86,29 @@ class TargetCost:
 
     Kept as shape(n) * load. The shape of a size is learned only against the pass just before it (of another
     size, so under the same load); the load factor follows every pass. A first pass of a new size sets its shape
-    at the current load.
+    at the current load; the second sets it again where the first was a stall against it (the first pass of a run
+    may compile, with no estimate yet to tell). Later stalls (StallFilter) are left out.
     """
 
     def __init__(self, max_tokens: int):
         self._shape: list[float | None] = [None] * (max_tokens + 1)  # index = tokens per pass; seconds at load 1
+        self._passes = [0] * (max_tokens + 1)                       # recorded passes per size
         self._load = 1.0
         self._relative: list[float | None] | None = None            # cached shape estimates for every size
         self._previous: tuple[int, float] | None = None            # (tokens, seconds) of the latest pass
+        self._stalls = StallFilter()
         self.last_seconds: float | None = None                     # the latest recorded pass
 
     def record(self, num_tokens: int, seconds: float) -> None:
         if num_tokens >= len(self._shape) or seconds <= 0:
             return
+        self.last_seconds = seconds
+        if self._stalls.skips(seconds, self.seconds(num_tokens)):
+            return
+        self._passes[num_tokens] += 1
         known = self._shape[num_tokens]
-        if known is None:
-            self._shape[num_tokens] = seconds / self._load
+        if known is None or (self._passes[num_tokens] == 2 and known > STALL_FACTOR * seconds / self._load):
+            self._shape[num_tokens] = seconds / self._load  # first of its size, or the first was a stall
         else:
             if self._previous is not None and self._previous[0] != num_tokens:
                 before, before_seconds = self._previous
@@ -106,7 +118,6 @@ class TargetCost:
                 self._shape[num_tokens] = known * (paired / known) ** (1 - SHAPE_DECAY)
             self._load = LOAD_DECAY * self._load + (1 - LOAD_DECAY) * seconds / self._shape[num_tokens]
         self._previous = (num_tokens, seconds)
-        self.last_seconds = seconds
         self._relative = None
 
     @property
@@ -133,6 +144,18 @@ class TargetCost:
 
     def measured(self, num_tokens: int) -> bool:
         return num_tokens < len(self._shape) and self._shape[num_tokens] is not None
+
+
+class StallFilter:
+    """Tells a stall from a measurement: a time over STALL_FACTOR x its estimate, unless the one before was one too."""
+
+    def __init__(self):
+        self._stalled = False
+
+    def skips(self, seconds: float, estimate: float | None) -> bool:
+        stall = estimate is not None and seconds > STALL_FACTOR * estimate and not self._stalled
+        self._stalled = stall
+        return stall
 
 
 def _fill(shape: list[float | None]) -> list[float]:
@@ -317,6 +340,8 @@ class AdaptiveK:
         self._accepted = PRIOR_ALPHA * PRIOR_WEIGHT  # decayed accepted drafts
         self._evaluated = PRIOR_WEIGHT               # decayed drafts the target judged (accepted + first rejected)
         self._draft_cost = DraftCost()               # load-free seconds of drafting k tokens in n calls
+        self._draft_stalls = StallFilter()
+        self._overhead_stalls = StallFilter()
         self._overhead = 0.0                         # load-free seconds per round outside drafting and target pass
         self._history: deque[tuple[int, int, int]] = deque(maxlen=HISTORY)  # (state, drafted, accepted)
         self._cusum_up = self._cusum_down = 0.0
@@ -449,7 +474,9 @@ class AdaptiveK:
         self.exploration.total_seconds += draft_seconds + target_seconds
         if round_seconds is not None:
             overhead = max(0.0, round_seconds - draft_seconds - target_seconds) / load
-            self._overhead = DECAY * self._overhead + (1 - DECAY) * overhead
+            plain = self.target_cost.relative()[1]  # a stall is judged against a round's scale, not the overhead's
+            if not self._overhead_stalls.skips(overhead, None if plain is None else self._overhead + plain):
+                self._overhead = DECAY * self._overhead + (1 - DECAY) * overhead
         if num_drafted == 0:
             if decision is not None and not decision.speculating:
                 for counts in self._recent:  # paused: old evidence fades, so that probes soon decide
@@ -470,8 +497,11 @@ class AdaptiveK:
         self._accepted = DECAY * self._accepted + num_accepted
         self._evaluated = DECAY * self._evaluated + min(num_drafted, num_accepted + 1)
         cutoff = decision.min_confidence if decision is not None else 0.0
-        if self.cut_saves_drafting or not cutoff:  # else its seconds are those of drafts it did not keep
-            self._draft_cost.record(num_drafted, self.draft_calls(num_drafted), draft_seconds / load)
+        calls = self.draft_calls(num_drafted)
+        estimate = None if self._draft_cost.step is None else self._draft_cost.seconds(num_drafted, calls)
+        stalled = self._draft_stalls.skips(draft_seconds / load, estimate)
+        if not stalled and (self.cut_saves_drafting or not cutoff):  # else: seconds of drafts it did not keep
+            self._draft_cost.record(num_drafted, calls, draft_seconds / load)
         if confidences is not None and cutoff == 0.0 and len(confidences) == num_drafted:
             self._uncut.append(_Round(num_drafted, num_accepted, tuple(
                 drafts_under_cutoff(confidences, num_drafted, level) for level in CUTOFFS)))

@@ -225,12 +225,24 @@ def _mkl_runs_tuned_code() -> bool:
         return False
 
 
-# The longest pass whose products a compiled CPU step computes as multiply-reduces (_linear), where each is faster
-# than aten's product: a one-row step of the bundled target takes 1/1.16 of the time with aten's matrix-vector
-# product (Intel Xeon); where MKL runs its generic code the multiply-reduce is faster through 4 rows (AMD EPYC,
-# passes of 2 / 3 / 4 tokens 10.0 / 12.2 / 13.5 -> 8.1 / 9.7 / 12.4 ms; equal at 5, slower from 6), while on the
-# Xeon aten's product of 2 rows cost about what one row did. Read before any step is traced: dynamo sees a constant.
-ROW_PRODUCT_MAX_ROWS = 1 if _mkl_runs_tuned_code() else 4
+def _row_product_max_rows() -> int:
+    """
+    Return the longest pass whose products a compiled CPU step computes as multiply-reduces (_linear).
+
+    Up to there each is faster than aten's product, as measured on the bundled target (compiled passes, 1 thread).
+    On an Intel Xeon, where MKL runs its tuned code, the multiply-reduce made a one-row step 1.16x faster than
+    aten's matrix-vector product, but aten's product of 2 rows cost about what one row did. Where MKL runs its
+    generic code, inductor's vectorised loops win: with AVX2 (AMD EPYC) through 4 rows (passes of 2 / 3 / 4 tokens
+    10.0 / 12.2 / 13.5 -> 8.1 / 9.7 / 12.4 ms; equal at 5, slower from 6), with AVX-512 (AMD EPYC) through 9
+    (passes of 5 / 9 tokens 10.2 / 11.4 -> 6.3 / 8.4 ms; equal at 12, slower at 17).
+    """
+    if _mkl_runs_tuned_code():
+        return 1
+    return 9 if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 4
+
+
+# Read before any step is traced: dynamo sees a constant.
+ROW_PRODUCT_MAX_ROWS = _row_product_max_rows()
 
 
 def exact_half_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
