@@ -222,6 +222,18 @@ def test_profit_gate_pauses_useless_drafter(tiny_models):
     assert status.break_even_tau > 1.0
 
 
+def test_engine_times_its_verify_passes_when_it_loads(tiny_models):
+    engine = Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
+                                             draft_model_path=tiny_models.draft, device='cpu', max_draft_tokens=4,
+                                             compile=TEST_COMPILE))
+    curve = engine.calibrate_verify_costs(rounds=2)
+    assert sorted(curve) == [1, 2, 3, 4, 5] and all(seconds > 0 for seconds in curve.values())
+    # the controller starts from that curve: its first round drafts (no plain round to time plain decoding first),
+    # the one round that leaves room for a draft among 3 new tokens
+    result = engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=3))
+    assert result.stats.drafted_tokens > 0
+
+
 def test_multimodal_checkpoint_generates_through_language_model(tiny_models, tiny_engine, tmp_path):
     # real Gemma 4 checkpoints load as Gemma4ForConditionalGeneration; text goes through its language model
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration

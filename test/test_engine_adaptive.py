@@ -37,6 +37,18 @@ def test_target_cost_interpolates_and_extrapolates():
     assert cost.seconds(1) == 1.0
 
 
+def test_target_cost_starts_from_a_calibrated_curve_and_keeps_learning():
+    cost = TargetCost(9)
+    cost.record(1, 1.0)  # a first pass, before the calibration
+    cost.calibrate({1: 1.0, 3: 1.2, 5: 1.4})
+    assert cost.seconds(3) == pytest.approx(1.2) and cost.seconds(4) == pytest.approx(1.3)
+    cost.record(5, 2.8)  # the machine got twice as slow
+    cost.record(3, 2.4)
+    assert cost.seconds(5) / cost.seconds(3) == pytest.approx(1.4 / 1.2, rel=0.05) and cost.load > 1.2
+    cost.record(3, 240.0)  # a stall against the calibrated curve
+    assert cost.seconds(3) < 3.0
+
+
 def test_target_cost_leaves_a_stall_out_but_follows_a_lasting_slowdown():
     cost = TargetCost(9)
     for _ in range(5):

@@ -11,7 +11,8 @@ with k drafts in n drafter calls costs the drafter's fixed part + n * its per-ca
 the loop's per-round overhead (plain rounds pay it too); a round cut short by a confidence cut-off pays the
 drafting of its whole K where the drafter drafts in calls of several steps (the map's cut_saves_drafting). As in the
 engine, one controller per drafter sees every round of that drafter, pinned-K rounds included, and one target
-cost curve sees all passes; the controller is fed the same costs, optionally with multiplicative timing noise.
+cost curve, calibrated from the map's as the engine calibrates it when it loads, sees all passes; the controller is
+fed the same costs, optionally with multiplicative timing noise.
 """
 
 import argparse
@@ -83,6 +84,7 @@ class Simulation:
     def __init__(self, drafters: list[str], costs: Costs, max_k: int, noise: float, seed: int):
         self.costs = costs
         self.target_cost = TargetCost(max_k + 1)
+        self.target_cost.calibrate({n: seconds for n, seconds in enumerate(costs.verify_cost, start=1)})  # at load
         self.controllers = {d: AdaptiveK(max_k, self.target_cost, profit_gate=True, probe_interval=32,
                                          cut_saves_drafting=costs.cut_saves_drafting.get(d, True))
                             for d in drafters}

@@ -10,9 +10,10 @@ maximizes E(K) / cost(K).
 
 Costs are kept in load-free units: the target cost curve is a shape times a load factor that follows the latest
 pass, so that plain decoding measured under one load is never compared with verify passes measured under another
-(on a shared machine that made the gate flip). A stall, a pass or drafting round many times its estimate (a compile
-on first use, the process descheduled), is left out of the costs: one 36 s pass otherwise priced its K out for the
-rest of the run.
+(on a shared machine that made the gate flip). The engine starts the shape from passes of every size it times when
+it loads (TargetCost.calibrate): learned only from the rare pairs a run makes, it priced long drafts too dear. A
+stall, a pass or drafting round many times its estimate (a compile on first use, the process descheduled), is left
+out of the costs: one 36 s pass otherwise priced its K out for the rest of the run.
 
 The profit gate judges the policy's long-run rate (both states, weighted by how often each occurs) against plain
 decoding. It pauses when even an optimistic reading of the acceptance (one standard error up) loses, and resumes
@@ -118,6 +119,14 @@ class TargetCost:
                 self._shape[num_tokens] = known * (paired / known) ** (1 - SHAPE_DECAY)
             self._load = LOAD_DECAY * self._load + (1 - LOAD_DECAY) * seconds / self._shape[num_tokens]
         self._previous = (num_tokens, seconds)
+        self._relative = None
+
+    def calibrate(self, seconds_by_size: dict[int, float]) -> None:
+        """Set the shape of each size from passes timed apart from requests, all under one load (before any request)."""
+        for num_tokens, seconds in seconds_by_size.items():
+            if num_tokens < len(self._shape) and seconds > 0:
+                self._shape[num_tokens] = seconds / self._load
+                self._passes[num_tokens] = max(self._passes[num_tokens], 2)  # established: not replaced as a stall
         self._relative = None
 
     @property

@@ -1,5 +1,7 @@
 """The engine: prefill -> draft -> verify -> accept / roll back -> stream, one verify round at a time."""
 
+import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,9 @@ from .types import (
     StreamDelta,
 )
 from .verify import verify
+
+CALIBRATION_ROUNDS = 5     # timed passes of every size when the engine loads (calibrate_verify_costs)
+CALIBRATION_CONTEXT = 64   # tokens of context the calibration passes follow (at most)
 
 
 class _Stopwatch:
@@ -138,6 +143,10 @@ class Engine:
                 say(errors[name].describe())
         warmup_seconds = warm_up(target_lm, drafters, say)
         engine = cls(config, target_lm, tokenizer, drafters, device, dtype, errors, warmup_seconds)
+        if engine._controllers:
+            curve = engine.calibrate_verify_costs()
+            say('verify passes of 1..{} tokens: {} ms'.format(len(curve), ' / '.join(
+                '{:.1f}'.format(seconds * 1e3) for _, seconds in sorted(curve.items()))))
         say('engine ready: drafters {}; decode steps {}, warm-up {:.1f} s, weights {:.1f} MiB, KV cache {:.1f} MiB '
             '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, warmup_seconds,
                                  engine._weights_bytes / 2 ** 20, engine._kv_cache_bytes / 2 ** 20,
@@ -231,6 +240,28 @@ class Engine:
                 seconds[n] = stopwatch.seconds(started, stopwatch.mark())
                 self._target.crop(-n)
         return seconds
+
+    def calibrate_verify_costs(self, rounds: int = CALIBRATION_ROUNDS) -> dict[int, float]:
+        """
+        Time verify passes of every size, in a shuffled order per round, and start the controllers' cost curve there.
+
+        Learned only online, the curve's shape comes from adjacent passes of different sizes, which a run pairs
+        rarely and with a bias (the first plain pass is timed with the target's weights in cache, verify passes after
+        the drafter ran); it priced long drafts too dear. Returns the median seconds per size.
+        """
+        sizes = list(range(1, self.config.max_draft_tokens + 2))
+        length = min(CALIBRATION_CONTEXT, self._context_limit - len(sizes))
+        context = [token % self._vocab_size for token in range(16, 16 + length)]
+        order = random.Random(0)
+        samples: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(rounds):
+            order.shuffle(sizes)
+            for n, seconds in self.time_target_passes(context, sizes).items():
+                samples[n].append(seconds)
+        medians = {n: statistics.median(times) for n, times in samples.items()}
+        with self._measure_lock:
+            self._target_cost.calibrate(medians)
+        return medians
 
     # ----------------------------------------------------------------------------------------------- the loop
     def _run(self, plan: RequestPlan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> GenerationResult:
