@@ -103,24 +103,17 @@ def measure_costs(engine, prompt_ids: list[int], drafters: list[str], max_k: int
     Target pass per size 1..max_k+1 over a plain pass, and per drafter its costs.
 
     The verify curve is the median of timed passes of every size in a shuffled order per repeat
-    (Engine.time_target_passes): pinned-K requests rarely pair passes of different sizes, which the engine's own
+    (Engine.median_target_passes): pinned-K requests rarely pair passes of different sizes, which the engine's own
     curve learns from.
     Per drafter: c per token besides the fixed part per round and the part per drafter call, those parts, the calls
     of a greedy round of each K (Drafter.draft_calls) and whether a confidence cut-off saves drafting
     (Drafter.cut_saves_drafting).
     """
-    import random
-    import statistics
-
     from gemma_spec_ros.engine.requests import SamplingParams
     from gemma_spec_ros.engine.types import GenerationRequest
 
-    sizes, passes = list(range(1, max_k + 2)), {}
-    for _ in range(VERIFY_ROUNDS_PER_REPEAT * repeats):
-        random.shuffle(sizes)
-        for n, seconds in engine.time_target_passes(prompt_ids, sizes).items():
-            passes.setdefault(n, []).append(seconds)
-    verify = [statistics.median(passes[n]) for n in range(1, max_k + 2)]  # [max_k + 1] seconds
+    medians = engine.median_target_passes(prompt_ids, VERIFY_ROUNDS_PER_REPEAT * repeats)
+    verify = [medians[n] for n in range(1, max_k + 2)]  # [max_k + 1] seconds
     for _ in range(repeats):  # every size, interleaved, feeds the engine's own cost measurement
         for drafter in drafters:
             for k in [0, *range(1, max_k + 1)]:

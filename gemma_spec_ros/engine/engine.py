@@ -241,24 +241,27 @@ class Engine:
                 self._target.crop(-n)
         return seconds
 
+    def median_target_passes(self, prompt_ids: list[int], rounds: int) -> dict[int, float]:
+        """Median seconds of verify passes of 1..max_draft_tokens + 1 tokens after prompt_ids, shuffled per round."""
+        sizes = list(range(1, self.config.max_draft_tokens + 2))
+        order = random.Random(0)
+        samples: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(rounds):
+            order.shuffle(sizes)
+            for n, seconds in self.time_target_passes(prompt_ids, sizes).items():
+                samples[n].append(seconds)
+        return {n: statistics.median(times) for n, times in samples.items()}
+
     def calibrate_verify_costs(self, rounds: int = CALIBRATION_ROUNDS) -> dict[int, float]:
         """
-        Time verify passes of every size, in a shuffled order per round, and start the controllers' cost curve there.
+        Time verify passes of every size (median_target_passes) and start the controllers' cost curve there.
 
         Learned only online, the curve's shape comes from adjacent passes of different sizes, which a run pairs
         rarely and with a bias (the first plain pass is timed with the target's weights in cache, verify passes after
         the drafter ran); it priced long drafts too dear. Returns the median seconds per size.
         """
-        sizes = list(range(1, self.config.max_draft_tokens + 2))
-        length = min(CALIBRATION_CONTEXT, self._context_limit - len(sizes))
-        context = [token % self._vocab_size for token in range(16, 16 + length)]
-        order = random.Random(0)
-        samples: dict[int, list[float]] = {n: [] for n in sizes}
-        for _ in range(rounds):
-            order.shuffle(sizes)
-            for n, seconds in self.time_target_passes(context, sizes).items():
-                samples[n].append(seconds)
-        medians = {n: statistics.median(times) for n, times in samples.items()}
+        length = min(CALIBRATION_CONTEXT, self._context_limit - self.config.max_draft_tokens - 1)
+        medians = self.median_target_passes([token % self._vocab_size for token in range(16, 16 + length)], rounds)
         with self._measure_lock:
             self._target_cost.calibrate(medians)
         return medians
