@@ -45,8 +45,8 @@ def generate_launch_description():
         DeclareLaunchArgument('drafter', default_value='',
                               description="override engine.drafter: none|mtp|draft|ngram ('' = keep the file's)"),
         DeclareLaunchArgument('compile', default_value='',
-                              description="override engine.compile: auto|inductor|cudagraph|eager|off ('' = keep "
-                                          "the file's)"),
+                              description='override engine.compile: auto|inductor|inductor-gemm|cudagraph|eager|off '
+                                          "('' = keep the file's)"),
         DeclareLaunchArgument('backend', default_value='',
                               description="override engine.backend: local|vllm ('' = keep the file's)"),
         DeclareLaunchArgument('vllm_url', default_value='',

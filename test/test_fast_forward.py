@@ -307,6 +307,8 @@ def test_compile_modes():
         resolve_compile_mode('cudagraph', torch.device('cpu'))
     assert resolve_compile_mode('auto', torch.device('cuda')) == 'cudagraph'
     assert resolve_compile_mode('eager', torch.device('cpu')) == 'eager'
+    with pytest.raises(ValueError, match='inductor-gemm is for CPU'):
+        resolve_compile_mode('inductor-gemm', torch.device('cuda'))
 
 
 @pytest.mark.skipif(os.environ.get('GEMMA_SPEC_COMPILE_TESTS') != '1',
@@ -344,6 +346,35 @@ def test_inductor_steps_match_eager_without_recompiling(monkeypatch, inline):
             eager.crop(-(q - 1))
             compiled.crop(-(q - 1))
             token, hidden = expected.logits[:, :1].argmax(-1), expected.hidden[:, :1]
+
+
+@pytest.mark.skipif(os.environ.get('GEMMA_SPEC_COMPILE_TESTS') != '1',
+                    reason='a compile on frozen weights takes a minute on a shared CPU: set GEMMA_SPEC_COMPILE_TESTS=1')
+def test_inductor_gemm_verify_passes_match_eager_on_every_feature(models):
+    """inductor-gemm: passes of 2+ tokens compile on frozen weights through the GEMM template; q = 1 stays as is."""
+    from torch._dynamo.utils import counters
+
+    model = models['features']  # biases, per-layer inputs, KV sharing, attention_k_eq_v, softcapping
+    eager = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')
+    compiled = FastCausalLM(model, CONTEXT, MAX_QUERY, 'inductor-gemm')
+    assert compiled.lean.row_product_max_rows == 1
+    counters.clear()
+    report = compiled.warmup()
+    assert (report.mode, report.graphs) == ('inductor-gemm', 2)  # q = 1, and q >= 2 on frozen weights
+    assert counters['inductor']['cpp_templated_kernel_counter'] > 0  # the products are the template's kernels
+    prompt = torch.tensor([[2, *range(10, 30)]])
+    eager.prefill(prompt)
+    compiled.prefill(prompt)
+    token = torch.tensor([[7]])
+    with torch.compiler.set_stance('fail_on_recompile'):
+        for q in [1, 3, 9, 2] * 4:  # crosses the sliding window several times
+            ids = torch.cat([token, torch.arange(40, 40 + q - 1)[None]], dim=1)
+            expected, actual = eager.step(ids), compiled.step(ids)
+            _close(actual.logits, expected.logits)
+            _close(actual.hidden, expected.hidden)
+            eager.crop(-(q - 1))
+            compiled.crop(-(q - 1))
+            token = expected.logits[:, :1].argmax(-1)
 
 
 def test_compiled_assistant_round_recompiles_when_threads_change(models):
@@ -408,18 +439,17 @@ def test_exact_half_dtype_keeps_every_value():
 
 
 @pytest.mark.parametrize('max_rows', [1, 4])
-def test_compiled_cpu_products_match_aten(monkeypatch, max_rows):
-    """Compiled for CPU, passes of up to ROW_PRODUCT_MAX_ROWS rows are multiply-reduces, longer ones aten's product."""
+def test_compiled_cpu_products_match_aten(max_rows):
+    """Compiled for CPU, passes of up to row_product_max_rows rows are multiply-reduces, longer ones aten's product."""
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(fast_model, 'ROW_PRODUCT_MAX_ROWS', max_rows)
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48)  # a 16-bit weight, as store_exact_half
     for rows in (1, 3, 5):
         x = torch.randn(rows, 32)
 
         def product(x, weight, bias):  # a fresh function per compile: nothing cached from another case
-            return fast_model._linear(x, weight, bias)
+            return fast_model._linear(x, weight, bias, max_rows)
         out, code = run_and_get_code(torch.compile(product, fullgraph=True, dynamic=False), x, weight, bias)
         _close(out, torch.nn.functional.linear(x, weight.float(), bias))
         calls_aten = 'extern_kernels.addmm(' in ''.join(code)  # aten's product with the bias

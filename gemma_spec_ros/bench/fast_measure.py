@@ -243,11 +243,11 @@ def memory_one(args) -> dict:
 def _compiles(args) -> bool:
     """Whether args.compile runs torch.compile graphs on args.device (inductor, or auto resolving to it)."""
     from gemma_spec_ros.engine import models
-    from gemma_spec_ros.engine.fast.runner import resolve_compile_mode
+    from gemma_spec_ros.engine.fast.runner import INDUCTOR_MODES, resolve_compile_mode
 
     if args.compile == 'off':
         return False
-    return resolve_compile_mode(args.compile, models.resolve_device(args.device)) == 'inductor'
+    return resolve_compile_mode(args.compile, models.resolve_device(args.device)) in INDUCTOR_MODES
 
 
 def _compile_stack_baseline(args) -> int:

@@ -16,7 +16,7 @@ DEVICES = ('auto', 'cpu', 'cuda')
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 # how decode steps run: the lean forward on a static KV cache, eager, inductor-compiled or captured as CUDA graphs;
 # off: transformers' own forward on a DynamicCache (the reference path, and the one for MoE checkpoints)
-COMPILE_MODES = ('auto', 'inductor', 'cudagraph', 'eager', 'off')
+COMPILE_MODES = ('auto', 'inductor', 'inductor-gemm', 'cudagraph', 'eager', 'off')
 # the engine ends with stop, length or cancelled; the node adds error, busy (queue full) and timeout
 # (queue.goal_timeout)
 FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
@@ -59,7 +59,9 @@ class EngineConfig:
     num_threads: int = _parameter(1, 'torch CPU threads; 0 = torch default (all cores: spin-waits when the cores '
                                   'are shared)', limits=(0, 1024))
     compile: str = _parameter('auto', 'decode steps: auto (cudagraph on CUDA, inductor on CPU; off for models the '
-                              'lean forward does not cover), inductor, cudagraph, eager (lean forward, static cache) '
+                              'lean forward does not cover), inductor, inductor-gemm (CPU: verify passes through '
+                              "inductor's GEMM template on frozen weights; faster, one more copy of the weights and "
+                              'a compile at every start), cudagraph, eager (lean forward, static cache) '
                               "or off (transformers' forward)", choices=COMPILE_MODES)
     context_limit: int = _parameter(4096, 'most tokens (prompt + generated) of one request; the static KV cache is '
                                     "preallocated for it (at most the model's max_position_embeddings)",

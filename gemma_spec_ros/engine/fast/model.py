@@ -156,6 +156,7 @@ class _Shape:
     num_kv_heads: int
     head_dim: int
     eps: float
+    row_product_max_rows: int  # _linear's
 
 
 @dataclass
@@ -199,21 +200,6 @@ def _compiling_for_cpu(x: torch.Tensor) -> bool:
     return x.device.type == 'cpu' and torch.compiler.is_compiling()
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """
-    Return x [q, in] times weight [out, in] transposed, plus bias: [q, out].
-
-    Compiled for CPU, a pass of up to ROW_PRODUCT_MAX_ROWS rows is a multiply-reduce: inductor fuses it into one loop
-    per output that converts a 16-bit weight (store_exact_half) on the fly; only the summation order changes. Longer
-    passes and eager runs keep aten's product (a 16-bit weight is converted, so a step that dynamo runs eager after
-    all, say past its recompile limit, stays correct).
-    """
-    if _compiling_for_cpu(x) and x.shape[0] <= ROW_PRODUCT_MAX_ROWS:
-        out = (weight * x[:, None, :]).sum(-1)
-        return out if bias is None else out + bias
-    return F.linear(x, weight.to(x.dtype), bias)
-
-
 def _mkl_runs_tuned_code() -> bool:
     """Whether aten's CPU matrix product runs MKL's tuned code: MKL takes it on Intel CPUs only (elsewhere generic)."""
     if not torch.backends.mkl.is_available():
@@ -243,6 +229,23 @@ def _row_product_max_rows() -> int:
 
 # Read before any step is traced: dynamo sees a constant.
 ROW_PRODUCT_MAX_ROWS = _row_product_max_rows()
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> torch.Tensor:
+    """
+    Return x [q, in] times weight [out, in] transposed, plus bias: [q, out].
+
+    Compiled for CPU, a pass of up to row_product_max_rows rows is a multiply-reduce: inductor fuses it into one loop
+    per output that converts a 16-bit weight (store_exact_half) on the fly; only the summation order changes. Longer
+    passes and eager runs keep aten's product (a 16-bit weight is converted, so a step that dynamo runs eager after
+    all, say past its recompile limit, stays correct), which inductor's C++ GEMM template generates in graphs
+    compiled on frozen weights (runner: engine.compile inductor-gemm).
+    """
+    if _compiling_for_cpu(x) and x.shape[0] <= row_product_max_rows:
+        out = (weight * x[:, None, :]).sum(-1)
+        return out if bias is None else out + bias
+    return F.linear(x, weight.to(x.dtype), bias)
 
 
 def exact_half_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
@@ -291,7 +294,8 @@ class _Rope:
         return rope
 
 
-def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: FlatTensors) -> _Layer:
+def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: FlatTensors,
+                 row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> _Layer:
     if getattr(layer, 'enable_moe_block', False):
         raise ValueError('the fast path does not cover Gemma 4 MoE layers (enable_moe_block); use compile=off '
                          'with the transformers forward')
@@ -312,20 +316,21 @@ def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: Flat
         per_layer_gate=layer.per_layer_input_gate.weight if ple else None,
         per_layer_projection=layer.per_layer_projection.weight if ple else None,
         per_layer_norm=layer.post_per_layer_input_norm.weight if ple else None)
-    shape = _Shape(attn.layer_type, num_heads, num_heads // attn.num_key_value_groups, attn.head_dim, eps)
+    shape = _Shape(attn.layer_type, num_heads, num_heads // attn.num_key_value_groups, attn.head_dim, eps,
+                   row_product_max_rows)
     return _Layer(shape, kv_index, tensors.add_each(weights))
 
 
 def _project(shape: _Shape, w: _Weights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Input norm, query and (producing layers) new keys and values: [q, heads, d], [kv_heads, q, d] x 2."""
-    q = hidden.shape[0]
+    q, rows = hidden.shape[0], shape.row_product_max_rows
     x = _rms_norm(hidden, w.input_norm, shape.eps)
-    query = _linear(x, w.q_proj, w.q_bias).view(q, shape.num_heads, shape.head_dim)
+    query = _linear(x, w.q_proj, w.q_bias, rows).view(q, shape.num_heads, shape.head_dim)
     query = _rotate(_rms_norm(query, w.q_norm, shape.eps), cos, sin)
     if w.k_proj is None:
         return query, None, None
-    raw_keys = _linear(x, w.k_proj, w.k_bias).view(q, shape.num_kv_heads, shape.head_dim)
-    values = raw_keys if w.v_proj is None else _linear(x, w.v_proj, w.v_bias).view(
+    raw_keys = _linear(x, w.k_proj, w.k_bias, rows).view(q, shape.num_kv_heads, shape.head_dim)
+    values = raw_keys if w.v_proj is None else _linear(x, w.v_proj, w.v_bias, rows).view(
         q, shape.num_kv_heads, shape.head_dim)
     keys = _rotate(_rms_norm(raw_keys, w.k_norm, shape.eps), cos, sin).transpose(0, 1)
     return query, keys, _rms_norm(values, None, shape.eps).transpose(0, 1)
@@ -334,14 +339,14 @@ def _project(shape: _Shape, w: _Weights, hidden: torch.Tensor, cos: torch.Tensor
 def _finish(shape: _Shape, w: _Weights, hidden: torch.Tensor, attended: torch.Tensor,
             per_layer_input: torch.Tensor | None) -> torch.Tensor:
     """Output projection, feed-forward and per-layer input of a decoder layer, given the attention output."""
-    eps = shape.eps
-    hidden = hidden + _rms_norm(_linear(attended, w.o_proj, w.o_bias), w.post_attention_norm, eps)
+    eps, rows = shape.eps, shape.row_product_max_rows
+    hidden = hidden + _rms_norm(_linear(attended, w.o_proj, w.o_bias, rows), w.post_attention_norm, eps)
     x = _rms_norm(hidden, w.pre_feedforward_norm, eps)
-    x = _linear(F.gelu(_linear(x, w.gate_proj), approximate='tanh') * _linear(x, w.up_proj), w.down_proj)
-    hidden = hidden + _rms_norm(x, w.post_feedforward_norm, eps)
+    gated = F.gelu(_linear(x, w.gate_proj, None, rows), approximate='tanh') * _linear(x, w.up_proj, None, rows)
+    hidden = hidden + _rms_norm(_linear(gated, w.down_proj, None, rows), w.post_feedforward_norm, eps)
     if per_layer_input is not None:
-        x = F.gelu(_linear(hidden, w.per_layer_gate), approximate='tanh') * per_layer_input
-        hidden = hidden + _rms_norm(_linear(x, w.per_layer_projection), w.per_layer_norm, eps)
+        x = F.gelu(_linear(hidden, w.per_layer_gate, None, rows), approximate='tanh') * per_layer_input
+        hidden = hidden + _rms_norm(_linear(x, w.per_layer_projection, None, rows), w.per_layer_norm, eps)
     return hidden * w.layer_scalar
 
 
@@ -457,7 +462,8 @@ class LeanGemma4(_Decoder):
     per_layer_model_projection = _stored('per_layer_model_projection')
     per_layer_projection_norm = _stored('per_layer_projection_norm')
 
-    def __init__(self, model):
+    def __init__(self, model, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS):
+        """row_product_max_rows: the longest compiled CPU pass whose products are multiply-reduces (_linear)."""
         text_model, lm_head, config, multimodal = _text_parts(model)
         _check_activation(config)
         if getattr(config, 'use_bidirectional_attention', None) == 'all':
@@ -465,6 +471,7 @@ class LeanGemma4(_Decoder):
         self.eps = config.rms_norm_eps
         self.sliding_window = config.sliding_window
         self.softcap = config.final_logit_softcapping
+        self.row_product_max_rows = row_product_max_rows
         weight = text_model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.tensors = tensors = FlatTensors()
@@ -499,7 +506,8 @@ class LeanGemma4(_Decoder):
                 num_kv_heads = attn.k_proj.out_features // attn.head_dim
                 self.kv_specs.append(KvLayerSpec(index, attn.layer_type, num_kv_heads, attn.head_dim))
                 producer_of[attn.layer_type] = kv_index
-            self.layers.append(_layer_parts(layer, kv_index, config.num_attention_heads, self.eps, tensors))
+            self.layers.append(_layer_parts(layer, kv_index, config.num_attention_heads, self.eps, tensors,
+                                            row_product_max_rows))
         self.rope = _Rope(text_model.rotary_emb, config.layer_types, self.dtype, tensors)
         if self._packs_weights(self.device):
             tensors.pack()
@@ -522,14 +530,15 @@ class LeanGemma4(_Decoder):
         q = input_ids.shape[0]
         token_part = (F.embedding(input_ids, self.per_layer_embed) * self.per_layer_embed_scale).view(
             q, len(self.layers), self.per_layer_size)
-        context_part = _linear(embeds, self.per_layer_model_projection) * self.per_layer_projection_scale
+        context_part = (_linear(embeds, self.per_layer_model_projection, None, self.row_product_max_rows)
+                        * self.per_layer_projection_scale)
         context_part = _rms_norm(context_part.view(q, len(self.layers), self.per_layer_size),
                                  self.per_layer_projection_norm, self.eps)
         return embeds, (context_part + token_part) * self.per_layer_input_scale
 
     def _head(self, hidden: torch.Tensor) -> StepOutput:
         hidden = _rms_norm(hidden, self.final_norm, self.eps)
-        logits = _linear(hidden, self.lm_head)
+        logits = _linear(hidden, self.lm_head, None, self.row_product_max_rows)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return StepOutput(logits.unsqueeze(0), hidden.unsqueeze(0))

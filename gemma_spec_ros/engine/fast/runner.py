@@ -7,6 +7,11 @@ Step functions per query length over the lean forward and the static cache: eage
   length and the full-attention key length dynamic, so they serve every q and position; for models of up to
   model.INLINE_MAX_LAYERS layers their wrappers are C++ (cpp_wrapper). On CUDA one per (q, key-length bucket),
   captured as CUDA graphs by inductor (mode reduce-overhead).
+- ``inductor-gemm`` (CPU only): inductor, with the target's and draft model's passes of 2 tokens or more compiled on
+  frozen weights, so that their products run inductor's C++ GEMM template (register-blocked, on weights packed at
+  compile time) instead of multiply-reduces or aten's product. Verify passes of 3-9 tokens ran 20-30 % faster
+  (bench/RESULTS.md); the price is one more copy of those models' weights, and a compile at every start that no
+  cache keeps (packed weights cannot be pickled): about a minute for the bundled target.
 - ``cudagraph`` (CUDA only): the eager lean forward captured as a torch.cuda.CUDAGraph per (q, logits kept,
   key-length bucket), replayed on static input buffers.
 - ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU (inductor: faster than eager on every step measured, README
@@ -24,7 +29,7 @@ import linecache
 import time
 import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +38,11 @@ from ..sampling import greedy_pick
 from .cache import StaticKvCache
 from .model import ROW_PRODUCT_MAX_ROWS, LeanAssistant, LeanGemma4, StepOutput, return_freed_memory, store_exact_half
 
-STEP_MODES = ('eager', 'inductor', 'cudagraph')
+STEP_MODES = ('eager', 'inductor', 'inductor-gemm', 'cudagraph')
+INDUCTOR_MODES = ('inductor', 'inductor-gemm')
 CPU_AUTO_MODE = 'inductor'
+# inductor settings of a graph compiled on frozen weights (inductor-gemm): its GEMM template needs constant weights
+FROZEN_GEMM_SETTINGS = {'freezing': True, 'max_autotune': True, 'max_autotune_gemm_backends': 'CPP'}
 MIN_BUCKET = 256          # smallest full-attention key length a CUDA graph is captured for
 GREEDY_STEPS = (1, 2, 4, 8)  # MTP draft steps per call of a greedy round's step functions (FastAssistant.greedy_drafts)
 Progress = Callable[[str], None]
@@ -55,16 +63,16 @@ def greedy_calls(num_drafts: int) -> int:
     return len(greedy_chunks(num_drafts))
 
 
-def dynamic_query_variant(q: int) -> int:
+def dynamic_query_variant(q: int, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> int:
     """
     Return the shortest query of the dynamic CPU step variant that serves q tokens.
 
-    The variants: q = 1; q = 2 through model.ROW_PRODUCT_MAX_ROWS (2 keeps the query length off torch's 0/1
-    specialisation); every longer q, whose products are aten's.
+    The variants: q = 1; q = 2 through row_product_max_rows (2 keeps the query length off torch's 0/1
+    specialisation); every longer q, whose products are aten's (model._linear).
     """
     if q == 1:
         return 1
-    return 2 if q <= ROW_PRODUCT_MAX_ROWS else ROW_PRODUCT_MAX_ROWS + 1
+    return 2 if q <= row_product_max_rows else row_product_max_rows + 1
 
 
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
@@ -76,6 +84,9 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
         return 'cudagraph' if device.type == 'cuda' else CPU_AUTO_MODE
     if mode == 'cudagraph' and device.type != 'cuda':
         raise ValueError('engine.compile=cudagraph needs a CUDA device, the model is on {}'.format(device))
+    if mode == 'inductor-gemm' and device.type != 'cpu':
+        raise ValueError('engine.compile=inductor-gemm is for CPU (its GEMM template is C++), the model is on {}; '
+                         'use cudagraph or inductor'.format(device))
     return mode
 
 
@@ -151,15 +162,22 @@ class _Steps:
     Runs a step function per variant in the chosen mode, creating (compiling, capturing) each on first use.
 
     On CPU with inductor the variants are query ranges (dynamic_query_variant; query and key lengths dynamic), so
-    two or three graphs serve every step. Otherwise a variant is one q and, unless eager, one full-attention
-    key-length bucket.
+    two or three graphs serve every step; with inductor-gemm the ranges of 2 tokens or more compile on frozen
+    weights. Otherwise a variant is one q and, unless eager, one full-attention key-length bucket.
     """
 
-    def __init__(self, mode: str, device: torch.device, context_limit: int, cpp_wrapper: bool):
-        """cpp_wrapper: C++ wrappers for CPU graphs (for models whose layers are inlined: inlines_layers)."""
+    def __init__(self, mode: str, device: torch.device, context_limit: int, cpp_wrapper: bool,
+                 row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS):
+        """
+        Set up for one step function family (variants are created on first use).
+
+        cpp_wrapper: C++ wrappers for CPU graphs (for models whose layers are inlined: inlines_layers).
+        row_product_max_rows: the lean model's (it sets where the CPU query ranges split).
+        """
         self.mode = mode
         self.context_limit = context_limit
-        self.dynamic = mode == 'inductor' and device.type == 'cpu'
+        self.dynamic = mode in INDUCTOR_MODES and device.type == 'cpu'
+        self.row_product_max_rows = row_product_max_rows
         self._options = {'cpp_wrapper': cpp_wrapper}
         self._variants: dict[tuple, Callable] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == 'cudagraph' else None
@@ -186,13 +204,13 @@ class _Steps:
 
         dynamic_dims: per input, its query-length dimension (None: none), made dynamic for q >= 2 on CPU.
         """
-        if self.mode == 'inductor':  # compiled graphs guard on strides and on inference-mode tensors: normalise both
+        if self.mode in INDUCTOR_MODES:  # compiled graphs guard on strides and inference-mode tensors: normalise both
             inputs = tuple(tensor.clone(memory_format=torch.contiguous_format) for tensor in inputs)
         q = next((inputs[index].shape[dim] for index, dim in enumerate(dynamic_dims) if dim is not None), 1)
         if self.mode == 'eager':
             variant_key = key
         elif self.dynamic:
-            variant_key = (*key, dynamic_query_variant(q))
+            variant_key = (*key, dynamic_query_variant(q, self.row_product_max_rows))
         else:
             variant_key = (*key, q, kv_positions.shape[0])
         if self.dynamic:  # at every call: a recompile (say, after a thread-count change) must stay dynamic
@@ -204,9 +222,10 @@ class _Steps:
         if variant is None:
             variant = self._create(make(), (*inputs, kv_positions))
             self._variants[variant_key] = variant
-            with torch.compiler.set_stance('default'):  # compiles: every guard is built and checked, even in a block
-                outputs = variant(*inputs, kv_positions)  # that skips guards
-            if self.mode == 'inductor':
+            # compiles: every guard is built and checked, even in a block that skips guards
+            with torch.compiler.set_stance('default'), self._compile_settings(q):
+                outputs = variant(*inputs, kv_positions)
+            if self.mode in INDUCTOR_MODES:
                 _release_compile_garbage()
             return outputs
         if self.dynamic:
@@ -216,9 +235,16 @@ class _Steps:
             except RuntimeError as exc:  # raised before the graph runs when it must recompile (threads changed)
                 if 'skip_guard_eval_unsafe' not in str(exc):
                     raise
-            with torch.compiler.set_stance('default'):  # guards evaluated and the step recompiled, even in a block
+            # guards evaluated and the step recompiled, even in a block
+            with torch.compiler.set_stance('default'), self._compile_settings(q):
                 return variant(*inputs, kv_positions)
         return variant(*inputs, kv_positions)
+
+    def _compile_settings(self, q: int):
+        """Inductor's settings for compiling the variant of q tokens: frozen weights for q >= 2 in inductor-gemm."""
+        if self.mode == 'inductor-gemm' and q >= 2:
+            return torch._inductor.config.patch(FROZEN_GEMM_SETTINGS)
+        return nullcontext()
 
     @contextmanager
     def skipping_guards(self) -> Iterator[None]:
@@ -263,11 +289,16 @@ class FastCausalLM:
 
     def __init__(self, model, context_limit: int, max_query: int, compile_mode: str = 'auto'):
         self.model = model
-        self.lean = LeanGemma4(model)
+        self.mode = resolve_compile_mode(compile_mode, model.device)
+        # inductor-gemm: passes of 2 tokens or more keep aten's products, which the GEMM template generates
+        self.lean = LeanGemma4(model, 1 if self.mode == 'inductor-gemm' else ROW_PRODUCT_MAX_ROWS)
+        if self.mode == 'inductor-gemm':  # weights that freezing may treat as constants
+            for weights in self.lean.tensors.buffers:
+                torch._dynamo.mark_static_address(weights)
         self.cache: StaticKvCache = self.lean.new_cache(context_limit, max_query)
         self.max_query = max_query
-        self.mode = resolve_compile_mode(compile_mode, self.lean.device)
-        self._steps = _Steps(self.mode, self.lean.device, context_limit, self.lean.inlines_layers)
+        self._steps = _Steps(self.mode, self.lean.device, context_limit, self.lean.inlines_layers,
+                             self.lean.row_product_max_rows)
 
     @property
     def length(self) -> int:
@@ -344,7 +375,7 @@ class FastCausalLM:
         started = time.perf_counter()
         queries = range(1, self.max_query + 1)
         if self._steps.dynamic:
-            queries = sorted({dynamic_query_variant(q) for q in queries})
+            queries = sorted({dynamic_query_variant(q, self.lean.row_product_max_rows) for q in queries})
         for q in queries:
             for length in self._steps.key_lengths():
                 self.cache.reset()
@@ -367,7 +398,7 @@ class FastAssistant:
     def __init__(self, assistant, target: FastCausalLM, compile_mode: str = 'auto'):
         self.target = target
         self.mode = resolve_compile_mode(compile_mode, target.lean.device)
-        compiled_for_cpu = self.mode == 'inductor' and target.lean.device.type == 'cpu'
+        compiled_for_cpu = self.mode in INDUCTOR_MODES and target.lean.device.type == 'cpu'
         self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu else None
         self.lean = LeanAssistant(assistant, target.lean)  # after the dtype change: it packs the weights as they are
         self._steps = _Steps(self.mode, target.lean.device, target.cache.context_limit, self.lean.inlines_layers)
