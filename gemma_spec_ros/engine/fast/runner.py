@@ -9,7 +9,7 @@ Step functions per query length over the lean forward and the static cache: eage
   captured as CUDA graphs by inductor (mode reduce-overhead).
 - ``inductor-gemm`` (CPU only): inductor, with the target's and draft model's passes of 2 tokens or more compiled on
   frozen weights, so that their products run inductor's C++ GEMM template (register-blocked, on weights packed at
-  compile time) instead of multiply-reduces or aten's product. Verify passes of 3-9 tokens ran 20-30 % faster
+  compile time) instead of multiply-reduces or aten's product. Verify passes of 3-9 tokens took 17-24 % less time
   (bench/RESULTS.md); the price is one more copy of those models' weights, and a compile at every start that no
   cache keeps (packed weights cannot be pickled): about a minute for the bundled target.
 - ``cudagraph`` (CUDA only): the eager lean forward captured as a torch.cuda.CUDAGraph per (q, logits kept,
