@@ -339,13 +339,19 @@ def test_inductor_steps_match_eager_without_recompiling(monkeypatch, inline):
             _close(actual.logits, expected.logits)
             _close(actual.hidden, expected.hidden)
             compiled_assistant.greedy_drafts(token, hidden, eager.length, 7)  # every greedy step function
-            ids = torch.cat([token, torch.arange(40, 40 + q - 1)[None]], dim=1)
-            expected, actual = eager.step(ids), compiled.step(ids)
-            _close(actual.logits, expected.logits)
-            _close(actual.hidden, expected.hidden)
-            eager.crop(-(q - 1))
-            compiled.crop(-(q - 1))
+            expected = _verify_pass_matches(eager, compiled, token, q)
             token, hidden = expected.logits[:, :1].argmax(-1), expected.hidden[:, :1]
+
+
+def _verify_pass_matches(eager: FastCausalLM, compiled: FastCausalLM, token: torch.Tensor, q: int):
+    """Run a pass of token + q - 1 drafts on both, compare, keep only token (a rollback); return eager's output."""
+    ids = torch.cat([token, torch.arange(40, 40 + q - 1)[None]], dim=1)
+    expected, actual = eager.step(ids), compiled.step(ids)
+    _close(actual.logits, expected.logits)
+    _close(actual.hidden, expected.hidden)
+    eager.crop(-(q - 1))
+    compiled.crop(-(q - 1))
+    return expected
 
 
 @pytest.mark.skipif(os.environ.get('GEMMA_SPEC_COMPILE_TESTS') != '1',
@@ -368,13 +374,7 @@ def test_inductor_gemm_verify_passes_match_eager_on_every_feature(models):
     token = torch.tensor([[7]])
     with torch.compiler.set_stance('fail_on_recompile'):
         for q in [1, 3, 9, 2] * 4:  # crosses the sliding window several times
-            ids = torch.cat([token, torch.arange(40, 40 + q - 1)[None]], dim=1)
-            expected, actual = eager.step(ids), compiled.step(ids)
-            _close(actual.logits, expected.logits)
-            _close(actual.hidden, expected.hidden)
-            eager.crop(-(q - 1))
-            compiled.crop(-(q - 1))
-            token = expected.logits[:, :1].argmax(-1)
+            token = _verify_pass_matches(eager, compiled, token, q).logits[:, :1].argmax(-1)
 
 
 def test_compiled_assistant_round_recompiles_when_threads_change(models):
