@@ -12,6 +12,7 @@ from gemma_spec_ros.engine.fast.runner import (
     GREEDY_STEPS,
     FastAssistant,
     FastCausalLM,
+    _Steps,
     dynamic_query_variant,
     resolve_compile_mode,
 )
@@ -325,9 +326,11 @@ def test_inductor_steps_match_eager_without_recompiling(monkeypatch, inline):
     report = compiled.warmup()
     ranges = {dynamic_query_variant(q) for q in range(1, MAX_QUERY + 1)}  # 1, 2[, the rows aten multiplies]
     assert (report.mode, report.graphs) == ('inductor', len(ranges)) and len(ranges) in (2, 3)
+    assert report.direct_graphs == report.graphs  # each runs without dynamo's entry from its first rerun on
     eager_assistant, compiled_assistant = FastAssistant(assistant, eager, 'eager'), FastAssistant(assistant, eager,
                                                                                                   'inductor')
-    assert compiled_assistant.warmup().graphs == 1 + len(GREEDY_STEPS)  # the step, and the greedy rounds' steps
+    assistant_report = compiled_assistant.warmup()
+    assert assistant_report.graphs == assistant_report.direct_graphs == 1 + len(GREEDY_STEPS)  # step, greedy steps
     prompt = torch.tensor([[2, *range(10, 30)]])
     hidden = eager.prefill(prompt).hidden
     compiled.prefill(prompt)
@@ -366,7 +369,7 @@ def test_inductor_gemm_verify_passes_match_eager_on_every_feature(models):
     assert compiled.lean.row_product_max_rows == 1
     counters.clear()
     report = compiled.warmup()
-    assert (report.mode, report.graphs) == ('inductor-gemm', 2)  # q = 1, and q >= 2 on frozen weights
+    assert (report.mode, report.graphs, report.direct_graphs) == ('inductor-gemm', 2, 2)  # q = 1; q >= 2 frozen
     assert counters['inductor']['cpp_templated_kernel_counter'] > 0  # the products are the template's kernels
     prompt = torch.tensor([[2, *range(10, 30)]])
     eager.prefill(prompt)
@@ -398,6 +401,40 @@ def test_compiled_assistant_round_recompiles_when_threads_change(models):
                 token, hidden = want.logits.argmax(-1), want.hidden
     finally:
         torch.set_num_threads(threads)
+
+
+def test_compiled_steps_are_called_without_dynamo_once_a_direct_call_matched():
+    """After its compile a step's graph runs directly, per thread count; a rerun that differs keeps dynamo's entry."""
+    steps = _Steps('inductor', torch.device('cpu'), 64, cpp_wrapper=False)
+    slots = torch.zeros(64, 4)
+
+    def write_and_read(x, positions, kv_positions):  # idempotent, as the engine's steps are
+        slots.index_copy_(0, positions, x * 2)
+        return slots[:kv_positions.shape[0]].sum(0, keepdim=True), x + 1
+
+    def run(step, start: int, q: int):
+        x, positions = torch.randn(q, 4), torch.arange(start, start + q)
+        return x, steps.run((step.__name__,), lambda: step, (x, positions), torch.arange(start + q), (0, 0))
+
+    threads = torch.get_num_threads()
+    try:
+        for thread_count in (threads, threads + 1):  # another count: dynamo recompiles, and the graph is recorded
+            torch.set_num_threads(thread_count)
+            for start, q in [(0, 3), (3, 2), (5, 7)]:  # every query length and key length of the one q >= 2 graph
+                x, (total, shifted) = run(write_and_read, start, q)
+                assert torch.allclose(total, slots[:start + q].sum(0, keepdim=True))
+                assert torch.equal(slots[start:start + q], x * 2) and torch.equal(shifted, x + 1)
+                assert steps.direct_count == 1
+    finally:
+        torch.set_num_threads(threads)
+    calls = torch.zeros(1)
+
+    def count_calls(x, positions, kv_positions):  # not idempotent: the rerun that confirms a graph gives 2, not 1
+        calls.add_(1)
+        return calls + 0, x + 1
+
+    assert run(count_calls, 0, 2)[1][0].item() == 1 and steps.direct_count == 1
+    assert run(count_calls, 2, 2)[1][0].item() == 3  # through dynamo, after the compile's call and its rerun
 
 
 @pytest.mark.parametrize('mode', ['eager', 'inductor'])

@@ -25,6 +25,7 @@ on the registered pytree types, and a change recompiles (slowly, but correctly).
 
 import functools
 import gc
+import inspect
 import linecache
 import time
 import types
@@ -133,6 +134,7 @@ class WarmupReport:
     mode: str
     graphs: int
     seconds: float
+    direct_graphs: int = 0  # graphs called without dynamo's entry (_DirectGraph)
 
 
 class _Graph:
@@ -155,6 +157,88 @@ class _Graph:
             static.copy_(value, non_blocking=True)
         self.graph.replay()
         return tuple(output.clone() for output in self.outputs)
+
+
+class _DirectGraph:
+    """
+    The torch.compile backend of one CPU step variant, which then calls inductor's graph without dynamo's frame.
+
+    Through torch.compile's entry a call costs ~0.25 ms more than the graph (dynamo's frame, its bytecode, the
+    stance switch, mark_dynamic: bench/RESULTS.md). Compiling, this records inductor's callable and where each graph
+    argument comes from: a step input, a size of one, or a tensor the step closes over (weights, cache buffers,
+    which stay the same objects). The record is per torch thread count, as dynamo's guards are; a count without
+    one goes through dynamo, which compiles and records it. A record is used only once a direct call has given
+    exactly what dynamo's call gave (confirm).
+    """
+
+    def __init__(self, argument_names: tuple[str, ...], options: dict):
+        self.argument_names = argument_names
+        self._options = options
+        self._records: dict[int, tuple[Callable, list[tuple]]] = {}  # thread count -> (graph, bindings)
+        self._confirmed: set[int] = set()
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        graph = compile_fx(graph_module, example_inputs, config_patches=self._options)
+        placeholders = [node for node in graph_module.graph.nodes if node.op == 'placeholder']
+        bindings = [self._binding(node, value) for node, value in zip(placeholders, example_inputs, strict=True)]
+        threads = torch.get_num_threads()
+        self._confirmed.discard(threads)
+        if None in bindings:
+            self._records.pop(threads, None)
+        else:
+            self._records[threads] = (graph, bindings)
+        return graph
+
+    def _binding(self, node: torch.fx.Node, value) -> tuple | None:
+        """('input', index) | ('size', index, dim) | ('fixed', value) for one graph argument; None: unknown."""
+        from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+
+        def argument_index(source) -> int | None:
+            is_argument = isinstance(source, LocalSource) and not source.is_derefed_cell_contents and \
+                source.local_name in self.argument_names
+            return self.argument_names.index(source.local_name) if is_argument else None
+
+        source = getattr(node.meta.get('grapharg'), 'source', None)
+        if argument_index(source) is not None:
+            return ('input', argument_index(source))
+        if isinstance(source, TensorPropertySource):
+            if source.prop is not TensorProperty.SIZE or argument_index(source.base) is None:
+                return None
+            return ('size', argument_index(source.base), source.idx)
+        if source is None or not isinstance(value, torch.Tensor):
+            return None
+        return ('fixed', value)  # a global or closed-over tensor: the same object at every call
+
+    def ready(self) -> bool:
+        """Whether calls at this thread count can skip dynamo."""
+        return torch.get_num_threads() in self._confirmed
+
+    def confirm(self, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
+        """
+        Call the graph recorded for this thread count directly on the inputs dynamo's call just took.
+
+        A step is idempotent (it rewrites the same cache slots), so a second run is harmless. The record serves
+        direct calls only if it returned exactly dynamo's outputs.
+        """
+        threads = torch.get_num_threads()
+        if threads not in self._records:
+            return
+        direct = self.call(inputs)
+        if len(direct) == len(outputs) and all(
+                torch.equal(mine, theirs) for mine, theirs in zip(direct, outputs, strict=True)):
+            self._confirmed.add(threads)
+        else:
+            del self._records[threads]
+
+    def call(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Run the graph recorded for this thread count on the step's inputs (its arguments, in order)."""
+        graph, bindings = self._records[torch.get_num_threads()]
+        arguments = [inputs[binding[1]] if binding[0] == 'input' else
+                     inputs[binding[1]].shape[binding[2]] if binding[0] == 'size' else binding[1]
+                     for binding in bindings]
+        return tuple(graph(*arguments))  # as dynamo's bytecode calls a backend's graph
 
 
 class _Steps:
@@ -180,12 +264,18 @@ class _Steps:
         self.row_product_max_rows = row_product_max_rows
         self._options = {'cpp_wrapper': cpp_wrapper}
         self._variants: dict[tuple, Callable] = {}
+        self._direct: dict[tuple, _DirectGraph] = {}  # the dynamic CPU variants' graphs
         self._pool = torch.cuda.graph_pool_handle() if mode == 'cudagraph' else None
         self._skipping_guards = False
 
     @property
     def count(self) -> int:
         return len(self._variants)
+
+    @property
+    def direct_count(self) -> int:
+        """Variants whose graph is called without dynamo at the current thread count."""
+        return sum(direct.ready() for direct in self._direct.values())
 
     def key_lengths(self) -> list[int]:
         """List the full-attention key lengths that get their own variant ([0]: one for all)."""
@@ -206,6 +296,7 @@ class _Steps:
         """
         if self.mode in INDUCTOR_MODES:  # compiled graphs guard on strides and inference-mode tensors: normalise both
             inputs = tuple(tensor.clone(memory_format=torch.contiguous_format) for tensor in inputs)
+        arguments = (*inputs, kv_positions)
         q = next((inputs[index].shape[dim] for index, dim in enumerate(dynamic_dims) if dim is not None), 1)
         if self.mode == 'eager':
             variant_key = key
@@ -213,32 +304,42 @@ class _Steps:
             variant_key = (*key, dynamic_query_variant(q, self.row_product_max_rows))
         else:
             variant_key = (*key, q, kv_positions.shape[0])
-        if self.dynamic:  # at every call: a recompile (say, after a thread-count change) must stay dynamic
+        direct = self._direct.get(variant_key)
+        if direct is not None and direct.ready():
+            return direct.call(arguments)
+        if self.dynamic:  # a call through dynamo: a compile or recompile (after a thread-count change) stays dynamic
             torch._dynamo.mark_dynamic(kv_positions, 0)
             for tensor, dim in zip(inputs, dynamic_dims, strict=True):
                 if dim is not None and q >= 2:
                     torch._dynamo.mark_dynamic(tensor, dim)
         variant = self._variants.get(variant_key)
         if variant is None:
-            variant = self._create(make(), (*inputs, kv_positions))
+            variant = self._create(variant_key, make(), arguments)
             self._variants[variant_key] = variant
             # compiles: every guard is built and checked, even in a block that skips guards
             with torch.compiler.set_stance('default'), self._compile_settings(q):
-                outputs = variant(*inputs, kv_positions)
+                outputs = variant(*arguments)
             if self.mode in INDUCTOR_MODES:
                 _release_compile_garbage()
-            return outputs
-        if self.dynamic:
-            try:
-                with self.skipping_guards():
-                    return variant(*inputs, kv_positions)
-            except RuntimeError as exc:  # raised before the graph runs when it must recompile (threads changed)
-                if 'skip_guard_eval_unsafe' not in str(exc):
-                    raise
-            # guards evaluated and the step recompiled, even in a block
-            with torch.compiler.set_stance('default'), self._compile_settings(q):
-                return variant(*inputs, kv_positions)
-        return variant(*inputs, kv_positions)
+        elif self.dynamic:
+            outputs = self._run_guarded(variant, arguments, q)
+        else:
+            return variant(*arguments)
+        if variant_key in self._direct:  # after a compile, or a call its graph could not serve yet
+            self._direct[variant_key].confirm(arguments, outputs)
+        return outputs
+
+    def _run_guarded(self, variant: Callable, arguments: tuple[torch.Tensor, ...], q: int) -> tuple[torch.Tensor, ...]:
+        """Run a dynamic CPU variant through dynamo, skipping its guards unless the step must recompile."""
+        try:
+            with self.skipping_guards():
+                return variant(*arguments)
+        except RuntimeError as exc:  # raised before the graph runs when it must recompile (threads changed)
+            if 'skip_guard_eval_unsafe' not in str(exc):
+                raise
+        # guards evaluated and the step recompiled, even in a block
+        with torch.compiler.set_stance('default'), self._compile_settings(q):
+            return variant(*arguments)
 
     def _compile_settings(self, q: int):
         """Inductor's settings for compiling the variant of q tokens: frozen weights for q >= 2 in inductor-gemm."""
@@ -264,13 +365,15 @@ class _Steps:
         finally:
             self._skipping_guards = False
 
-    def _create(self, function: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
+    def _create(self, variant_key: tuple, function: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
         if self.mode == 'eager':
             return function
         if self.mode == 'cudagraph':
             return _Graph(function, inputs, self._pool)
         if self.dynamic:  # with cpp_wrapper no Python runs between the graph's kernels (model.py: INLINE_MAX_LAYERS)
-            return torch.compile(_fresh(function), fullgraph=True, dynamic=False, options=self._options)
+            direct = self._direct[variant_key] = _DirectGraph(tuple(inspect.signature(function).parameters),
+                                                              self._options)
+            return torch.compile(_fresh(function), fullgraph=True, dynamic=False, backend=direct)
         compiled = torch.compile(_fresh(function), fullgraph=True, dynamic=False, mode='reduce-overhead')
 
         def run_captured(*inputs):  # outputs of inductor's CUDA graphs are overwritten by the next replay: copy
@@ -383,7 +486,7 @@ class FastCausalLM:
                 self.step(torch.zeros((1, q), dtype=torch.long, device=self.lean.device), logits_to_keep)
             say('warm-up: q={} done ({} mode, {:.1f} s)'.format(q, self.mode, time.perf_counter() - started))
         self.cache.reset()
-        return WarmupReport(self.mode, self._steps.count, time.perf_counter() - started)
+        return WarmupReport(self.mode, self._steps.count, time.perf_counter() - started, self._steps.direct_count)
 
 
 class FastAssistant:
@@ -504,4 +607,4 @@ class FastAssistant:
                 self.greedy_drafts(token_ids, hidden, cache.length, size)
         cache.reset()
         say('warm-up: MTP assistant ({} mode, {:.1f} s)'.format(self.mode, time.perf_counter() - started))
-        return WarmupReport(self.mode, self._steps.count, time.perf_counter() - started)
+        return WarmupReport(self.mode, self._steps.count, time.perf_counter() - started, self._steps.direct_count)
