@@ -403,14 +403,15 @@ def test_compiled_assistant_round_recompiles_when_threads_change(models):
         torch.set_num_threads(threads)
 
 
-def test_compiled_steps_are_called_without_dynamo_once_a_direct_call_matched():
-    """After its compile a step's graph runs directly, per thread count; a rerun that differs keeps dynamo's entry."""
+def test_compiled_steps_are_called_without_dynamo_within_their_guards():
+    """A step's graphs run directly once matched, per thread count, only on sizes their shape guards accept."""
     steps = _Steps('inductor', torch.device('cpu'), 64, cpp_wrapper=False)
     slots = torch.zeros(64, 4)
 
     def write_and_read(x, positions, kv_positions):  # idempotent, as the engine's steps are
         slots.index_copy_(0, positions, x * 2)
-        return slots[:kv_positions.shape[0]].sum(0, keepdim=True), x + 1
+        scale = 3 if x.shape[0] <= 3 else 5  # a shape guard: q = 2..3 and q >= 4 need graphs of their own
+        return slots[:kv_positions.shape[0]].sum(0, keepdim=True), x * scale
 
     def run(step, start: int, q: int):
         x, positions = torch.randn(q, 4), torch.arange(start, start + q)
@@ -418,13 +419,14 @@ def test_compiled_steps_are_called_without_dynamo_once_a_direct_call_matched():
 
     threads = torch.get_num_threads()
     try:
-        for thread_count in (threads, threads + 1):  # another count: dynamo recompiles, and the graph is recorded
+        for thread_count in (threads, threads + 1):  # another count: dynamo recompiles, and the graphs are recorded
             torch.set_num_threads(thread_count)
-            for start, q in [(0, 3), (3, 2), (5, 7)]:  # every query length and key length of the one q >= 2 graph
-                x, (total, shifted) = run(write_and_read, start, q)
+            for start, q in [(0, 3), (3, 2), (5, 7), (12, 3), (15, 4)]:
+                x, (total, scaled) = run(write_and_read, start, q)
                 assert torch.allclose(total, slots[:start + q].sum(0, keepdim=True))
-                assert torch.equal(slots[start:start + q], x * 2) and torch.equal(shifted, x + 1)
-                assert steps.direct_count == 1
+                assert torch.equal(slots[start:start + q], x * 2) and torch.equal(scaled, x * (3 if q <= 3 else 5))
+            direct = next(iter(steps._direct.values()))
+            assert (steps.count, steps.direct_count, direct.records) == (1, 1, 2)  # one variant, two graphs
     finally:
         torch.set_num_threads(threads)
     calls = torch.zeros(1)
@@ -433,7 +435,7 @@ def test_compiled_steps_are_called_without_dynamo_once_a_direct_call_matched():
         calls.add_(1)
         return calls + 0, x + 1
 
-    assert run(count_calls, 0, 2)[1][0].item() == 1 and steps.direct_count == 1
+    assert run(count_calls, 0, 2)[1][0].item() == 1 and steps.direct_count == 1  # not confirmed
     assert run(count_calls, 2, 2)[1][0].item() == 3  # through dynamo, after the compile's call and its rerun
 
 

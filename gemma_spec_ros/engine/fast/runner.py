@@ -134,7 +134,7 @@ class WarmupReport:
     mode: str
     graphs: int
     seconds: float
-    direct_graphs: int = 0  # graphs called without dynamo's entry (_DirectGraph)
+    direct_graphs: int = 0  # of those, variants with a graph called without dynamo's entry (_DirectGraph)
 
 
 class _Graph:
@@ -159,36 +159,61 @@ class _Graph:
         return tuple(output.clone() for output in self.outputs)
 
 
+@dataclass
+class _DirectRecord:
+    """One compiled graph of a step variant and how to call it."""
+
+    graph: Callable
+    bindings: list[tuple]              # per graph argument: ('input', i) | ('size', i, dim) | ('fixed', tensor)
+    size_guards: types.CodeType | None  # dynamo's shape guards over the ('size') arguments, named L['t0'], L['t1'], ...
+
+    def accepts(self, inputs: tuple[torch.Tensor, ...]) -> bool:
+        if self.size_guards is None:
+            return True
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        sizes = [inputs[binding[1]].shape[binding[2]] for binding in self.bindings if binding[0] == 'size']
+        return bool(eval(self.size_guards, SYMPY_INTERP, {'L': {f't{i}': size for i, size in enumerate(sizes)}}))
+
+    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        arguments = [inputs[binding[1]] if binding[0] == 'input' else
+                     inputs[binding[1]].shape[binding[2]] if binding[0] == 'size' else binding[1]
+                     for binding in self.bindings]
+        return tuple(self.graph(*arguments))  # as dynamo's bytecode calls a backend's graph
+
+
 class _DirectGraph:
     """
-    The torch.compile backend of one CPU step variant, which then calls inductor's graph without dynamo's frame.
+    The torch.compile backend of one CPU step variant, which then calls inductor's graphs without dynamo's frame.
 
-    Through torch.compile's entry a call costs ~0.25 ms more than the graph (dynamo's frame, its bytecode, the
-    stance switch, mark_dynamic: bench/RESULTS.md). Compiling, this records inductor's callable and where each graph
-    argument comes from: a step input, a size of one, or a tensor the step closes over (weights, cache buffers,
-    which stay the same objects). The record is per torch thread count, as dynamo's guards are; a count without
-    one goes through dynamo, which compiles and records it. A record is used only once a direct call has given
-    exactly what dynamo's call gave (confirm).
+    Through torch.compile's entry a call costs ~0.1-0.2 ms more than the graph (dynamo's frame, its bytecode, the
+    stance switch, mark_dynamic: README "Graphs called directly"). Compiling, this records inductor's callable, where
+    each graph argument comes from (a step input, a size of one, or a tensor the step closes over: weights and cache
+    buffers, which stay the same objects) and the shape guards dynamo would check on those sizes (a graph from
+    inductor's cache can serve a narrower range than the variant's). Records are per torch thread count, as dynamo's
+    guards are. A call no record accepts goes through dynamo, which compiles and records another. A record is used
+    only once a direct call gave exactly what dynamo's call gave (confirm).
     """
 
     def __init__(self, argument_names: tuple[str, ...], options: dict):
         self.argument_names = argument_names
         self._options = options
-        self._records: dict[int, tuple[Callable, list[tuple]]] = {}  # thread count -> (graph, bindings)
-        self._confirmed: set[int] = set()
+        self._records: dict[int, list[_DirectRecord]] = {}  # thread count -> confirmed records
+        self._pending: _DirectRecord | None = None  # compiled, not confirmed yet
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._guards import TracingContext
         from torch._inductor.compile_fx import compile_fx
 
         graph = compile_fx(graph_module, example_inputs, config_patches=self._options)
         placeholders = [node for node in graph_module.graph.nodes if node.op == 'placeholder']
         bindings = [self._binding(node, value) for node, value in zip(placeholders, example_inputs, strict=True)]
-        threads = torch.get_num_threads()
-        self._confirmed.discard(threads)
-        if None in bindings:
-            self._records.pop(threads, None)
-        else:
-            self._records[threads] = (graph, bindings)
+        sizes = [value for value in example_inputs if isinstance(value, torch.SymInt)]
+        shape_env = TracingContext.get().fake_mode.shape_env
+        guards = shape_env.produce_guards_expression(sizes, guards=shape_env.get_pruned_guards(sizes)) \
+            if sizes else None  # after compile_fx: it adds the guards of a graph taken from inductor's cache
+        self._pending = None if None in bindings else _DirectRecord(
+            graph, bindings, compile(guards, '<size guards>', 'eval') if guards else None)
         return graph
 
     def _binding(self, node: torch.fx.Node, value) -> tuple | None:
@@ -211,34 +236,32 @@ class _DirectGraph:
             return None
         return ('fixed', value)  # a global or closed-over tensor: the same object at every call
 
-    def ready(self) -> bool:
-        """Whether calls at this thread count can skip dynamo."""
-        return torch.get_num_threads() in self._confirmed
+    @property
+    def records(self) -> int:
+        """Confirmed graphs at this thread count."""
+        return len(self._records.get(torch.get_num_threads(), ()))
+
+    def try_call(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        """Run the first graph recorded for this thread count that accepts the inputs; None when none does."""
+        for record in self._records.get(torch.get_num_threads(), ()):
+            if record.accepts(inputs):
+                return record(inputs)
+        return None
 
     def confirm(self, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
         """
-        Call the graph recorded for this thread count directly on the inputs dynamo's call just took.
+        After dynamo's call on inputs, call the graph it compiled for them (if any) directly on the same inputs.
 
-        A step is idempotent (it rewrites the same cache slots), so a second run is harmless. The record serves
+        A step is idempotent (it rewrites the same cache slots), so a second run is harmless. The graph serves
         direct calls only if it returned exactly dynamo's outputs.
         """
-        threads = torch.get_num_threads()
-        if threads not in self._records:
+        record, self._pending = self._pending, None
+        if record is None or not record.accepts(inputs):
             return
-        direct = self.call(inputs)
+        direct = record(inputs)
         if len(direct) == len(outputs) and all(
                 torch.equal(mine, theirs) for mine, theirs in zip(direct, outputs, strict=True)):
-            self._confirmed.add(threads)
-        else:
-            del self._records[threads]
-
-    def call(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Run the graph recorded for this thread count on the step's inputs (its arguments, in order)."""
-        graph, bindings = self._records[torch.get_num_threads()]
-        arguments = [inputs[binding[1]] if binding[0] == 'input' else
-                     inputs[binding[1]].shape[binding[2]] if binding[0] == 'size' else binding[1]
-                     for binding in bindings]
-        return tuple(graph(*arguments))  # as dynamo's bytecode calls a backend's graph
+            self._records.setdefault(torch.get_num_threads(), []).append(record)
 
 
 class _Steps:
@@ -274,8 +297,8 @@ class _Steps:
 
     @property
     def direct_count(self) -> int:
-        """Variants whose graph is called without dynamo at the current thread count."""
-        return sum(direct.ready() for direct in self._direct.values())
+        """Variants with a graph called without dynamo at the current thread count."""
+        return sum(direct.records > 0 for direct in self._direct.values())
 
     def key_lengths(self) -> list[int]:
         """List the full-attention key lengths that get their own variant ([0]: one for all)."""
@@ -305,8 +328,9 @@ class _Steps:
         else:
             variant_key = (*key, q, kv_positions.shape[0])
         direct = self._direct.get(variant_key)
-        if direct is not None and direct.ready():
-            return direct.call(arguments)
+        outputs = None if direct is None else direct.try_call(arguments)
+        if outputs is not None:
+            return outputs
         if self.dynamic:  # a call through dynamo: a compile or recompile (after a thread-count change) stays dynamic
             torch._dynamo.mark_dynamic(kv_positions, 0)
             for tensor, dim in zip(inputs, dynamic_dims, strict=True):
@@ -325,7 +349,7 @@ class _Steps:
             outputs = self._run_guarded(variant, arguments, q)
         else:
             return variant(*arguments)
-        if variant_key in self._direct:  # after a compile, or a call its graph could not serve yet
+        if variant_key in self._direct:  # after a compile, or a call no recorded graph accepted
             self._direct[variant_key].confirm(arguments, outputs)
         return outputs
 
@@ -477,8 +501,11 @@ class FastCausalLM:
         say = progress or (lambda message: None)
         started = time.perf_counter()
         queries = range(1, self.max_query + 1)
-        if self._steps.dynamic:
-            queries = sorted({dynamic_query_variant(q, self.lean.row_product_max_rows) for q in queries})
+        if self._steps.dynamic:  # each query range at both ends: a graph from inductor's cache may serve less of it
+            ranges: dict[int, list[int]] = {}
+            for q in queries:
+                ranges.setdefault(dynamic_query_variant(q, self.lean.row_product_max_rows), []).append(q)
+            queries = sorted({end for members in ranges.values() for end in (members[0], members[-1])})
         for q in queries:
             for length in self._steps.key_lengths():
                 self.cache.reset()
