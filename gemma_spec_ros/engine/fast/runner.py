@@ -5,8 +5,9 @@ Step functions per query length over the lean forward and the static cache: eage
 - ``inductor``: torch.compile graphs. On CPU one per step function and query range (dynamic_query_variant: q = 1,
   then q >= 2, split where the lean forward's products change from multiply-reduces to aten's), with the query
   length and the full-attention key length dynamic, so they serve every q and position; for models of up to
-  model.INLINE_MAX_LAYERS layers their wrappers are C++ (cpp_wrapper). On CUDA one per (q, key-length bucket),
-  captured as CUDA graphs by inductor (mode reduce-overhead).
+  model.INLINE_MAX_LAYERS layers their wrappers are C++ (cpp_wrapper); once compiled, a CPU graph is called
+  without dynamo's entry (_DirectGraph). On CUDA one per (q, key-length bucket), captured as CUDA graphs by
+  inductor (mode reduce-overhead).
 - ``inductor-gemm`` (CPU only): inductor, with the target's and draft model's passes of 2 tokens or more compiled on
   frozen weights, so that their products run inductor's C++ GEMM template (register-blocked, on weights packed at
   compile time) instead of multiply-reduces or aten's product. Verify passes of 3-9 tokens took 17-24 % less time
@@ -192,7 +193,8 @@ class _DirectGraph:
     buffers, which stay the same objects) and the shape guards dynamo would check on those sizes (a graph from
     inductor's cache can serve a narrower range than the variant's). Records are per torch thread count, as dynamo's
     guards are. A call no record accepts goes through dynamo, which compiles and records another. A record is used
-    only once a direct call gave exactly what dynamo's call gave (confirm).
+    only once a direct call gave exactly what dynamo's call gave (confirm). Dynamo's other guards (grad mode, global
+    torch settings, registered pytree types) are not checked: the runner's calls keep them as at the compile.
     """
 
     def __init__(self, argument_names: tuple[str, ...], options: dict):
