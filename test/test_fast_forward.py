@@ -381,7 +381,7 @@ def test_inductor_gemm_verify_passes_match_eager_on_every_feature(models):
 
 
 def test_compiled_assistant_round_recompiles_when_threads_change(models):
-    """A draft round switches guard evaluation off once for all its steps; a thread-count change inside recompiles."""
+    """Within a draft round, a thread-count change recompiles the step (its graphs are per thread count)."""
     target = models['plain']
     assistant = _assistant(target, ordered=True)
     eager = FastCausalLM(target, CONTEXT, MAX_QUERY, 'eager')

@@ -105,7 +105,7 @@ class MtpDrafter(Drafter):
         Yield the draft step of one round at position: step(token [1], hidden [1, 1, backbone]) -> logits, hidden.
 
         The logits are [1, vocab], the hidden feeds the next step. Every step of a round drafts at the same
-        position: what the steps share (the position tensor, on the fast path the guard stance) is set up once.
+        position: what the steps share (the position tensor) is set up once.
         """
         if self._fast is not None:
             with self._fast.drafting(position) as fast_step:

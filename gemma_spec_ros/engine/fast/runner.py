@@ -167,14 +167,16 @@ class _DirectRecord:
     graph: Callable
     bindings: list[tuple]              # per graph argument: ('input', i) | ('size', i, dim) | ('fixed', tensor)
     size_guards: types.CodeType | None  # dynamo's shape guards over the ('size') arguments, named L['t0'], L['t1'], ...
+    guard_names: dict                   # what the guards' code may call (torch's SYMPY_INTERP)
+
+    def __post_init__(self):
+        self._sizes = [(binding[1], binding[2]) for binding in self.bindings if binding[0] == 'size']
 
     def accepts(self, inputs: tuple[torch.Tensor, ...]) -> bool:
         if self.size_guards is None:
             return True
-        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-
-        sizes = [inputs[binding[1]].shape[binding[2]] for binding in self.bindings if binding[0] == 'size']
-        return bool(eval(self.size_guards, SYMPY_INTERP, {'L': {f't{i}': size for i, size in enumerate(sizes)}}))
+        sizes = {f't{i}': inputs[index].shape[dim] for i, (index, dim) in enumerate(self._sizes)}
+        return bool(eval(self.size_guards, self.guard_names, {'L': sizes}))
 
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         arguments = [inputs[binding[1]] if binding[0] == 'input' else
@@ -206,6 +208,7 @@ class _DirectGraph:
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._guards import TracingContext
         from torch._inductor.compile_fx import compile_fx
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
         graph = compile_fx(graph_module, example_inputs, config_patches=self._options)
         placeholders = [node for node in graph_module.graph.nodes if node.op == 'placeholder']
@@ -215,7 +218,7 @@ class _DirectGraph:
         guards = shape_env.produce_guards_expression(sizes, guards=shape_env.get_pruned_guards(sizes)) \
             if sizes else None  # after compile_fx: it adds the guards of a graph taken from inductor's cache
         self._pending = None if None in bindings else _DirectRecord(
-            graph, bindings, compile(guards, '<size guards>', 'eval') if guards else None)
+            graph, bindings, compile(guards, '<size guards>', 'eval') if guards else None, SYMPY_INTERP)
         return graph
 
     def _binding(self, node: torch.fx.Node, value) -> tuple | None:
@@ -228,12 +231,14 @@ class _DirectGraph:
             return self.argument_names.index(source.local_name) if is_argument else None
 
         source = getattr(node.meta.get('grapharg'), 'source', None)
-        if argument_index(source) is not None:
-            return ('input', argument_index(source))
+        index = argument_index(source)
+        if index is not None:
+            return ('input', index)
         if isinstance(source, TensorPropertySource):
-            if source.prop is not TensorProperty.SIZE or argument_index(source.base) is None:
+            index = argument_index(source.base)
+            if source.prop is not TensorProperty.SIZE or index is None:
                 return None
-            return ('size', argument_index(source.base), source.idx)
+            return ('size', index, source.idx)
         if source is None or not isinstance(value, torch.Tensor):
             return None
         return ('fixed', value)  # a global or closed-over tensor: the same object at every call
@@ -291,7 +296,6 @@ class _Steps:
         self._variants: dict[tuple, Callable] = {}
         self._direct: dict[tuple, _DirectGraph] = {}  # the dynamic CPU variants' graphs
         self._pool = torch.cuda.graph_pool_handle() if mode == 'cudagraph' else None
-        self._skipping_guards = False
 
     @property
     def count(self) -> int:
@@ -342,7 +346,7 @@ class _Steps:
         if variant is None:
             variant = self._create(variant_key, make(), arguments)
             self._variants[variant_key] = variant
-            # compiles: every guard is built and checked, even in a block that skips guards
+            # compiles: every guard is built and checked
             with torch.compiler.set_stance('default'), self._compile_settings(q):
                 outputs = variant(*arguments)
             if self.mode in INDUCTOR_MODES:
@@ -356,14 +360,19 @@ class _Steps:
         return outputs
 
     def _run_guarded(self, variant: Callable, arguments: tuple[torch.Tensor, ...], q: int) -> tuple[torch.Tensor, ...]:
-        """Run a dynamic CPU variant through dynamo, skipping its guards unless the step must recompile."""
+        """
+        Run a dynamic CPU variant through dynamo, skipping its guards unless the step must recompile.
+
+        Each variant is its own code object, called only from run() with inputs made the same way, so no guard can
+        tell its entries apart; skipping their evaluation saves ~0.5 ms a call.
+        """
         try:
-            with self.skipping_guards():
+            with torch.compiler.set_stance('default', skip_guard_eval_unsafe=True):
                 return variant(*arguments)
         except RuntimeError as exc:  # raised before the graph runs when it must recompile (threads changed)
             if 'skip_guard_eval_unsafe' not in str(exc):
                 raise
-        # guards evaluated and the step recompiled, even in a block
+        # guards evaluated and the step recompiled
         with torch.compiler.set_stance('default'), self._compile_settings(q):
             return variant(*arguments)
 
@@ -372,24 +381,6 @@ class _Steps:
         if self.mode == 'inductor-gemm' and q >= 2:
             return torch._inductor.config.patch(FROZEN_GEMM_SETTINGS)
         return nullcontext()
-
-    @contextmanager
-    def skipping_guards(self) -> Iterator[None]:
-        """
-        Skip the guard evaluation of the dynamic CPU variants run inside (a block of runs pays the stance once).
-
-        Each variant is its own code object with one compiled entry, called only from run() with inputs made the same
-        way, so no guard can tell entries apart; skipping their evaluation saves ~0.5 ms a step.
-        """
-        if not self.dynamic or self._skipping_guards:
-            yield
-            return
-        self._skipping_guards = True
-        try:
-            with torch.compiler.set_stance('default', skip_guard_eval_unsafe=True):
-                yield
-        finally:
-            self._skipping_guards = False
 
     def _create(self, variant_key: tuple, function: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
         if self.mode == 'eager':
@@ -585,16 +576,16 @@ class FastAssistant:
     @contextmanager
     def _round(self, position: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """
-        Yield (positions [1], kv_positions) of a draft round at position, with guard evaluation switched off.
+        Yield (positions [1], kv_positions) of a draft round at position.
 
-        Every step of a round drafts at the same position: its tensors and the guard stance are set up once per
-        round instead of once per step.
+        Every step of a round drafts at the same position: its tensors are set up once per round instead of once per
+        step.
         """
         cache = self.target.cache
         if not 0 < position <= cache.length:
             raise ValueError('the assistant drafts at a position in 1..{} (the target cache length), got {}'.format(
                 cache.length, position))
-        with torch.inference_mode(), self._steps.skipping_guards():
+        with torch.inference_mode():
             yield (torch.tensor([position], device=self.target.lean.device),
                    cache.key_positions[:self._steps.key_length(position)])
 
