@@ -16,6 +16,7 @@ from gemma_spec_ros.engine.fast.runner import (
     dynamic_query_variant,
     resolve_compile_mode,
 )
+from gemma_spec_ros.engine.verify import verify
 
 WINDOW = 8
 MAX_QUERY = 9          # K_max + 1 with K_max = 8
@@ -137,6 +138,29 @@ def test_verify_steps_and_rollbacks_match_transformers(models, kind):
         reference.crop(rejected)
         rounds += 1
     assert rounds > 40
+
+
+def test_verify_pass_carries_the_greedy_verdict_on_its_drafts(models):
+    """A verify pass of q tokens returns verify()'s greedy verdict on its q - 1 drafts: accepted count, next token."""
+    fast = FastCausalLM(models['plain'], CONTEXT, MAX_QUERY, 'eager')
+    fast.prefill(torch.tensor([[2, *range(10, 30)]]))
+    token = torch.tensor([[7]])
+    for q in range(1, MAX_QUERY + 1):
+        greedy = []  # the target's own greedy continuation of token
+        for _ in range(q):
+            greedy.append(fast.step(torch.tensor([[token.item(), *greedy]])).logits[0, -1].argmax().item())
+            fast.crop(-len(greedy))
+        for matching in range(q):  # drafts: the first `matching` follow the target, then one it would not pick
+            drafts = greedy[:matching] + [(greedy[matching] + 1) % VOCAB] * (q - 1 - matching)
+            out = fast.step(torch.tensor([[token.item(), *drafts]]))
+            num_accepted, next_token = verify(torch.tensor([drafts], dtype=torch.long), out.logits, None, greedy=True)
+            expected_accepted = min(matching, q - 1)
+            assert num_accepted.item() == expected_accepted
+            assert out.greedy_row.tolist() == [expected_accepted, *drafts, -1, next_token.item()]
+            assert next_token.item() == greedy[expected_accepted]
+            fast.crop(-q)
+        fast.step(token)  # the next pass starts at the target's pick
+        token = torch.tensor([[greedy[0]]])
 
 
 @pytest.mark.parametrize('kind', ['plain', 'features'])
@@ -352,6 +376,7 @@ def _verify_pass_matches(eager: FastCausalLM, compiled: FastCausalLM, token: tor
     expected, actual = eager.step(ids), compiled.step(ids)
     _close(actual.logits, expected.logits)
     _close(actual.hidden, expected.hidden)
+    assert torch.equal(actual.greedy_row, expected.greedy_row)  # verify() inside the graph
     eager.crop(-(q - 1))
     compiled.crop(-(q - 1))
     return expected

@@ -12,7 +12,7 @@ import torch
 from . import causal_lm, models, requests
 from .adaptive import AdaptiveK, Decision, TargetCost
 from .drafters import REGISTRY, drafter_class
-from .drafters.base import DraftContext, Drafter, LoadContext
+from .drafters.base import DraftContext, Drafter, LoadContext, Proposal
 from .grammar import ConstraintCompiler, GrammarConstraint, mask_logits
 from .requests import RequestPlan, SamplingParams
 from .sampling import logits_to_probs, sample
@@ -340,16 +340,12 @@ class Engine:
         want_states = run.drafter.needs_target_states and (run.plan.pinned_k > 0 or may_draft_next)
         out = self._target.append(torch.cat([run.last_token, draft_tokens]).unsqueeze(0), logits_to_keep=0,
                                   want_states=want_states)
-        logits = out.logits[0]  # [k + 1, vocab]
-        if run.constraint is not None:  # while the target runs on a GPU: masks along the drafts, on the host
-            masks, _ = run.constraint.masks_along(draft_tokens.tolist(), self._device)  # [k + 1, vocab]
-            logits = mask_logits(logits, masks)
         sampling = run.plan.sampling
-        target_probs = logits if sampling.greedy else logits_to_probs(logits, sampling)
-        draft_probs = None if proposal is None or proposal.draft_probs is None else proposal.draft_probs[None]
-        num_accepted, next_token = verify(draft_tokens[None], target_probs[None], draft_probs, sampling.greedy,
-                                          run.generator)
-        row = torch.cat([num_accepted, draft_tokens, next_token])
+        if sampling.greedy and run.constraint is None and out.greedy_row is not None:
+            row = out.greedy_row  # [k + 2] verify() ran inside the target's pass
+        else:
+            row = self._verify(run, proposal, draft_tokens, out.logits[0])
+        next_token = row[-1:]
         verified_at = run.stopwatch.mark()
         row = row.tolist()  # the round's one host sync
         accepted = row[0]
@@ -367,6 +363,19 @@ class Engine:
         run.tally.add_round(num_drafted, accepted, time.perf_counter())
         run.last_token = next_token
         return row[1:1 + accepted] + row[-1:]  # accepted drafts + recovered or bonus token
+
+    def _verify(self, run: _Run, proposal: Proposal | None, draft_tokens: torch.Tensor,
+                logits: torch.Tensor) -> torch.Tensor:
+        """verify() the drafts [k] against the target's logits [k + 1, vocab]: [k + 2] accepted count, drafts, next."""
+        if run.constraint is not None:  # while the target runs on a GPU: masks along the drafts, on the host
+            masks, _ = run.constraint.masks_along(draft_tokens.tolist(), self._device)  # [k + 1, vocab]
+            logits = mask_logits(logits, masks)
+        sampling = run.plan.sampling
+        target_probs = logits if sampling.greedy else logits_to_probs(logits, sampling)
+        draft_probs = None if proposal is None or proposal.draft_probs is None else proposal.draft_probs[None]
+        num_accepted, next_token = verify(draft_tokens[None], target_probs[None], draft_probs, sampling.greedy,
+                                          run.generator)
+        return torch.cat([num_accepted, draft_tokens, next_token])
 
     def _guard(self, run: _Run, drafter_call):
         """Run a drafter call; a drafter that raises must not fail the request: plain decoding takes over."""

@@ -30,6 +30,8 @@ class StepOutput:
     logits: torch.Tensor          # [1, n, vocab] (final softcapping applied)
     hidden: torch.Tensor | None   # [1, n, hidden] final-norm hidden states (what the MTP assistant reads)
     shared_kv_states: dict | None = None  # transformers' forward only: {layer_type: (keys, values)} for its assistant
+    greedy_row: torch.Tensor | None = None  # [n + 2] a fast verify pass's greedy verify() of its tokens after the
+    #                                         first as drafts: accepted count, the n - 1 drafts, -1, next token
 
 
 class FlatTensors:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import greedy_pick
+from ..verify import verify
 from .cache import StaticKvCache
 from .model import ROW_PRODUCT_MAX_ROWS, LeanAssistant, LeanGemma4, StepOutput, return_freed_memory, store_exact_half
 
@@ -470,17 +471,25 @@ class FastCausalLM:
         positions = torch.arange(start, start + q, device=self.lean.device)
         kv_positions = self.cache.key_positions[:self._steps.key_length(start + q)]
         keep = 0 if logits_to_keep in (0, q) else logits_to_keep
-        logits, hidden = self._steps.run((keep,), lambda: self._step_function(keep), (input_ids, positions),
-                                         kv_positions, dynamic_dims=(1, 0))
+        logits, hidden, *greedy_row = self._steps.run((keep,), lambda: self._step_function(keep),
+                                                      (input_ids, positions), kv_positions, dynamic_dims=(1, 0))
         self.cache.advance(start, q)
-        return StepOutput(logits, hidden)
+        return StepOutput(logits, hidden, greedy_row=greedy_row[0] if greedy_row else None)
 
     def _step_function(self, keep: int):
         lean, cache = self.lean, self.cache
 
         def step(input_ids, positions, kv_positions):
             out = lean.step(input_ids, positions, cache, kv_positions.shape[0], keep)
-            return out.logits, out.hidden
+            if keep:
+                return out.logits, out.hidden
+            # a verify pass: greedy verification inside the graph saves the round ~10 eager ops (README). Its drafts
+            # get one more that is never accepted (-1) and the logits one more row: the same verdict, without a
+            # (q - 1)-long tensor, which would make torch.compile specialise q = 2
+            drafts = torch.cat([input_ids, torch.full_like(input_ids[:, :1], -1)], dim=1)[:, 1:]   # [1, q]
+            logits = torch.cat([out.logits, out.logits[:, -1:]], dim=1)                          # [1, q + 1, vocab]
+            num_accepted, next_token = verify(drafts, logits, None, greedy=True)
+            return out.logits, out.hidden, torch.cat([num_accepted, drafts[0], next_token])
         return step
 
     @torch.inference_mode()
