@@ -460,8 +460,8 @@ class FastCausalLM:
         """
         Append input_ids [1, q] (q <= max_query) at the cache end through the step for q.
 
-        logits_to_keep 0 keeps all q (the verify pass), 1 only the last (draft model). With cudagraph the outputs
-        are copies, with inductor on CUDA they live until the next call of the same step.
+        logits_to_keep 0 keeps all q (the verify pass, which also returns greedy_row), 1 only the last (draft model).
+        With cudagraph the outputs are copies, with inductor on CUDA they live until the next call of the same step.
         """
         q = input_ids.shape[1]
         if not 1 <= q <= self.max_query:
@@ -471,17 +471,18 @@ class FastCausalLM:
         positions = torch.arange(start, start + q, device=self.lean.device)
         kv_positions = self.cache.key_positions[:self._steps.key_length(start + q)]
         keep = 0 if logits_to_keep in (0, q) else logits_to_keep
-        logits, hidden, *greedy_row = self._steps.run((keep,), lambda: self._step_function(keep),
+        verifying = logits_to_keep == 0  # not a draft model's one-token step, which also keeps all (one) logits
+        logits, hidden, *greedy_row = self._steps.run((keep, verifying), lambda: self._step_function(keep, verifying),
                                                       (input_ids, positions), kv_positions, dynamic_dims=(1, 0))
         self.cache.advance(start, q)
         return StepOutput(logits, hidden, greedy_row=greedy_row[0] if greedy_row else None)
 
-    def _step_function(self, keep: int):
+    def _step_function(self, keep: int, verifying: bool):
         lean, cache = self.lean, self.cache
 
         def step(input_ids, positions, kv_positions):
             out = lean.step(input_ids, positions, cache, kv_positions.shape[0], keep)
-            if keep:
+            if not verifying:
                 return out.logits, out.hidden
             # a verify pass: greedy verification inside the graph saves the round ~10 eager ops (README). Its drafts
             # get one more that is never accepted (-1) and the logits one more row: the same verdict, without a
