@@ -370,3 +370,16 @@ def test_the_controller_prices_a_round_by_its_drafter_calls():
         break_even[name] = [controller.break_even_tau(k) for k in (4, 5)]
     assert break_even['greedy'] == pytest.approx([(seconds(k) + VERIFY[k]) / VERIFY[0] for k in (4, 5)], rel=0.01)
     assert break_even['one per draft'][1] - break_even['one per draft'][0] < 0.6 * (seconds(5) - seconds(4))
+
+
+def test_a_request_with_other_drafter_calls_reprices_rounds_at_once():
+    # a greedy MTP request (K = 5 is two calls) then a sampled one (a call per draft): no round in between
+    controller, cost = new_controller(gate=False)
+    controller.draft_calls = greedy_calls
+    rng = random.Random(5)
+    for k in [rng.randint(1, MAX_K) for _ in range(200)]:
+        cost.record(k + 1, VERIFY[k])
+        controller.record(k, min(k, 3), 0.02 + 0.25 * greedy_calls(k) + 0.02 * k)
+    two_calls = controller.break_even_tau(5)
+    controller.draft_calls = lambda k: k
+    assert controller.break_even_tau(5) > two_calls + 1.5 * 0.25 / VERIFY[0]  # three more calls, priced at once

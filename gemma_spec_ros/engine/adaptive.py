@@ -169,6 +169,8 @@ class StallFilter:
 
 def _fill(shape: list[float | None]) -> list[float]:
     """Every size's shape: measured, else interpolated between neighbours, else extrapolated (last slope, or flat)."""
+    if None not in shape[1:]:  # every size timed (the engine calibrates them all): at most size 0 to fill
+        return [shape[1] if shape[0] is None else shape[0], *shape[1:]]
     known = [(n, s) for n, s in enumerate(shape) if s is not None]
     filled, above = [], 0  # known[above] is the first measured size >= n
     for n in range(len(shape)):
@@ -286,10 +288,11 @@ class PositionCounts:
 
     def rates(self, priors: list[float] | None = None) -> list[float]:
         """Return the acceptance per position, shrunk toward priors (default: the previous position's rate)."""
-        rates = []
-        for position, (kept, judged) in enumerate(zip(self.kept, self.judged, strict=True)):
-            prior = priors[position] if priors else (rates[-1] if rates else PRIOR_ALPHA)
-            rates.append((kept + PRIOR_WEIGHT * prior) / (judged + PRIOR_WEIGHT))
+        rates, rate = [], PRIOR_ALPHA
+        for position, kept in enumerate(self.kept):
+            prior = priors[position] if priors else rate
+            rate = (kept + PRIOR_WEIGHT * prior) / (self.judged[position] + PRIOR_WEIGHT)
+            rates.append(rate)
         return rates
 
     def error(self, position: int, rate: float) -> float:
@@ -335,8 +338,7 @@ class AdaptiveK:
                  cut_saves_drafting: bool = True):
         self.max_k = max_k
         self.cut_saves_drafting = cut_saves_drafting  # False: a cut round costs the drafting of the planned K
-        self.draft_calls: Callable[[int], int] = one_call_per_draft  # drafter calls of a round of k drafts; set
-                                                                     # per request (Drafter.draft_calls)
+        self._draft_calls: Callable[[int], int] = one_call_per_draft
         self.target_cost = target_cost
         self.profit_gate = profit_gate
         self.probe_interval = max(1, probe_interval)
@@ -364,6 +366,8 @@ class AdaptiveK:
         self._probed = False                         # a probe just finished: re-evaluate the gate
         self._pending: Decision | None = None        # the last decision, to account its exploration cost
         self._curves: list[list[float] | None] = [None, None]  # cached position_alpha per state
+        self._pooled_rates: list[float] | None = None          # cached pooled rates, the states' common prior
+        self._drafting_costs: list[float] | None = None        # cached _drafting(k) for k = 0..max_k
 
     # ------------------------------------------------------------------------------------------ estimates
     @property
@@ -374,8 +378,23 @@ class AdaptiveK:
         """Return the acceptance at each draft position given all earlier ones were accepted ([K]), for a state."""
         state = self._state if state is None else state
         if self._curves[state] is None:
-            self._curves[state] = self._recent[state].rates(self._long[state].rates(self._pooled.rates()))
+            if self._pooled_rates is None:
+                self._pooled_rates = self._pooled.rates()
+            self._curves[state] = self._recent[state].rates(self._long[state].rates(self._pooled_rates))
         return self._curves[state]
+
+    def _forget_curves(self) -> None:
+        """Drop the cached acceptance curves (the counts changed)."""
+        self._curves, self._pooled_rates = [None, None], None
+
+    @property
+    def draft_calls(self) -> Callable[[int], int]:
+        """Drafter calls of a round of k drafts; set per request (Drafter.draft_calls)."""
+        return self._draft_calls
+
+    @draft_calls.setter
+    def draft_calls(self, calls: Callable[[int], int]) -> None:
+        self._draft_calls, self._drafting_costs = calls, None
 
     @property
     def draft_token_seconds(self) -> float | None:
@@ -396,7 +415,13 @@ class AdaptiveK:
 
     def _drafting(self, k: int) -> float:
         """Load-free seconds of drafting k tokens (0 for a plain round)."""
-        return self._draft_cost.seconds(k, self.draft_calls(k))
+        return self._drafting_table()[k] if k else 0.0
+
+    def _drafting_table(self) -> list[float]:
+        """_drafting(k) for k = 0..max_k ([max_k + 1]), once drafting was measured; kept until the next one."""
+        if self._drafting_costs is None:  # each round reads ~3 x max_k of them
+            self._drafting_costs = [self._draft_cost.seconds(k, self._draft_calls(k)) for k in range(self.max_k + 1)]
+        return self._drafting_costs
 
     def rate(self, k: int, curve: list[float | None] | None = None, rates: list[float] | None = None) -> float | None:
         """Return expected tokens per load-free second with k drafts (k = 0: plain), or None before measurements."""
@@ -409,11 +434,11 @@ class AdaptiveK:
         """Return (rate, K, expected tokens, chance all K are accepted, cost) for K = 1..max_k (None: unmeasured)."""
         if self._draft_cost.step is None or shape[1] is None:
             return None
-        choices, tokens, survive = [], 1.0, 1.0
+        choices, tokens, survive, drafting = [], 1.0, 1.0, self._drafting_table()
         for k in range(1, self.max_k + 1):
             survive *= rates[k - 1]
             tokens += survive
-            cost = self._drafting(k) + shape[k + 1] + self._overhead
+            cost = drafting[k] + shape[k + 1] + self._overhead
             choices.append((tokens / cost, k, tokens, survive, cost))
         return choices
 
@@ -490,7 +515,8 @@ class AdaptiveK:
             if decision is not None and not decision.speculating:
                 for counts in self._recent:  # paused: old evidence fades, so that probes soon decide
                     counts.fade()
-            self._state, self._curves = AFTER_MISS, [None, None]
+            self._state = AFTER_MISS
+            self._forget_curves()
             return
         if decision is not None and decision.exploring:
             self._count_exploration(decision, num_drafted)
@@ -501,7 +527,7 @@ class AdaptiveK:
         self._long[self._state].add(num_drafted, num_accepted)
         self._long[1 - self._state].fade()
         self._pooled.add(num_drafted, num_accepted)
-        self._curves = [None, None]
+        self._forget_curves()
         self._state = AFTER_FULL if num_accepted == num_drafted >= FULL_MIN_DRAFTS else AFTER_MISS
         self._accepted = DECAY * self._accepted + num_accepted
         self._evaluated = DECAY * self._evaluated + min(num_drafted, num_accepted + 1)
@@ -511,6 +537,7 @@ class AdaptiveK:
         stalled = self._draft_stalls.skips(draft_seconds / load, estimate)
         if not stalled and (self.cut_saves_drafting or not cutoff):  # else: seconds of drafts it did not keep
             self._draft_cost.record(num_drafted, calls, draft_seconds / load)
+            self._drafting_costs = None
         if confidences is not None and cutoff == 0.0 and len(confidences) == num_drafted:
             self._uncut.append(_Round(num_drafted, num_accepted, tuple(
                 drafts_under_cutoff(confidences, num_drafted, level) for level in CUTOFFS)))
@@ -597,7 +624,8 @@ class AdaptiveK:
 
     def start(self) -> None:
         """Note that a new request begins (optional): its text may differ, so a paused gate probes at once."""
-        self._state, self._curves = AFTER_MISS, [None, None]
+        self._state = AFTER_MISS
+        self._forget_curves()
         if not self.speculating and not self._probe_left:
             self._paused_rounds = self.probe_interval - 1
 
