@@ -1,7 +1,9 @@
 """The fast path (engine/fast): lean forward + static cache against transformers' Gemma 4, on tiny random models."""
 
+import gc
 import os
 import random
+import weakref
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from gemma_spec_ros.engine.fast.runner import (
     GREEDY_STEPS,
     FastAssistant,
     FastCausalLM,
+    _DirectGraph,
     _Steps,
     dynamic_query_variant,
     resolve_compile_mode,
@@ -462,6 +465,30 @@ def test_compiled_steps_are_called_without_dynamo_within_their_guards():
 
     assert run(count_calls, 0, 2)[1][0].item() == 1 and steps.direct_count == 1  # not confirmed
     assert run(count_calls, 2, 2)[1][0].item() == 3  # through dynamo, after the compile's call and its rerun
+
+
+def test_a_compiled_step_keeps_no_traced_module(monkeypatch):
+    """Once inductor compiled a step, dynamo's traced GraphModule is freed; the step still runs directly."""
+    traced = []
+    compile_traced = _DirectGraph.__call__
+
+    def spy(self, graph_module, example_inputs):
+        traced.append(weakref.ref(graph_module))
+        return compile_traced(self, graph_module, example_inputs)
+
+    monkeypatch.setattr(_DirectGraph, '__call__', spy)
+    steps = _Steps('inductor', torch.device('cpu'), 64, cpp_wrapper=False)
+
+    def scale(x, positions, kv_positions):
+        return x * 3, positions + kv_positions.shape[0]
+
+    for q in (2, 3):
+        x, positions = torch.randn(q, 4), torch.arange(q)
+        scaled, shifted = steps.run(('scale',), lambda: scale, (x, positions), torch.arange(q), (0, 0))
+        assert torch.equal(scaled, x * 3) and torch.equal(shifted, positions + q)
+    gc.collect()
+    assert len(traced) == 1 and traced[0]() is None
+    assert steps.direct_count == 1
 
 
 @pytest.mark.parametrize('mode', ['eager', 'inductor'])

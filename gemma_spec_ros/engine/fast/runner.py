@@ -120,6 +120,20 @@ def _release_compile_garbage() -> None:
     return_freed_memory()
 
 
+def _release_traced_module(graph: Callable) -> None:
+    """
+    Let the GraphModule dynamo traced be freed once inductor compiled it.
+
+    AOTAutograd hangs the traced module's zero_grad / named_parameters / named_buffers on the compiled function and
+    its wrappers, for convenience only: they kept every traced graph alive (~1,400 nodes with source stack traces and
+    fake tensors for the bundled target's). Without them the serving peak fell by 20 MiB (bench.fast_measure memory).
+    """
+    while graph is not None:
+        for name in ('zero_grad', 'named_parameters', 'named_buffers'):
+            getattr(graph, '__dict__', {}).pop(name, None)
+        graph = getattr(graph, '__wrapped__', None)
+
+
 def _buckets(context_limit: int) -> list[int]:
     """Full-attention key lengths CUDA graphs are captured for: powers of two from MIN_BUCKET, then the limit."""
     sizes, size = [], min(MIN_BUCKET, context_limit)
@@ -220,6 +234,7 @@ class _DirectGraph:
             if sizes else None  # after compile_fx: it adds the guards of a graph taken from inductor's cache
         self._pending = None if None in bindings else _DirectRecord(
             graph, bindings, compile(guards, '<size guards>', 'eval') if guards else None, SYMPY_INTERP)
+        _release_traced_module(graph)
         return graph
 
     def _binding(self, node: torch.fx.Node, value) -> tuple | None:
@@ -325,7 +340,8 @@ class _Steps:
         dynamic_dims: per input, its query-length dimension (None: none), made dynamic for q >= 2 on CPU.
         """
         if self.mode in INDUCTOR_MODES:  # compiled graphs guard on strides and inference-mode tensors: normalise both
-            inputs = tuple(tensor.clone(memory_format=torch.contiguous_format) for tensor in inputs)
+            inputs = tuple(tensor if tensor.is_contiguous() and tensor.is_inference() else
+                           tensor.clone(memory_format=torch.contiguous_format) for tensor in inputs)
         arguments = (*inputs, kv_positions)
         q = next((inputs[index].shape[dim] for index, dim in enumerate(dynamic_dims) if dim is not None), 1)
         if self.mode == 'eager':
