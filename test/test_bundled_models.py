@@ -65,6 +65,29 @@ def test_models_load_in_float32_with_matching_shapes():
     assert json.loads((TARGET / 'training.json').read_text())['held_out_perplexity']
 
 
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps the file at path (/proc/self/maps)."""
+    ranges = []
+    with open('/proc/self/maps') as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == str(path):
+                start, end = (int(address, 16) for address in fields[0].split('-'))
+                ranges.append((start, end))
+    return ranges
+
+
+def test_a_loaded_model_keeps_no_view_of_its_checkpoint_file():
+    # the assistant's int64 token ordering loads as stored: left a view, it kept the whole file mapped and resident
+    from gemma_spec_ros.engine import models
+
+    assistant = models.load_assistant(str(ASSISTANT), torch.device('cpu'), torch.float32)
+    ranges = _mapped_ranges(ASSISTANT / 'model.safetensors')
+    tensors = [*assistant.parameters(), *assistant.buffers()]
+    assert assistant.masked_embedding.token_ordering.dtype == torch.int64
+    assert not [tensor for tensor in tensors for start, end in ranges if start <= tensor.data_ptr() < end]
+
+
 @pytest.mark.parametrize('drafter', ['mtp', 'draft', 'ngram'])
 def test_speculation_matches_plain_greedy(engine, drafter):
     from gemma_spec_ros.engine import GenerationRequest
