@@ -262,3 +262,19 @@ def test_adaptive_against_the_best_fixed_k_per_category():
     # the mean row: adaptive's mean speedup (2.9 + 1.2) / 2 against the single K best on average (K4: 1.9, K2: 1.75)
     assert (rows['mean'].best_k, rows['mean'].best_speedup) == (4, pytest.approx(1.9))
     assert rows['mean'].adaptive_speedup == pytest.approx(2.05) and rows['mean'].paused_rounds == 7
+
+
+def test_random_models_for_memory_scaling_load_and_fit_together(tmp_path):
+    import torch
+
+    from gemma_spec_ros.bench.fast_measure import _write_random_models
+    from gemma_spec_ros.engine import models
+
+    target_path, assistant_path = _write_random_models('3x64x256', str(tmp_path))
+    target = models.load_causal_lm(target_path, 'target', torch.device('cpu'), torch.float32)
+    assistant = models.load_assistant(assistant_path, torch.device('cpu'), torch.float32)
+    models.check_assistant_fits(target, assistant, assistant_path)
+    config = models.text_config(target)
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (3, 64, 256)
+    assert assistant.config.get_text_config().hidden_size == 64
+    assert models.load_tokenizer(target_path)('def f():').input_ids

@@ -5,6 +5,7 @@ Measure the fast path against transformers' eager forward (figures for issue 12;
     python -m gemma_spec_ros.bench.fast_measure verify   # one target pass of q = 1..9 tokens
     python -m gemma_spec_ros.bench.fast_measure threads  # 1 vs 2 threads, with a busy-loop or not, OMP wait policy
     python -m gemma_spec_ros.bench.fast_measure memory   # RSS: runtime (and mode) baseline, weights, KV cache, peaks
+    python -m gemma_spec_ros.bench.fast_measure memory --random-targets 12x768x3072   # + random models of that shape
 
 Systems: ``hf`` is transformers' forward on a DynamicCache driven as the engine drives it, ``lean`` the lean forward
 eager on the static cache, ``compiled`` the same through the inductor step graphs (on CPU called directly, without
@@ -20,8 +21,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 TARGET = 'models/gemma4-spec-target'
+ASSISTANT = 'models/gemma4-spec-assistant'
+DRAFT = 'models/gemma4-spec-draft'
 SYSTEMS = ('hf', 'lean', 'compiled', 'compiled-dynamo', 'cudagraph')
 MODES = {'hf': 'off', 'lean': 'eager', 'compiled': 'inductor', 'compiled-dynamo': 'inductor', 'cudagraph': 'cudagraph'}
 
@@ -221,9 +225,8 @@ def memory_one(args) -> dict:
     baseline = _rss()[0]
     mode_baseline = _compile_stack_baseline(args) if _compiles(args) else baseline
     engine = Engine.from_config(EngineConfig(
-        target_path=args.model, assistant_path='models/gemma4-spec-assistant',
-        draft_model_path='models/gemma4-spec-draft', device=args.device, compile=args.compile,
-        num_threads=args.threads))
+        target_path=args.model, assistant_path=args.assistant, draft_model_path=args.draft, device=args.device,
+        compile=args.compile, num_threads=args.threads))
     loaded, startup_peak = _rss()
     with open('/proc/self/clear_refs', 'w') as refs:  # reset VmHWM: the serving peak without the warm-up's
         refs.write('5')
@@ -284,15 +287,50 @@ def _compile_stack_baseline(args) -> int:
 
 
 def memory(args) -> dict:
-    """memory_one per compile mode, each in its own process (a process's RSS high-water mark never falls)."""
+    """
+    memory_one per compile mode, each in its own process (a process's RSS high-water mark never falls).
+
+    With --random-targets, also per random-weight target shape (rows 'MODE SHAPE'), each with an MTP assistant of
+    one layer of its width and the bundled draft model: how the terms scale with the weights.
+    """
+    import tempfile
+
     rows = {}
-    for mode in args.compile.split(','):
-        out = subprocess.run([sys.executable, '-m', 'gemma_spec_ros.bench.fast_measure', 'memory-one', '--compile',
-                              mode, '--new-tokens', str(args.new_tokens), '--model', args.model, '--device',
-                              args.device, '--threads', str(args.threads)], capture_output=True, text=True,
-                             check=True).stdout
-        rows[mode] = json.loads(out)
+    with tempfile.TemporaryDirectory(prefix='gemma-spec-memory-') as scratch:
+        models = [('', args.model, args.assistant)]
+        for shape in filter(None, args.random_targets.split(',')):
+            _say('writing random-weight models of target shape {}'.format(shape))
+            models.append((' ' + shape, *_write_random_models(shape, os.path.join(scratch, shape))))
+        for mode in args.compile.split(','):
+            for suffix, target, assistant in models:
+                _say('measuring {}{}'.format(mode, suffix))
+                out = subprocess.run([sys.executable, '-m', 'gemma_spec_ros.bench.fast_measure', 'memory-one',
+                                      '--compile', mode, '--new-tokens', str(args.new_tokens), '--model', target,
+                                      '--assistant', assistant, '--draft', args.draft, '--device', args.device,
+                                      '--threads', str(args.threads)], capture_output=True, text=True,
+                                     check=True).stdout
+                rows[mode + suffix] = json.loads(out)
     return rows
+
+
+def _write_random_models(shape_text: str, directory: str) -> tuple[str, str]:
+    """Write a random-weight target of shape LAYERSxHIDDENxINTERMEDIATE and an assistant for it; return their paths."""
+    import torch
+    from transformers import AutoConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM
+
+    from gemma_spec_ros.train.export import save_model
+    from gemma_spec_ros.train.shapes import ModelShape, assistant_config, text_config
+
+    shape = ModelShape.parse(shape_text)
+    vocab_size = AutoConfig.from_pretrained(TARGET, local_files_only=True).get_text_config().vocab_size
+    torch.manual_seed(0)
+    target = Gemma4ForCausalLM(text_config(shape, vocab_size))
+    assistant_shape = ModelShape(1, shape.hidden_size, shape.intermediate_size)
+    assistant = Gemma4AssistantForCausalLM(assistant_config(target.config, assistant_shape))
+    paths = os.path.join(directory, 'target'), os.path.join(directory, 'assistant')
+    for model, path in zip((target, assistant), paths, strict=True):  # stored as the bundled ones: float16
+        save_model(model, Path(path), Path(TARGET), torch.float16, {'random_weights': shape_text})
+    return paths
 
 
 def main(argv=None) -> int:
@@ -307,6 +345,11 @@ def main(argv=None) -> int:
     parser.add_argument('--new-tokens', type=int, default=128)
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--compile', default='off,eager,inductor', help='memory: engine.compile modes, comma-separated')
+    parser.add_argument('--assistant', default=ASSISTANT, help='memory: the MTP assistant')
+    parser.add_argument('--draft', default=DRAFT, help='memory: the draft model')
+    parser.add_argument('--random-targets', default='',
+                        help='memory: also random-weight targets of these shapes (LAYERSxHIDDENxINTERMEDIATE, '
+                             'comma-separated)')
     args = parser.parse_args(argv)
     if any(name not in SYSTEMS for name in args.systems.split(',')):
         parser.error('--systems takes a comma-separated subset of {}'.format(', '.join(SYSTEMS)))
