@@ -297,12 +297,12 @@ def memory(args) -> dict:
 
     rows = {}
     with tempfile.TemporaryDirectory(prefix='gemma-spec-memory-') as scratch:
-        models = [('', args.model, args.assistant)]
+        targets = [('', args.model, args.assistant)]
         for shape in filter(None, args.random_targets.split(',')):
             _say('writing random-weight models of target shape {}'.format(shape))
-            models.append((' ' + shape, *_write_random_models(shape, os.path.join(scratch, shape))))
+            targets.append((' ' + shape, *_write_random_models(shape, os.path.join(scratch, shape))))
         for mode in args.compile.split(','):
-            for suffix, target, assistant in models:
+            for suffix, target, assistant in targets:
                 _say('measuring {}{}'.format(mode, suffix))
                 out = subprocess.run([sys.executable, '-m', 'gemma_spec_ros.bench.fast_measure', 'memory-one',
                                       '--compile', mode, '--new-tokens', str(args.new_tokens), '--model', target,
