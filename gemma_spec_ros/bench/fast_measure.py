@@ -261,21 +261,21 @@ def _compile_stack_baseline(args) -> int:
     RSS (bytes) once torch's compile stack is loaded: a trivial function compiled and run as the step graphs are.
 
     As they are on CPU: with a dynamic dimension (~2.5 MiB more than a static one), and with a C++ wrapper where the
-    target's steps get one (models of up to model.INLINE_MAX_LAYERS layers; nothing more once inductor's cache holds
-    it, ~15 MiB more when it compiles).
+    target's steps get one (model.inlines_layers; nothing more once inductor's cache holds it, ~15 MiB more when it
+    compiles).
     """
     import torch
     from transformers import AutoConfig
 
     from gemma_spec_ros.engine import models
     from gemma_spec_ros.engine.fast import runner
-    from gemma_spec_ros.engine.fast.model import INLINE_MAX_LAYERS
+    from gemma_spec_ros.engine.fast.model import inlines_layers
 
     device = models.resolve_device(args.device)
     layers = AutoConfig.from_pretrained(args.model, local_files_only=True).get_text_config().num_hidden_layers
     on_cpu = device.type == 'cpu'
     tiny = torch.compile(lambda x: (x * 2 + 1).sum(), fullgraph=True, dynamic=False,
-                         options={'cpp_wrapper': on_cpu and layers <= INLINE_MAX_LAYERS})
+                         options={'cpp_wrapper': on_cpu and inlines_layers(layers)})
     example = torch.ones(4, device=device)
     if on_cpu:
         torch._dynamo.mark_dynamic(example, 0)

@@ -93,7 +93,7 @@ def _own_buffers(model) -> None:
         for name, buffer in module.named_buffers(recurse=False):
             if id(buffer) not in copies:
                 copies[id(buffer)] = buffer.clone()
-            module.register_buffer(name, copies[id(buffer)], persistent=name not in module._non_persistent_buffers_set)
+            setattr(module, name, copies[id(buffer)])  # stays a buffer, persistent or not as it was
 
 
 def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtype):

@@ -380,6 +380,11 @@ _step_layer_region = torch.compiler.nested_compile_region(_step_layer)
 INLINE_MAX_LAYERS = 16
 
 
+def inlines_layers(num_layers: int) -> bool:
+    """Whether steps compiled for CPU inline a model's layers into one graph (else one region per layer shape)."""
+    return num_layers <= INLINE_MAX_LAYERS
+
+
 def _check_activation(config) -> None:
     if config.hidden_activation != 'gelu_pytorch_tanh':
         raise ValueError('the fast path supports hidden_activation gelu_pytorch_tanh, got {!r}'.format(
@@ -408,7 +413,7 @@ class _Decoder:
     @property
     def inlines_layers(self) -> bool:
         """Whether steps compiled for CPU inline the layers into one graph (else one region per layer shape)."""
-        return len(self.layers) <= INLINE_MAX_LAYERS
+        return inlines_layers(len(self.layers))
 
     def _packs_weights(self, device: torch.device) -> bool:
         """Whether the weights go into flat buffers: when every compiled step is one graph (CPU, layers inlined)."""
