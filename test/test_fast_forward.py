@@ -18,6 +18,7 @@ from gemma_spec_ros.engine.fast.runner import (
     _Steps,
     dynamic_query_variant,
     resolve_compile_mode,
+    stores_blocked,
 )
 from gemma_spec_ros.engine.verify import verify
 
@@ -529,22 +530,56 @@ def test_exact_half_dtype_keeps_every_value():
     assert exact_half_dtype([torch.tensor([1.0 + 2 ** -12])]) is None
 
 
-@pytest.mark.parametrize('max_rows', [1, 4])
-def test_compiled_cpu_products_match_aten(max_rows):
+@pytest.mark.parametrize('max_rows, blocked', [(1, False), (4, False), (4, True)])
+def test_compiled_cpu_products_match_aten(max_rows, blocked):
     """Compiled for CPU, passes of up to row_product_max_rows rows are multiply-reduces, longer ones aten's product."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
-    weight, bias = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48)  # a 16-bit weight, as store_exact_half
+    matrix, bias = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48)  # a 16-bit weight, as store_exact_half
+    weight = fast_model.block_matrix(matrix) if blocked else matrix
     for rows in (1, 3, 5):
         x = torch.randn(rows, 32)
 
         def product(x, weight, bias):  # a fresh function per compile: nothing cached from another case
             return fast_model._linear(x, weight, bias, max_rows)
         out, code = run_and_get_code(torch.compile(product, fullgraph=True, dynamic=False), x, weight, bias)
-        _close(out, torch.nn.functional.linear(x, weight.float(), bias))
-        calls_aten = 'extern_kernels.addmm(' in ''.join(code)  # aten's product with the bias
+        _close(out, torch.nn.functional.linear(x, matrix.float(), bias))
+        aten_product = 'extern_kernels.bmm(' if blocked else 'extern_kernels.addmm('  # blocked: by blocks
+        calls_aten = aten_product in ''.join(code)
         assert calls_aten == (rows > max_rows)
+        _close(fast_model._linear(x, weight, bias, max_rows), torch.nn.functional.linear(x, matrix.float(), bias))
+
+
+def test_blocked_matrices_stay_shared_with_the_model():
+    """Blocked layer matrices live in the flat buffer as the model's (now 3-D) parameters; steps compute as before."""
+    import copy
+
+    model = _build('plain')
+    reference = copy.deepcopy(model)
+    matrix = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    assert torch.equal(fast_model.block_matrix(matrix)[1, :, 3], matrix[fast_model.BLOCK_WIDTH + 3])  # output 19
+    blocked = fast_model.LeanGemma4(model, blocked=True)
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q_proj, fast_model.block_matrix(matrix)) and _inside(q_proj, blocked.tensors.buffers)
+    assert model.model.embed_tokens.weight.dim() == 2  # only the layers' matrices
+    again = fast_model.LeanGemma4(model)  # another lean model on the same parameters keeps them blocked
+    assert model.model.layers[0].self_attn.q_proj.weight.dim() == 3
+    plain = fast_model.LeanGemma4(reference)
+    ids = torch.tensor([[2, *range(10, 30)]])
+    with torch.inference_mode():
+        expected = plain.prefill(ids, plain.new_cache(CONTEXT, MAX_QUERY), 0, 3).logits
+        for lean in (blocked, again):
+            _close(lean.prefill(ids, lean.new_cache(CONTEXT, MAX_QUERY), 0, 3).logits, expected)
+        with pytest.raises(RuntimeError):  # transformers' forward fails instead of reading the blocked layout
+            model(ids)
+
+
+def test_only_inductor_steps_within_the_row_products_store_blocked_matrices():
+    assert stores_blocked('inductor', 9, row_product_max_rows=9)
+    assert not stores_blocked('inductor', 9, row_product_max_rows=4)  # q 5..9 would unblock a copy per call
+    assert not stores_blocked('inductor-gemm', 9, row_product_max_rows=9)  # its GEMM template takes 2-D weights
+    assert not stores_blocked('eager', 9, row_product_max_rows=9)
 
 
 def _rounded_to(model, dtype: torch.dtype):

@@ -78,6 +78,16 @@ def dynamic_query_variant(q: int, row_product_max_rows: int = ROW_PRODUCT_MAX_RO
     return 2 if q <= row_product_max_rows else row_product_max_rows + 1
 
 
+def stores_blocked(mode: str, max_query: int, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> bool:
+    """
+    Whether a target or draft model stores its layers' matrices blocked (model.block_matrix; only packed weights are).
+
+    Where every step's products are multiply-reduces: inductor's mode with steps of at most row_product_max_rows
+    tokens. A longer compiled pass would unblock a copy of each matrix per call.
+    """
+    return mode == 'inductor' and max_query <= row_product_max_rows
+
+
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
     """auto|eager|inductor|cudagraph -> the mode used on this device (ValueError for an unknown or impossible one)."""
     if mode not in ('auto', *STEP_MODES):
@@ -428,7 +438,8 @@ class FastCausalLM:
         self.model = model
         self.mode = resolve_compile_mode(compile_mode, model.device)
         # inductor-gemm: passes of 2 tokens or more keep aten's products, which the GEMM template generates
-        self.lean = LeanGemma4(model, 1 if self.mode == 'inductor-gemm' else ROW_PRODUCT_MAX_ROWS)
+        self.lean = LeanGemma4(model, 1 if self.mode == 'inductor-gemm' else ROW_PRODUCT_MAX_ROWS,
+                               blocked=stores_blocked(self.mode, max_query))
         if self.mode == 'inductor-gemm':  # weights that freezing may treat as constants
             for weights in self.lean.tensors.buffers:
                 torch._dynamo.mark_static_address(weights)
