@@ -559,6 +559,9 @@ def test_blocked_matrices_stay_shared_with_the_model():
     reference = copy.deepcopy(model)
     matrix = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
     assert torch.equal(fast_model.block_matrix(matrix)[1, :, 3], matrix[fast_model.BLOCK_WIDTH + 3])  # output 19
+    for rows in (fast_model.BLOCKED_BATCH_MAX_ROWS, fast_model.BLOCKED_BATCH_MAX_ROWS + 1):  # block by block, unblocked
+        x = torch.randn(rows, matrix.shape[1])
+        _close(fast_model._linear(x, fast_model.block_matrix(matrix)), torch.nn.functional.linear(x, matrix))
     blocked = fast_model.LeanGemma4(model, blocked=True)
     q_proj = model.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(q_proj, fast_model.block_matrix(matrix)) and _inside(q_proj, blocked.tensors.buffers)
@@ -577,7 +580,7 @@ def test_blocked_matrices_stay_shared_with_the_model():
 
 def test_only_inductor_steps_within_the_row_products_store_blocked_matrices():
     assert stores_blocked('inductor', 9, row_product_max_rows=9)
-    assert not stores_blocked('inductor', 9, row_product_max_rows=4)  # q 5..9 would unblock a copy per call
+    assert not stores_blocked('inductor', 9, row_product_max_rows=4)  # q 5..9 would multiply block by block
     assert not stores_blocked('inductor-gemm', 9, row_product_max_rows=9)  # its GEMM template takes 2-D weights
     assert not stores_blocked('eager', 9, row_product_max_rows=9)
 

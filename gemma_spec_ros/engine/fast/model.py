@@ -287,12 +287,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         else:
             out = (weight * x[:, None, :]).sum(-1)
         return out if bias is None else out + bias
-    if blocked and x.shape[0] <= BLOCKED_BATCH_MAX_ROWS:  # a product per block reads the blocks in place
-        out = torch.matmul(x, weight.to(x.dtype)).transpose(0, 1).flatten(1)   # [blocks, q, width] -> [q, out]
-        return out if bias is None else out + bias
-    if blocked:  # a long prefill: one product on an unblocked copy
-        weight = weight.transpose(1, 2).flatten(0, 1)
-    return F.linear(x, weight.to(x.dtype), bias)
+    if blocked and x.shape[0] > BLOCKED_BATCH_MAX_ROWS:  # a long prefill: one product on an unblocked copy
+        weight, blocked = weight.transpose(1, 2).flatten(0, 1), False
+    if not blocked:
+        return F.linear(x, weight.to(x.dtype), bias)
+    out = torch.matmul(x, weight.to(x.dtype)).transpose(0, 1).flatten(1)  # a product per block: [blocks, q, width]
+    return out if bias is None else out + bias
 
 
 def exact_half_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
