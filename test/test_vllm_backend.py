@@ -31,6 +31,7 @@ from gemma_spec_ros.engine.vllm_server import (
 CODE_PROMPT = ('import collections\n\n\nclass RingBuffer:\n    """A fixed-size buffer that overwrites the oldest item '
                'when it is full."""\n\n    def __init__(self, capacity):\n        self._items = [None] * capacity\n'
                '        self._start = 0\n        self._size = 0\n\n    def __len__(self):\n        return self._size\n')
+LONG_TOKENS, SHORT_TOKENS = 512, 16   # the short request starts once the long one streams
 REPETITIVE_PROMPT = 'one two three four five six seven eight. ' * 6 + 'one two three'
 METRICS_TEXT = '''# HELP vllm:generation_tokens_total Number of generation tokens processed.
 vllm:generation_tokens_total{engine="0",model_name="target"} 100.0
@@ -205,28 +206,30 @@ def test_cancel_mid_stream_stops_the_server_request(backend, server):
 
 
 def test_two_clients_share_the_server_concurrently(server):
-    clients = [_backend(server.url) for _ in range(2)]
-    for client in clients:  # a first call learns the served model: keep that out of the two streams
+    """A short request sent while a long one streams finishes first: the server batches them, not queues them."""
+    long_client, short_client = _backend(server.url), _backend(server.url)
+    for client in (long_client, short_client):  # a first call learns the served model: keep that out of the streams
         client.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=1))
-    results, spans = [None, None], [[], []]
-    start = threading.Barrier(2)
+    long_started, long_arrivals, short_arrivals = threading.Event(), [], []
+    results = {}
 
-    def run(index):
-        def on_delta(delta):
-            spans[index].append(time.monotonic())
-        start.wait(timeout=30)
-        results[index] = clients[index].generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=96),
-                                                 on_delta=on_delta)
+    def on_long_delta(delta):
+        long_arrivals.append(time.monotonic())
+        long_started.set()
 
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert all(r.finish_reason == 'length' and len(r.token_ids) == 96 for r in results)
-    overlapped = spans[0][0] < spans[1][-1] and spans[1][0] < spans[0][-1]
-    assert overlapped, 'the server did not stream both requests at once'
-    assert all(r.server_wide and r.stats.accepted_tokens == -1 for r in results)   # counters cover both
+    def run_long():
+        results['long'] = long_client.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=LONG_TOKENS),
+                                               on_delta=on_long_delta)
+
+    long_thread = threading.Thread(target=run_long)
+    long_thread.start()
+    assert long_started.wait(timeout=60), 'the long request streamed nothing'
+    results['short'] = short_client.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=SHORT_TOKENS),
+                                             on_delta=lambda delta: short_arrivals.append(time.monotonic()))
+    long_thread.join()
+    assert len(results['short'].token_ids) == SHORT_TOKENS and len(results['long'].token_ids) > SHORT_TOKENS
+    assert short_arrivals[-1] < long_arrivals[-1], 'the short request waited for the long one to finish'
+    assert all(result.server_wide and result.stats.accepted_tokens == -1 for result in results.values())
 
 
 def test_tau_equals_tau_from_the_server_counters(backend):
