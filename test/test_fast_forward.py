@@ -3,6 +3,7 @@
 import gc
 import os
 import random
+import re
 import weakref
 
 import pytest
@@ -16,7 +17,8 @@ from gemma_spec_ros.engine.fast.runner import (
     FastCausalLM,
     _DirectGraph,
     _Steps,
-    dynamic_query_variant,
+    compile_cache_dir,
+    query_variant,
     resolve_compile_mode,
     stores_blocked,
 )
@@ -344,7 +346,7 @@ def test_compile_modes():
                     reason='inductor compiles take minutes on a shared CPU: set GEMMA_SPEC_COMPILE_TESTS=1')
 @pytest.mark.parametrize('inline', [True, False], ids=['layers inlined, C++ wrapper', 'a region per layer shape'])
 def test_inductor_steps_match_eager_without_recompiling(monkeypatch, inline):
-    """A graph per query range serves every query length and position; the assistant's serves every position."""
+    """A graph per query variant serves its query lengths at every position; the assistant's serves every position."""
     if not inline:  # the path of models deeper than INLINE_MAX_LAYERS
         monkeypatch.setattr(fast_model, 'INLINE_MAX_LAYERS', 0)
     model = _build('plain')  # not the fixture: other tests moved its weights into flat buffers, which regions refuse
@@ -352,8 +354,8 @@ def test_inductor_steps_match_eager_without_recompiling(monkeypatch, inline):
     eager = FastCausalLM(model, CONTEXT, MAX_QUERY, 'eager')  # which compiled graphs guard on
     compiled = FastCausalLM(model, CONTEXT, MAX_QUERY, 'inductor')
     report = compiled.warmup()
-    ranges = {dynamic_query_variant(q) for q in range(1, MAX_QUERY + 1)}  # 1, 2[, the rows aten multiplies]
-    assert (report.mode, report.graphs) == ('inductor', len(ranges)) and len(ranges) in (2, 3)
+    variants = {query_variant(q) for q in range(1, MAX_QUERY + 1)}  # each q of row products[, the rest]
+    assert (report.mode, report.graphs) == ('inductor', len(variants))
     assert report.direct_graphs == report.graphs  # each runs without dynamo's entry from its first rerun on
     eager_assistant, compiled_assistant = FastAssistant(assistant, eager, 'eager'), FastAssistant(assistant, eager,
                                                                                                   'inductor')
@@ -434,7 +436,7 @@ def test_compiled_assistant_round_recompiles_when_threads_change(models):
 
 def test_compiled_steps_are_called_without_dynamo_within_their_guards():
     """A step's graphs run directly once matched, per thread count, only on sizes their shape guards accept."""
-    steps = _Steps('inductor', torch.device('cpu'), 64, cpp_wrapper=False)
+    steps = _Steps('inductor', torch.device('cpu'), 64, cpp_wrapper=False, row_product_max_rows=1)  # q >= 2: dynamic
     slots = torch.zeros(64, 4)
 
     def write_and_read(x, positions, kv_positions):  # idempotent, as the engine's steps are
@@ -478,7 +480,7 @@ def test_a_compiled_step_keeps_no_traced_module(monkeypatch):
         return compile_traced(self, graph_module, example_inputs)
 
     monkeypatch.setattr(_DirectGraph, '__call__', spy)
-    steps = _Steps('inductor', torch.device('cpu'), 64, cpp_wrapper=False)
+    steps = _Steps('inductor', torch.device('cpu'), 64, cpp_wrapper=False, row_product_max_rows=1)  # q >= 2: dynamic
 
     def scale(x, positions, kv_positions):
         return x * 3, positions + kv_positions.shape[0]
@@ -532,7 +534,7 @@ def test_exact_half_dtype_keeps_every_value():
 
 @pytest.mark.parametrize('max_rows, blocked', [(1, False), (4, False), (4, True)])
 def test_compiled_cpu_products_match_aten(max_rows, blocked):
-    """Compiled for CPU, passes of up to row_product_max_rows rows are multiply-reduces, longer ones aten's product."""
+    """Compiled for CPU, passes of up to row_product_max_rows rows are fused multiply-reduces, longer ones aten's."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
@@ -544,10 +546,12 @@ def test_compiled_cpu_products_match_aten(max_rows, blocked):
         def product(x, weight, bias):  # a fresh function per compile: nothing cached from another case
             return fast_model._linear(x, weight, bias, max_rows)
         out, code = run_and_get_code(torch.compile(product, fullgraph=True, dynamic=False), x, weight, bias)
+        code = ''.join(code)
         _close(out, torch.nn.functional.linear(x, matrix.float(), bias))
         aten_product = 'extern_kernels.bmm(' if blocked else 'extern_kernels.addmm('  # blocked: by blocks
-        calls_aten = aten_product in ''.join(code)
-        assert calls_aten == (rows > max_rows)
+        assert (aten_product in code) == (rows > max_rows)
+        if rows <= max_rows:  # one kernel whose loop keeps an accumulator per row: the weight is read once
+            assert len(set(re.findall(r'cpp_fused_\w+', code))) == 1 and 'tmp_acc{}'.format(rows - 1) in code
         _close(fast_model._linear(x, weight, bias, max_rows), torch.nn.functional.linear(x, matrix.float(), bias))
 
 
@@ -576,6 +580,20 @@ def test_blocked_matrices_stay_shared_with_the_model():
             _close(lean.prefill(ids, lean.new_cache(CONTEXT, MAX_QUERY), 0, 3).logits, expected)
         with pytest.raises(RuntimeError):  # transformers' forward fails instead of reading the blocked layout
             model(ids)
+
+
+def test_each_pass_of_row_products_gets_a_static_graph_longer_passes_share_one():
+    assert [query_variant(q, row_product_max_rows=4) for q in range(1, 10)] == [1, 2, 3, 4, 5, 5, 5, 5, 5]
+    assert [query_variant(q, row_product_max_rows=1) for q in range(1, 5)] == [1, 2, 2, 2]  # inductor-gemm
+
+
+def test_the_compile_cache_outlives_a_reboot_unless_the_user_chose_one(monkeypatch, tmp_path):
+    monkeypatch.delenv('TORCHINDUCTOR_CACHE_DIR', raising=False)
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path))
+    assert compile_cache_dir() == str(tmp_path / 'gemma_spec_ros' / 'torchinductor')
+    assert os.environ['TORCHINDUCTOR_CACHE_DIR'] == compile_cache_dir()  # what inductor reads
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', '/elsewhere')
+    assert compile_cache_dir() == '/elsewhere'
 
 
 def test_only_inductor_steps_within_the_row_products_store_blocked_matrices():

@@ -13,6 +13,7 @@ from . import causal_lm, models, requests
 from .adaptive import AdaptiveK, Decision, TargetCost
 from .drafters import REGISTRY, drafter_class
 from .drafters.base import DraftContext, Drafter, LoadContext, Proposal
+from .fast.runner import INDUCTOR_MODES, compile_cache_dir
 from .grammar import ConstraintCompiler, GrammarConstraint, mask_logits
 from .requests import RequestPlan, SamplingParams
 from .sampling import logits_to_probs, sample
@@ -458,9 +459,11 @@ class Engine:
 def warm_up(target_lm, drafters: dict[str, Drafter], say) -> float:
     """Compile or capture the decode steps of the target and every drafter before the first request; seconds."""
     started = time.perf_counter()
-    if target_lm.mode != 'off':
-        say('warm-up: compiling the decode steps ({}); a cold compile cache takes minutes on a small CPU'.format(
-            target_lm.mode))
+    if target_lm.mode in INDUCTOR_MODES:
+        say('warm-up: compiling the decode steps ({}); a cold compile cache ({}) takes minutes on a small CPU'.format(
+            target_lm.mode, compile_cache_dir()))
+    elif target_lm.mode == 'cudagraph':
+        say('warm-up: capturing the decode steps as CUDA graphs')
     target_lm.warmup(logits_to_keep=0, progress=say)
     for drafter in drafters.values():
         drafter.warmup(say)

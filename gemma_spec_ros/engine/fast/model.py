@@ -268,24 +268,30 @@ ROW_PRODUCT_MAX_ROWS = _row_product_max_rows()
 BLOCKED_BATCH_MAX_ROWS = 128
 
 
+def _row_product(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Return row [in] times weight [out, in] (or blocked) transposed: [out], as a multiply-reduce."""
+    if weight.dim() == 3:
+        return (weight * row[:, None]).sum(1).flatten()   # [blocks, in, width] summed over in
+    return (weight * row).sum(-1)
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> torch.Tensor:
     """
     Return x [q, in] times weight [out, in] (or blocked: block_matrix) transposed, plus bias: [q, out].
 
-    Compiled for CPU, a pass of up to row_product_max_rows rows is a multiply-reduce: inductor fuses it into one loop
-    per output (per block of outputs, one vector wide, for a blocked weight) that converts a 16-bit weight
-    (store_exact_half) on the fly; only the summation order changes. Longer passes and eager runs keep aten's
-    product (a 16-bit weight is converted, a blocked one multiplied block by block or unblocked, so a step that
-    dynamo runs eager after all, say past its recompile limit, stays correct), which inductor's C++ GEMM template
-    generates in graphs compiled on frozen weights (runner: engine.compile inductor-gemm).
+    Compiled for CPU, a pass of up to row_product_max_rows rows is a multiply-reduce per row, which inductor fuses into
+    one loop per output (per block of outputs, one vector wide, for a blocked weight): it reads the weight once for
+    all rows and converts a 16-bit weight (store_exact_half) on the fly; only the summation order changes. Longer
+    passes and eager runs keep aten's product (a 16-bit weight is converted, a blocked one multiplied block by block
+    or unblocked, so a step that dynamo runs eager after all, say past its recompile limit, stays correct), which
+    inductor's C++ GEMM template generates in graphs compiled on frozen weights (runner: engine.compile
+    inductor-gemm).
     """
     blocked = weight.dim() == 3
-    if _compiling_for_cpu(x) and x.shape[0] <= row_product_max_rows:
-        if blocked:
-            out = (weight * x[:, None, :, None]).sum(2).flatten(1)   # [q, blocks, in, width] summed over in
-        else:
-            out = (weight * x[:, None, :]).sum(-1)
+    if _compiling_for_cpu(x) and x.shape[0] <= row_product_max_rows:  # q is static here (runner.query_variant)
+        rows = x.as_strided(x.shape, x.stride()).unbind(0)  # a view inductor keeps: x is computed once, not per output
+        out = torch.stack([_row_product(row, weight) for row in rows])  # inductor fuses the rows into one loop
         return out if bias is None else out + bias
     if blocked and x.shape[0] > BLOCKED_BATCH_MAX_ROWS:  # a long prefill: one product on an unblocked copy
         weight, blocked = weight.transpose(1, 2).flatten(0, 1), False

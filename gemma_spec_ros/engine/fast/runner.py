@@ -2,10 +2,11 @@
 Step functions per query length over the lean forward and the static cache: eager, inductor-compiled or captured.
 
 - ``eager``: the lean forward runs eager on the static cache.
-- ``inductor``: torch.compile graphs. On CPU one per step function and query range (dynamic_query_variant: q = 1,
-  then q >= 2, split where the lean forward's products change from multiply-reduces to aten's), with the query
-  length and the full-attention key length dynamic, so they serve every q and position; for models of up to
-  model.INLINE_MAX_LAYERS layers their wrappers are C++ (cpp_wrapper); once compiled, a CPU graph is called
+- ``inductor``: torch.compile graphs. On CPU one per step function and query variant (query_variant: each q whose
+  products are multiply-reduces, with the query length static; then one for longer passes, whose products are
+  aten's, with the query length dynamic), with the full-attention key length dynamic, so they serve every
+  position; for models of up to model.INLINE_MAX_LAYERS layers their wrappers are C++ (cpp_wrapper); once
+  compiled, a CPU graph is called
   without dynamo's entry (_DirectGraph). On CUDA one per (q, key-length bucket), captured as CUDA graphs by
   inductor (mode reduce-overhead).
 - ``inductor-gemm`` (CPU only): inductor, with the target's and draft model's passes of 2 tokens or more compiled on
@@ -17,8 +18,8 @@ Step functions per query length over the lean forward and the static cache: eage
   key-length bucket), replayed on static input buffers.
 - ``auto``: cudagraph on CUDA, CPU_AUTO_MODE on CPU (inductor: faster than eager on every step measured, README
   "Measured figures"). Warm-up of target + draft + assistant takes minutes with a cold inductor cache, ~25 s
-  warm: torch's FX-graph and AOTAutograd caches persist across processes in TORCHINDUCTOR_CACHE_DIR, default
-  /tmp/torchinductor_$USER.
+  warm: torch's FX-graph and AOTAutograd caches persist across processes and reboots in TORCHINDUCTOR_CACHE_DIR
+  (compile_cache_dir).
 
 Warm up after every model is loaded and the thread count is set: compiled graphs guard on torch's thread count and
 on the registered pytree types, and a change recompiles (slowly, but correctly).
@@ -28,11 +29,13 @@ import functools
 import gc
 import inspect
 import linecache
+import os
 import time
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -66,16 +69,15 @@ def greedy_calls(num_drafts: int) -> int:
     return len(greedy_chunks(num_drafts))
 
 
-def dynamic_query_variant(q: int, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> int:
+def query_variant(q: int, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> int:
     """
-    Return the shortest query of the dynamic CPU step variant that serves q tokens.
+    Return the CPU step variant (inductor) that serves q tokens, named by its shortest query.
 
-    The variants: q = 1; q = 2 through row_product_max_rows (2 keeps the query length off torch's 0/1
-    specialisation); every longer q, whose products are aten's (model._linear).
+    Each q up to row_product_max_rows has a graph of its own with the query length static, so that inductor fuses
+    the rows of a product into one loop over the weight (model._linear). Longer passes, whose products are aten's,
+    share one graph with the query length dynamic.
     """
-    if q == 1:
-        return 1
-    return 2 if q <= row_product_max_rows else row_product_max_rows + 1
+    return min(q, row_product_max_rows + 1)
 
 
 def stores_blocked(mode: str, max_query: int, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> bool:
@@ -101,6 +103,17 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
         raise ValueError('engine.compile=inductor-gemm is for CPU (its GEMM template is C++), the model is on {}; '
                          'use cudagraph or inductor'.format(device))
     return mode
+
+
+def compile_cache_dir() -> str:
+    """
+    Return inductor's cache directory: TORCHINDUCTOR_CACHE_DIR, set first to one under ~/.cache where it is unset.
+
+    torch's default, /tmp/torchinductor_$USER, is emptied at boot on many systems, and a cold cache costs minutes of
+    compiling at the next start.
+    """
+    default = Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'gemma_spec_ros' / 'torchinductor'
+    return os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', str(default))
 
 
 def _fresh(function):
@@ -301,9 +314,10 @@ class _Steps:
     """
     Runs a step function per variant in the chosen mode, creating (compiling, capturing) each on first use.
 
-    On CPU with inductor the variants are query ranges (dynamic_query_variant; query and key lengths dynamic), so
-    two or three graphs serve every step; with inductor-gemm the ranges of 2 tokens or more compile on frozen
-    weights. Otherwise a variant is one q and, unless eager, one full-attention key-length bucket.
+    On CPU with inductor the variants are queries (query_variant: a static q each up to the lean model's
+    row_product_max_rows, then one dynamic range; the key length dynamic); with inductor-gemm the range of 2 tokens
+    or more compiles on frozen weights. Otherwise a variant is one q and, unless eager, one full-attention
+    key-length bucket.
     """
 
     def __init__(self, mode: str, device: torch.device, context_limit: int, cpp_wrapper: bool,
@@ -312,10 +326,12 @@ class _Steps:
         Set up for one step function family (variants are created on first use).
 
         cpp_wrapper: C++ wrappers for CPU graphs (for models whose layers are inlined: inlines_layers).
-        row_product_max_rows: the lean model's (it sets where the CPU query ranges split).
+        row_product_max_rows: the lean model's (it sets the CPU query variants).
         """
         self.mode = mode
         self.context_limit = context_limit
+        if mode in INDUCTOR_MODES:
+            compile_cache_dir()
         self.dynamic = mode in INDUCTOR_MODES and device.type == 'cpu'
         self.row_product_max_rows = row_product_max_rows
         self._options = {'cpp_wrapper': cpp_wrapper}
@@ -347,7 +363,8 @@ class _Steps:
         """
         Run the variant for key (created by make() on first use) on inputs + kv_positions.
 
-        dynamic_dims: per input, its query-length dimension (None: none), made dynamic for q >= 2 on CPU.
+        dynamic_dims: per input, its query-length dimension (None: none), made dynamic on CPU for q past the
+        row products (query_variant).
         """
         if self.mode in INDUCTOR_MODES:  # compiled graphs guard on strides and inference-mode tensors: normalise both
             inputs = tuple(tensor if tensor.is_contiguous() and tensor.is_inference() else
@@ -357,7 +374,7 @@ class _Steps:
         if self.mode == 'eager':
             variant_key = key
         elif self.dynamic:
-            variant_key = (*key, dynamic_query_variant(q, self.row_product_max_rows))
+            variant_key = (*key, query_variant(q, self.row_product_max_rows))
         else:
             variant_key = (*key, q, kv_positions.shape[0])
         direct = self._direct.get(variant_key)
@@ -367,7 +384,7 @@ class _Steps:
         if self.dynamic:  # a call through dynamo: a compile or recompile (after a thread-count change) stays dynamic
             torch._dynamo.mark_dynamic(kv_positions, 0)
             for tensor, dim in zip(inputs, dynamic_dims, strict=True):
-                if dim is not None and q >= 2:
+                if dim is not None and q > self.row_product_max_rows:
                     torch._dynamo.mark_dynamic(tensor, dim)
         variant = self._variants.get(variant_key)
         if variant is None:
@@ -531,10 +548,10 @@ class FastCausalLM:
         say = progress or (lambda message: None)
         started = time.perf_counter()
         queries = range(1, self.max_query + 1)
-        if self._steps.dynamic:  # each query range at both ends: a graph from inductor's cache may serve less of it
+        if self._steps.dynamic:  # each variant at both ends: a graph from inductor's cache may serve fewer queries
             ranges: dict[int, list[int]] = {}
             for q in queries:
-                ranges.setdefault(dynamic_query_variant(q, self.lean.row_product_max_rows), []).append(q)
+                ranges.setdefault(query_variant(q, self.lean.row_product_max_rows), []).append(q)
             queries = sorted({end for members in ranges.values() for end in (members[0], members[-1])})
         for q in queries:
             for length in self._steps.key_lengths():
