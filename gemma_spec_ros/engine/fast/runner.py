@@ -6,9 +6,8 @@ Step functions per query length over the lean forward and the static cache: eage
   products are multiply-reduces, with the query length static; then one for longer passes, whose products are
   aten's, with the query length dynamic), with the full-attention key length dynamic, so they serve every
   position; for models of up to model.INLINE_MAX_LAYERS layers their wrappers are C++ (cpp_wrapper); once
-  compiled, a CPU graph is called
-  without dynamo's entry (_DirectGraph). On CUDA one per (q, key-length bucket), captured as CUDA graphs by
-  inductor (mode reduce-overhead).
+  compiled, a CPU graph is called without dynamo's entry (_DirectGraph). On CUDA one per (q, key-length bucket),
+  captured as CUDA graphs by inductor (mode reduce-overhead).
 - ``inductor-gemm`` (CPU only): inductor, with the target's and draft model's passes of 2 tokens or more compiled on
   frozen weights, so that their products run inductor's C++ GEMM template (register-blocked, on weights packed at
   compile time) instead of multiply-reduces or aten's product. Verify passes of 3-9 tokens took 17-24 % less time
