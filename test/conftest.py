@@ -15,6 +15,9 @@ TEST_THREADS = int(os.environ.get('GEMMA_SPEC_TEST_THREADS', '1'))
 # decode steps of the engines the tests load: the lean forward eager (inductor compiles take minutes on 2 cores;
 # test_engine_fast.py covers the compiled path and transformers' forward)
 TEST_COMPILE = os.environ.get('GEMMA_SPEC_TEST_COMPILE', 'eager')
+# compiled CPU steps: a graph per pass length of row products up to 2 (not the CPU's 4 or 9), so that the engines
+# compiled here cover both kinds of graph (fused rows, aten's product) in minutes; set before the engine is imported
+os.environ.setdefault('GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS', '2')
 TOKENIZER_DIR = REPO_ROOT / 'models' / 'tokenizer'
 SLIDING_WINDOW = 16
 MIN_EXPECTED = 5   # χ² bins with fewer expected counts are pooled

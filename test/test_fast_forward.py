@@ -587,11 +587,28 @@ def test_each_pass_of_row_products_gets_a_static_graph_longer_passes_share_one()
     assert [query_variant(q, row_product_max_rows=1) for q in range(1, 5)] == [1, 2, 2, 2]  # inductor-gemm
 
 
+def test_the_row_products_reach_as_far_as_the_cpu_makes_them_pay_unless_the_user_sets_it(monkeypatch):
+    monkeypatch.delenv(fast_model.ROW_PRODUCT_MAX_ROWS_ENV)  # the tests' conftest sets it
+    by_cpu = fast_model._row_product_max_rows()
+    assert by_cpu == (1 if fast_model._mkl_runs_tuned_code() else
+                      9 if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 4)
+    monkeypatch.setenv(fast_model.ROW_PRODUCT_MAX_ROWS_ENV, '3')
+    assert fast_model._row_product_max_rows() == 3
+    for bad in ('0', 'many', '-2', '2.5'):
+        monkeypatch.setenv(fast_model.ROW_PRODUCT_MAX_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match='GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS must be a whole number of rows >= 1'):
+            fast_model._row_product_max_rows()
+
+
 def test_the_compile_cache_outlives_a_reboot_unless_the_user_chose_one(monkeypatch, tmp_path):
     monkeypatch.delenv('TORCHINDUCTOR_CACHE_DIR', raising=False)
     monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path))
     assert compile_cache_dir() == str(tmp_path / 'gemma_spec_ros' / 'torchinductor')
     assert os.environ['TORCHINDUCTOR_CACHE_DIR'] == compile_cache_dir()  # what inductor reads
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', default_cache_dir())  # what importing inductor's config writes
+    assert compile_cache_dir() == cache_dir() == str(tmp_path / 'gemma_spec_ros' / 'torchinductor')
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', '/elsewhere')
     assert compile_cache_dir() == '/elsewhere'
 

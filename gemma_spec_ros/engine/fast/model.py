@@ -14,6 +14,7 @@ attention_k_eq_v, final logit softcapping, Gemma4ForConditionalGeneration's text
 """
 
 import ctypes
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -242,17 +243,29 @@ def _mkl_runs_tuned_code() -> bool:
         return False
 
 
+# Overrides _row_product_max_rows (each pass length up to it compiles a graph of its own: a lower value shortens the
+# first compile, at some speed cost; the tests use 2).
+ROW_PRODUCT_MAX_ROWS_ENV = 'GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS'
+
+
 def _row_product_max_rows() -> int:
     """
     Return the longest pass whose products a compiled CPU step computes as multiply-reduces (_linear).
 
-    Up to there each is faster than aten's product, as measured on the bundled target (compiled passes, 1 thread).
-    On an Intel Xeon, where MKL runs its tuned code, the multiply-reduce made a one-row step 1.16x faster than
-    aten's matrix-vector product, but aten's product of 2 rows cost about what one row did. Where MKL runs its
-    generic code, inductor's vectorised loops win: with AVX2 (AMD EPYC) through 4 rows (passes of 2 / 3 / 4 tokens
-    10.0 / 12.2 / 13.5 -> 8.1 / 9.7 / 12.4 ms; equal at 5, slower from 6), with AVX-512 (AMD EPYC) through 9
-    (passes of 5 / 9 tokens 10.2 / 11.4 -> 6.3 / 8.4 ms; equal at 12, slower at 17).
+    ROW_PRODUCT_MAX_ROWS_ENV sets it where set. Otherwise up to there each is faster than aten's product, as
+    measured on the bundled target (compiled passes, 1 thread). On an Intel Xeon, where MKL runs its tuned code, the
+    multiply-reduce made a one-row step 1.16x faster than aten's matrix-vector product, but aten's product of 2 rows
+    cost about what one row did. Where MKL runs its generic code, inductor's vectorised loops win: with AVX2 (AMD
+    EPYC) through 4 rows (passes of 2 / 3 / 4 tokens 10.0 / 12.2 / 13.5 -> 8.1 / 9.7 / 12.4 ms; equal at 5, slower
+    from 6), with AVX-512 (AMD EPYC) through 9 (passes of 5 / 9 tokens 10.2 / 11.4 -> 6.3 / 8.4 ms; equal at 12,
+    slower at 17).
     """
+    override = os.environ.get(ROW_PRODUCT_MAX_ROWS_ENV, '')
+    if override:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError('{} must be a whole number of rows >= 1, got {!r}'.format(ROW_PRODUCT_MAX_ROWS_ENV,
+                                                                                      override))
+        return int(override)
     if _mkl_runs_tuned_code():
         return 1
     return 9 if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 4

@@ -106,13 +106,19 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
 
 def compile_cache_dir() -> str:
     """
-    Return inductor's cache directory: TORCHINDUCTOR_CACHE_DIR, set first to one under ~/.cache where it is unset.
+    Return inductor's cache directory: TORCHINDUCTOR_CACHE_DIR, set first to one under ~/.cache unless the user chose.
 
     torch's default, /tmp/torchinductor_$USER, is emptied at boot on many systems, and a cold cache costs minutes of
-    compiling at the next start.
+    compiling at the next start. Importing torch._inductor.config writes that default into the variable, so the
+    default counts as unset.
     """
-    default = Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'gemma_spec_ros' / 'torchinductor'
-    return os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', str(default))
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+
+    chosen = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(torch_default()):
+        home = Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache')
+        os.environ['TORCHINDUCTOR_CACHE_DIR'] = str(home / 'gemma_spec_ros' / 'torchinductor')
+    return os.environ['TORCHINDUCTOR_CACHE_DIR']
 
 
 def _fresh(function):
