@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import shutil
+import signal
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,10 @@ TEST_COMPILE = os.environ.get('GEMMA_SPEC_TEST_COMPILE', 'eager')
 # compiled CPU steps: a graph per pass length of row products up to 2 (not the CPU's 4 or 9), so that the engines
 # compiled here cover both kinds of graph (fused rows, aten's product) in minutes; set before the engine is imported
 os.environ.setdefault('GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS', '2')
+# started in the background (nohup, a job of a script), pytest inherits SIGINT ignored, and so would the ros2 launch,
+# nodes and make run that tests stop with Ctrl-C's signal; a handler is reset to the default in each child
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 TOKENIZER_DIR = REPO_ROOT / 'models' / 'tokenizer'
 SLIDING_WINDOW = 16
 MIN_EXPECTED = 5   # χ² bins with fewer expected counts are pooled
