@@ -243,8 +243,7 @@ def _mkl_runs_tuned_code() -> bool:
         return False
 
 
-# Overrides _row_product_max_rows (each pass length up to it compiles a graph of its own: a lower value shortens the
-# first compile, at some speed cost; the tests use 2).
+# A lower value than the CPU's shortens the first compile (a graph per pass length up to it), at some speed cost.
 ROW_PRODUCT_MAX_ROWS_ENV = 'GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS'
 
 
