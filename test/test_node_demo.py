@@ -55,6 +55,6 @@ def test_make_run_launches_streams_reports_and_stops_cleanly_on_ctrl_c(tmp_path)
                      '=== speculative', 'action plan', 'tau', 'ttft', 'peak RSS', 'identical tokens: True',
                      '/diagnostics', 'MemAvailable', 'ros2 action send_goal', 'Ctrl-C: stopping the client',
                      'process has finished cleanly'):
-        assert expected in output, expected
+        assert expected in output, '{!r} missing; output ends:\n{}'.format(expected, output[-2000:])
     assert 'escalating to' not in output
     assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
