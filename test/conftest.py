@@ -16,6 +16,11 @@ TEST_THREADS = int(os.environ.get('GEMMA_SPEC_TEST_THREADS', '1'))
 # decode steps of the engines the tests load: the lean forward eager (inductor compiles take minutes on 2 cores;
 # test_engine_fast.py covers the compiled path and transformers' forward)
 TEST_COMPILE = os.environ.get('GEMMA_SPEC_TEST_COMPILE', 'eager')
+# the device of the engines the fixtures load (cuda with GEMMA_SPEC_TEST_COMPILE=cudagraph: scripts/device_check.sh);
+# they run float32 there too (auto would pick bfloat16), so that greedy output equals transformers' on CPU
+TEST_DEVICE = os.environ.get('GEMMA_SPEC_TEST_DEVICE', 'cpu')
+# what the agreeing engine compiles with: inductor on CPU (the compiled path), TEST_COMPILE elsewhere
+AGREEING_COMPILE = 'inductor' if TEST_DEVICE == 'cpu' else TEST_COMPILE
 # compiled CPU steps: a graph per pass length of row products up to 2 (not the CPU's 4 or 9), so that the engines
 # compiled here cover both kinds of graph (fused rows, aten's product) in minutes; set before the engine is imported
 os.environ.setdefault('GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS', '2')
@@ -142,7 +147,7 @@ def tiny_engine_config(tiny_models):
     from gemma_spec_ros.engine.types import EngineConfig
 
     return EngineConfig(target_path=tiny_models.target, drafter='ngram', assistant_path=tiny_models.assistant,
-                        draft_model_path=tiny_models.draft, device='cpu', dtype='float32', compile=TEST_COMPILE)
+                        draft_model_path=tiny_models.draft, device=TEST_DEVICE, dtype='float32', compile=TEST_COMPILE)
 
 
 @pytest.fixture(scope='session')
@@ -186,11 +191,12 @@ def reference(tiny_models, tiny_engine):
 
 @pytest.fixture(scope='session')
 def agreeing_engine(tiny_models):
-    """Draft model = the target itself, both compiled: every greedy draft is accepted (the accept paths)."""
+    """Draft model = the target itself, both compiled (on CUDA: TEST_COMPILE): every greedy draft is accepted."""
     from gemma_spec_ros.engine import Engine, EngineConfig
 
     return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
-                                           draft_model_path=tiny_models.target, device='cpu', compile='inductor'))
+                                           draft_model_path=tiny_models.target, device=TEST_DEVICE, dtype='float32',
+                                           compile=AGREEING_COMPILE))
 
 
 @pytest.fixture(scope='module')

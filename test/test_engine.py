@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import TEST_COMPILE, corrupt_after
+from conftest import TEST_COMPILE, TEST_DEVICE, corrupt_after
 
 from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.stream import IncrementalDetokenizer, StopStrings
@@ -19,8 +19,8 @@ LONG = 72  # new tokens: several times the fixtures' sliding_window (16)
 @pytest.fixture(scope='module')
 def ordered_engine(tiny_models):
     return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='mtp',
-                                           assistant_path=tiny_models.assistant_ordered, device='cpu',
-                                           compile=TEST_COMPILE))
+                                           assistant_path=tiny_models.assistant_ordered, device=TEST_DEVICE,
+                                           dtype='float32', compile=TEST_COMPILE))
 
 
 def ids_of(engine, prompt):
@@ -207,13 +207,32 @@ def test_chat_messages_use_template(tiny_engine):
 def test_status_reports_controller(tiny_engine):
     tiny_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=8))  # whatever ran before
     status = tiny_engine.status()
-    assert status.target_id == 'target' and status.device == 'cpu' and status.dtype == 'float32'
+    assert status.target_id == 'target' and status.device == TEST_DEVICE and status.dtype == 'float32'
     assert status.drafter == 'ngram' and status.num_draft_tokens >= 1 and status.tau_lifetime >= 1.0
+
+
+def test_cuda_timing_reads_an_event_only_once_it_completed():
+    from gemma_spec_ros.engine.engine import _Stopwatch
+
+    class Event:  # as torch.cuda.Event: elapsed_time raises until the end event has completed
+        def __init__(self):
+            self.completed = False
+
+        def synchronize(self):
+            self.completed = True
+
+        def elapsed_time(self, end):
+            if not end.completed:
+                raise RuntimeError('Both events must be completed before calculating elapsed time.')
+            return 250.0
+
+    assert _Stopwatch(torch.device('cuda')).seconds(Event(), Event()) == 0.25
 
 
 def test_profit_gate_pauses_useless_drafter(tiny_models):
     engine = Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
-                                             draft_model_path=tiny_models.draft, device='cpu', probe_interval=8))
+                                             draft_model_path=tiny_models.draft, device=TEST_DEVICE, dtype='float32',
+                                             probe_interval=8))
     result = engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=60))
     status = engine.status()
     # random weights accept almost nothing: speculation must pause and most rounds run plain
@@ -224,8 +243,8 @@ def test_profit_gate_pauses_useless_drafter(tiny_models):
 
 def test_engine_times_its_verify_passes_when_it_loads(tiny_models):
     engine = Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
-                                             draft_model_path=tiny_models.draft, device='cpu', max_draft_tokens=4,
-                                             compile=TEST_COMPILE))
+                                             draft_model_path=tiny_models.draft, device=TEST_DEVICE, dtype='float32',
+                                             max_draft_tokens=4, compile=TEST_COMPILE))
     curve = engine.calibrate_verify_costs(rounds=2)
     assert sorted(curve) == [1, 2, 3, 4, 5] and all(seconds > 0 for seconds in curve.values())
     # the controller starts from that curve: its first round drafts (no plain round to time plain decoding first),
@@ -245,7 +264,8 @@ def test_multimodal_checkpoint_generates_through_language_model(tiny_models, tin
     multimodal.save_pretrained(tmp_path / 'multimodal')
     tiny_engine.tokenizer.save_pretrained(tmp_path / 'multimodal')
     engine = Engine.from_config(EngineConfig(target_path=str(tmp_path / 'multimodal'), drafter='mtp',
-                                             assistant_path=tiny_models.assistant, device='cpu'))
+                                             assistant_path=tiny_models.assistant, device=TEST_DEVICE,
+                                             dtype='float32'))
     expected = tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=30, drafter='none'))
     for drafter in ('none', 'mtp'):
         result = engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=30, drafter=drafter,
@@ -337,7 +357,7 @@ def test_mtp_partial_acceptance_cuts_rejected_kv(tiny_engine_off, reference):
         seen_kv_lengths.append((len(context.tokens), drafter._shared_kv['full_attention'][0].shape[2]))
         done = len(context.tokens) - len(prompt_ids)
         keep = done % (k + 1)
-        truth = torch.tensor(expected[done:done + k])
+        truth = torch.tensor(expected[done:done + k], device=proposal.tokens.device)
         return corrupt_after(Proposal(torch.cat([truth[:keep], proposal.tokens[keep:]]), None), keep)
 
     drafter.propose = oracle

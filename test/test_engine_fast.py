@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import SLIDING_WINDOW, TEST_COMPILE, TEST_THREADS, chi_squared_p_value, corrupt_after
+from conftest import AGREEING_COMPILE, SLIDING_WINDOW, TEST_COMPILE, TEST_THREADS, chi_squared_p_value, corrupt_after
 
 from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.causal_lm import DynamicCausalLM
@@ -31,7 +31,7 @@ def test_rollbacks_right_at_the_window_edge_stay_exact(agreeing_engine, referenc
     # the draft model is the target, so its drafts are right; each round's first wrong draft is put where the
     # rollback lands exactly on a multiple of the sliding window (or of the sliding ring's size)
     target = agreeing_engine._target
-    assert isinstance(target, FastCausalLM) and target.mode == 'inductor'
+    assert isinstance(target, FastCausalLM) and target.mode == AGREEING_COMPILE
     period = SLIDING_WINDOW if edge == 'window' else target.cache.ring_size
     prompt_ids = agreeing_engine.tokenizer(STORY_PROMPT).input_ids
     drafter = agreeing_engine._drafters['draft']
@@ -71,14 +71,14 @@ def test_mtp_assistant_reads_only_the_kept_target_cache(tiny_engine, reference):
         position = len(context.tokens) - 1
         assert target.length == position  # the rejected drafts are rolled back
         fresh_target.reset()
-        fresh_target.prefill(torch.tensor([context.tokens[:-1]]))
+        fresh_target.prefill(torch.tensor([context.tokens[:-1]], device=target.lean.device))
         expected = fresh_assistant.step(context.last_token.unsqueeze(0), drafter._hidden, position).logits
         with drafter._steps_at(position) as step:
             actual = step(context.last_token, drafter._hidden)[0]
         torch.testing.assert_close(actual, expected[:, -1], atol=1e-4, rtol=1e-4)
         checked.append(position)
         done, keep = len(context.tokens) - len(prompt_ids), position % (k + 1)
-        right = torch.tensor(truth[done:done + k])
+        right = torch.tensor(truth[done:done + k], device=target.lean.device)
         proposal = original(context, k)
         return corrupt_after(Proposal(torch.cat([right[:keep], proposal.tokens[keep:]]), None), keep)
 
@@ -101,7 +101,8 @@ def _target_distribution(model, prompt_ids: list[int], temperature: float) -> di
             if len(prefix) == OUTPUT_LENGTH:
                 expected[prefix] = probability
                 return
-            logits = model(torch.tensor([prompt_ids + list(prefix)])).logits[0, -1].double() / temperature
+            logits = model(torch.tensor([prompt_ids + list(prefix)], device=model.device)).logits[0, -1].double()
+            logits = logits / temperature
             top = torch.topk(logits, TOP_K)
             for token, token_probability in zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist(),
                                                 strict=True):

@@ -49,7 +49,10 @@ class _Stopwatch:
         return event
 
     def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1000.0 if self._cuda else end - start
+        if not self._cuda:
+            return end - start
+        end.synchronize()  # recorded after the sync (time_target_passes): done at once, but not yet when asked
+        return start.elapsed_time(end) / 1000.0
 
 
 @dataclass
