@@ -278,3 +278,17 @@ def test_random_models_for_memory_scaling_load_and_fit_together(tmp_path):
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (3, 64, 256)
     assert assistant.config.get_text_config().hidden_size == 64
     assert models.load_tokenizer(target_path)('def f():').input_ids
+
+
+def test_gpu_check_keeps_the_figures_of_the_modes_that_run(tmp_path):
+    from gemma_spec_ros.bench import gpu_check
+
+    code = gpu_check.main(['--device', 'cpu', '--models', 'bundled', '--modes', 'eager,cudagraph', '--new-tokens', '4',
+                           '--repeats', '1', '--out', str(tmp_path)])
+    assert code == 1  # a mode failed
+    eager, cudagraph = json.loads((tmp_path / 'results.json').read_text())['rows']
+    assert eager['compile'] == 'eager' and eager['plain_tok_s'] > 0 and eager['mtp_k4_tau'] >= 1.0
+    assert eager['mtp_tokens_equal_plain'] is True and 0 < eager['roofline_fraction'] < 1
+    assert cudagraph['compile'] == 'cudagraph' and 'needs a CUDA device' in cudagraph['error']
+    report = (tmp_path / 'results.md').read_text()
+    assert '| bundled | eager |' in report and 'needs a CUDA device' in report

@@ -13,7 +13,10 @@ For two targets, each with an MTP assistant, in bfloat16 on CUDA (float32 on CPU
 It reports per engine.compile mode: plain decode tok/s, the memory-bandwidth roofline fraction of plain decoding
 (bytes a decode step must read, the weights less the embedding tables of which a step reads one row, over the step
 time, against the bandwidth a large device-to-device copy reaches), and tau and the speedup of MTP speculation
-(adaptive K, and K=4) over plain decoding on the same path. Writes results.json and results.md into --out.
+(adaptive K, and K=4) over plain decoding on the same path, with the verify-cost curve calibrated as
+Engine.from_config does, and whether the MTP output equalled plain decoding. Writes results.json and results.md into
+--out after every row. A mode that fails gets a row with its error and exit status 1; the others still run.
+scripts/device_check.sh runs this and the engine's tests on a lent CUDA machine.
 """
 
 import argparse
@@ -21,7 +24,10 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
+
+from gemma_spec_ros.bench.cli import BUNDLED
 
 MIB = 2 ** 20
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -106,49 +112,65 @@ def _engine(target, assistant, tokenizer, mode: str, device, dtype):
     target_lm = build_causal_lm(target, mode, 1024, config.max_draft_tokens + 1, 'target', _say)
     drafters = {'none': NoneDrafter(), 'mtp': MtpDrafter(assistant, target_lm)}
     seconds = warm_up(target_lm, drafters, _say)
-    return Engine(config, target_lm, tokenizer, drafters, device, dtype, warmup_seconds=seconds)
+    engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, warmup_seconds=seconds)
+    engine.calibrate_verify_costs()  # as Engine.from_config does: the adaptive controller's verify-cost curve
+    return engine
 
 
-def _decode_rate(engine, prompt_ids, drafter: str, k: int, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """Median decode tok/s and tau of greedy generations (one untimed first)."""
+def _decode_rate(engine, prompt_ids, drafter: str, k: int, new_tokens: int, repeats: int) -> tuple[float, float, list]:
+    """Median decode tok/s and tau of greedy generations (one untimed first), and the tokens generated."""
     from gemma_spec_ros.engine import GenerationRequest
 
     request = GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=new_tokens, drafter=drafter,
                                 num_draft_tokens=k)
     engine.generate(request)
-    runs = [engine.generate(request).stats for _ in range(repeats)]
-    return statistics.median(s.tokens_per_second for s in runs), statistics.median(s.tau for s in runs)
+    runs = [engine.generate(request) for _ in range(repeats)]
+    return (statistics.median(run.stats.tokens_per_second for run in runs),
+            statistics.median(run.stats.tau for run in runs), runs[-1].token_ids)
 
 
-def check(name: str, target, assistant, tokenizer, args, device, dtype, bandwidth: float) -> list[dict]:
+def check(name: str, target, assistant, tokenizer, args, device, dtype, bandwidth: float, save) -> list[dict]:
+    """Measure each mode of args.modes; a mode that fails gets a row with its error, and the others still run."""
     rows = []
     prompt_ids = tokenizer(PROMPT).input_ids
     read_bytes = step_read_bytes(target)
     for mode in args.modes.split(','):
         _say('{}: engine.compile {}'.format(name, mode))
-        engine = _engine(target, assistant, tokenizer, mode, device, dtype)
-        plain, _ = _decode_rate(engine, prompt_ids, 'none', 0, args.new_tokens, args.repeats)
-        adaptive, adaptive_tau = _decode_rate(engine, prompt_ids, 'mtp', 0, args.new_tokens, args.repeats)
-        fixed, fixed_tau = _decode_rate(engine, prompt_ids, 'mtp', 4, args.new_tokens, args.repeats)
-        status = engine.status()
-        rows.append({'model': name, 'compile': status.compile_mode, 'warmup_s': round(status.warmup_seconds, 1),
-                     'weights_mib': round(status.weights_bytes / MIB, 1),
-                     'kv_cache_mib': round(status.kv_cache_bytes / MIB, 1), 'plain_tok_s': round(plain, 1),
-                     'roofline_fraction': round(read_bytes * plain / bandwidth, 3),
-                     'mtp_adaptive_tok_s': round(adaptive, 1), 'mtp_adaptive_tau': round(adaptive_tau, 2),
-                     'mtp_adaptive_speedup': round(adaptive / plain, 2), 'mtp_k4_tok_s': round(fixed, 1),
-                     'mtp_k4_tau': round(fixed_tau, 2), 'mtp_k4_speedup': round(fixed / plain, 2)})
+        try:
+            rows.append(_measure(name, target, assistant, tokenizer, mode, prompt_ids, read_bytes, args, device,
+                                 dtype, bandwidth))
+        except Exception as exc:  # a first run on new hardware: keep the other modes' figures
+            traceback.print_exc()
+            rows.append({'model': name, 'compile': mode, 'error': '{}: {}'.format(type(exc).__name__, exc)[:300]})
         _say(json.dumps(rows[-1]))
-        del engine
+        save(rows)
     return rows
+
+
+def _measure(name, target, assistant, tokenizer, mode, prompt_ids, read_bytes, args, device, dtype,
+             bandwidth) -> dict:
+    engine = _engine(target, assistant, tokenizer, mode, device, dtype)
+    plain, _, plain_tokens = _decode_rate(engine, prompt_ids, 'none', 0, args.new_tokens, args.repeats)
+    adaptive, adaptive_tau, adaptive_tokens = _decode_rate(engine, prompt_ids, 'mtp', 0, args.new_tokens,
+                                                           args.repeats)
+    fixed, fixed_tau, fixed_tokens = _decode_rate(engine, prompt_ids, 'mtp', 4, args.new_tokens, args.repeats)
+    status = engine.status()
+    return {'model': name, 'compile': status.compile_mode, 'warmup_s': round(status.warmup_seconds, 1),
+            'weights_mib': round(status.weights_bytes / MIB, 1), 'kv_cache_mib': round(status.kv_cache_bytes / MIB, 1),
+            'plain_tok_s': round(plain, 1), 'roofline_fraction': round(read_bytes * plain / bandwidth, 3),
+            'mtp_adaptive_tok_s': round(adaptive, 1), 'mtp_adaptive_tau': round(adaptive_tau, 2),
+            'mtp_adaptive_speedup': round(adaptive / plain, 2), 'mtp_k4_tok_s': round(fixed, 1),
+            'mtp_k4_tau': round(fixed_tau, 2), 'mtp_k4_speedup': round(fixed / plain, 2),
+            'mtp_tokens_equal_plain': adaptive_tokens == plain_tokens and fixed_tokens == plain_tokens}
 
 
 def markdown(result: dict) -> str:
     rows = result['rows']
+    columns = list(dict.fromkeys(column for row in rows for column in row))
     lines = ['Device: {} (torch {}, {}); copy bandwidth {:.0f} GB/s; {} new tokens, greedy, median of {}.'.format(
         result['device_name'], result['torch'], result['dtype'], result['copy_bandwidth_gbps'], result['new_tokens'],
-        result['repeats']), '', '| ' + ' | '.join(rows[0]) + ' |', '|' + '---|' * len(rows[0])]
-    lines += ['| ' + ' | '.join(str(value) for value in row.values()) + ' |' for row in rows]
+        result['repeats']), '', '| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+    lines += ['| ' + ' | '.join(str(row.get(column, '')) for column in columns) + ' |' for row in rows]
     return '\n'.join(lines) + '\n'
 
 
@@ -171,28 +193,31 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
     torch.set_num_threads(1)
     bandwidth = copy_bandwidth(device)
-    tokenizer = models.load_tokenizer('models/gemma4-spec-target')
-    rows = []
-    if 'bundled' in args.models:
-        target = models.load_causal_lm('models/gemma4-spec-target', 'target', device, dtype)
-        assistant = models.load_assistant('models/gemma4-spec-assistant', device, dtype)
-        rows += check('bundled', target, assistant, tokenizer, args, device, dtype, bandwidth)
-        del target, assistant
-    if 'e2b' in args.models:
-        target, assistant = _random_e2b(args.e2b_layers, device, dtype)
-        rows += check('e2b-shape random' + (' ({} layers)'.format(args.e2b_layers) if args.e2b_layers else ''),
-                      target, assistant, tokenizer, args, device, dtype, bandwidth)
     result = {'device_name': torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu',
               'torch': torch.__version__, 'dtype': str(dtype).replace('torch.', ''),
               'copy_bandwidth_gbps': bandwidth / 1e9, 'new_tokens': args.new_tokens, 'repeats': args.repeats,
-              'rows': rows}
+              'rows': []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / 'results.json').write_text(json.dumps(result, indent=1))
-    (out / 'results.md').write_text(markdown(result))
-    print(markdown(result))
-    return 0
+    done: list[dict] = []
 
+    def save(rows: list[dict]) -> None:  # after every row: a run cut short keeps what it measured
+        result['rows'] = done + rows
+        (out / 'results.json').write_text(json.dumps(result, indent=1))
+        (out / 'results.md').write_text(markdown(result))
+
+    tokenizer = models.load_tokenizer(BUNDLED['target'])
+    if 'bundled' in args.models:
+        target = models.load_causal_lm(BUNDLED['target'], 'target', device, dtype)
+        assistant = models.load_assistant(BUNDLED['assistant'], device, dtype)
+        done += check('bundled', target, assistant, tokenizer, args, device, dtype, bandwidth, save)
+        del target, assistant
+    if 'e2b' in args.models:
+        target, assistant = _random_e2b(args.e2b_layers, device, dtype)
+        done += check('e2b-shape random' + (' ({} layers)'.format(args.e2b_layers) if args.e2b_layers else ''),
+                      target, assistant, tokenizer, args, device, dtype, bandwidth, save)
+    print(markdown(result))
+    return 1 if any('error' in row for row in result['rows']) else 0
 
 if __name__ == '__main__':
     sys.exit(main())
