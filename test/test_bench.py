@@ -264,6 +264,23 @@ def test_adaptive_against_the_best_fixed_k_per_category():
     assert rows['mean'].adaptive_speedup == pytest.approx(2.05) and rows['mean'].paused_rounds == 7
 
 
+def test_adaptive_rows_give_the_ratio_within_each_repeat():
+    probe = CostProbe(context_tokens=100, rounds=1, target_forward_ms={1: 10.0}, verify_cost={1: 1.0},
+                      draft_step_ms=1.0, assistant_step_ms=1.0,
+                      draft_cost_ratio={'none': 0.0, 'ngram': 0.0, 'draft': 0.1, 'mtp': 0.1})
+    systems = [System('ours', 'none'), System('ours', 'ngram', 4), System('ours', 'ngram', 0), System('hf', 'none')]
+    rates = {0: {0: 10.0, 4: 30.0, 'adaptive': 33.0}, 1: {0: 8.0, 4: 20.0, 'adaptive': 18.0}}  # a slow second repeat
+    measurements = []
+    for repeat, by_k in rates.items():
+        for system in systems:
+            key = 'adaptive' if system.k == 0 else (system.k or 0)
+            sample = _timed(system, 'code', by_k[key] if system.family == 'ours' else 5.0)
+            sample.repeat = repeat
+            measurements.append(sample)
+    row = next(row for row in summarize(systems, measurements, ['code'], probe).adaptive if row.category == 'code')
+    assert row.best_k == 4 and row.repeat_ratios == [pytest.approx(1.1), pytest.approx(0.9)]  # in repeat order
+
+
 def test_random_models_for_memory_scaling_load_and_fit_together(tmp_path):
     import torch
 

@@ -83,6 +83,7 @@ class AdaptiveRow:
     best_speedup: float              # vs our plain decoding in the same compile mode
     adaptive_speedup: float
     paused_rounds: int               # rounds the profit gate ran plain (sum over samples)
+    repeat_ratios: list[float] = field(default_factory=list)  # per repeat: adaptive tok/s over best_k's (categories)
 
     @property
     def ratio(self) -> float:
@@ -107,7 +108,9 @@ def adaptive_against_fixed(summary: Summary, systems: list[System], measurements
     """
     Return, per adaptive system of ours and category, the best fixed K of its drafter and mode, and a 'mean' row.
 
-    The mean row compares adaptive's mean speedup over categories with the single fixed K best on average.
+    The mean row compares adaptive's mean speedup over categories with the single fixed K best on average. A
+    category row also holds the ratio within each repeat (that repeat's prompts, interleaved), whose spread shows
+    how far the machine's noise reaches.
     """
     rows = []
     for adaptive in (s for s in systems if s.family == 'ours' and s.drafter != 'none' and s.k == 0):
@@ -125,12 +128,26 @@ def adaptive_against_fixed(summary: Summary, systems: list[System], measurements
             paused = sum(m.paused_rounds for m in measurements if m.system == adaptive.name and
                          m.category == category)
             rows.append(AdaptiveRow(adaptive.name, category, best.k, speedup(best, category),
-                                    speedup(adaptive, category), paused))
+                                    speedup(adaptive, category), paused,
+                                    _repeat_ratios(measurements, adaptive.name, best.name, category)))
         best = max(fixed, key=lambda s: statistics.mean(speedup(s, c) for c in categories))
         rows.append(AdaptiveRow(adaptive.name, 'mean', best.k, statistics.mean(speedup(best, c) for c in categories),
                                 statistics.mean(speedup(adaptive, c) for c in categories),
                                 sum(r.paused_rounds for r in rows if r.system == adaptive.name)))
     return rows
+
+
+def _repeat_ratios(measurements: list[Measurement], system: str, other: str, category: str) -> list[float]:
+    """Per repeat, system's decode tok/s over other's on the category's prompts (repeats both ran, in order)."""
+    def rates(name: str) -> dict[int, float]:
+        by_repeat: dict[int, list[Measurement]] = {}
+        for sample in measurements:
+            if sample.system == name and sample.category == category:
+                by_repeat.setdefault(sample.repeat, []).append(sample)
+        return {repeat: _rate(samples) for repeat, samples in by_repeat.items()}
+
+    mine, theirs = rates(system), rates(other)
+    return [_ratio(mine[repeat], theirs[repeat]) for repeat in sorted(mine.keys() & theirs.keys())]
 
 
 def fit_alpha(samples: list[Measurement]) -> float | None:

@@ -154,11 +154,13 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
         lines += ['', '## Adaptive K against the best fixed K', '',
                   'Per category, the fixed K best in hindsight (of the K values run) against adaptive K, both as '
                   'speedup over our plain decoding; mean: over categories, against the single fixed K best on '
-                  'average. Paused: rounds the profit gate ran plain.', '',
-                  '| System | category | best fixed K | its speedup | adaptive | ratio | paused rounds |',
-                  '|---|---|---|---|---|---|---|']
-        lines += ['| {} | {} | K{} | {:.2f}x | {:.2f}x | {:.0%} | {} |'.format(
+                  'average. By repeat: the ratio within each repeat (lowest-highest), the noise a ratio carries. '
+                  'Paused: rounds the profit gate ran plain.', '',
+                  '| System | category | best fixed K | its speedup | adaptive | ratio | by repeat | paused rounds |',
+                  '|---|---|---|---|---|---|---|---|']
+        lines += ['| {} | {} | K{} | {:.2f}x | {:.2f}x | {:.0%} | {} | {} |'.format(
             row.system, row.category, row.best_k, row.best_speedup, row.adaptive_speedup, row.ratio,
+            '{:.0%}–{:.0%}'.format(min(row.repeat_ratios), max(row.repeat_ratios)) if row.repeat_ratios else '–',
             row.paused_rounds) for row in summary.adaptive]
     probe = document['cost_probe']
     lines += ['', '## Cost probe', '',
