@@ -219,5 +219,6 @@ def main(argv=None) -> int:
     print(markdown(result))
     return 1 if any('error' in row for row in result['rows']) else 0
 
+
 if __name__ == '__main__':
     sys.exit(main())
