@@ -16,9 +16,10 @@ TEST_THREADS = int(os.environ.get('GEMMA_SPEC_TEST_THREADS', '1'))
 # decode steps of the engines the tests load: the lean forward eager (inductor compiles take minutes on 2 cores;
 # test_engine_fast.py covers the compiled path and transformers' forward)
 TEST_COMPILE = os.environ.get('GEMMA_SPEC_TEST_COMPILE', 'eager')
-# the device of the engines the fixtures load (cuda with GEMMA_SPEC_TEST_COMPILE=cudagraph: scripts/device_check.sh);
-# they run float32 there too (auto would pick bfloat16), so that greedy output equals transformers' on CPU
+# the device of the engines the tests load (cuda with GEMMA_SPEC_TEST_COMPILE=cudagraph: scripts/device_check.sh);
+# float32 there too (auto would pick bfloat16), so that greedy output equals transformers' on CPU
 TEST_DEVICE = os.environ.get('GEMMA_SPEC_TEST_DEVICE', 'cpu')
+ON_TEST_DEVICE = {'device': TEST_DEVICE, 'dtype': 'float32'}  # EngineConfig fields of every engine the tests load
 # what the agreeing engine compiles with: inductor on CPU (the compiled path), TEST_COMPILE elsewhere
 AGREEING_COMPILE = 'inductor' if TEST_DEVICE == 'cpu' else TEST_COMPILE
 # compiled CPU steps: a graph per pass length of row products up to 2 (not the CPU's 4 or 9), so that the engines
@@ -147,7 +148,7 @@ def tiny_engine_config(tiny_models):
     from gemma_spec_ros.engine.types import EngineConfig
 
     return EngineConfig(target_path=tiny_models.target, drafter='ngram', assistant_path=tiny_models.assistant,
-                        draft_model_path=tiny_models.draft, device=TEST_DEVICE, dtype='float32', compile=TEST_COMPILE)
+                        draft_model_path=tiny_models.draft, compile=TEST_COMPILE, **ON_TEST_DEVICE)
 
 
 @pytest.fixture(scope='session')
@@ -195,8 +196,8 @@ def agreeing_engine(tiny_models):
     from gemma_spec_ros.engine import Engine, EngineConfig
 
     return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
-                                           draft_model_path=tiny_models.target, device=TEST_DEVICE, dtype='float32',
-                                           compile=AGREEING_COMPILE))
+                                           draft_model_path=tiny_models.target, compile=AGREEING_COMPILE,
+                                           **ON_TEST_DEVICE))
 
 
 @pytest.fixture(scope='module')

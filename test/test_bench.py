@@ -211,10 +211,15 @@ def _timed(system, category, rate):
     return sample
 
 
+def _flat_probe() -> CostProbe:
+    """Return a cost probe whose verify passes all cost one plain pass."""
+    return CostProbe(context_tokens=100, rounds=1, target_forward_ms={1: 10.0}, verify_cost={1: 1.0},
+                     draft_step_ms=1.0, assistant_step_ms=1.0,
+                     draft_cost_ratio={'none': 0.0, 'ngram': 0.0, 'draft': 0.1, 'mtp': 0.1})
+
+
 def test_peer_ratios():
-    probe = CostProbe(context_tokens=100, rounds=1, target_forward_ms={1: 10.0}, verify_cost={1: 1.0},
-                      draft_step_ms=1.0, assistant_step_ms=1.0,
-                      draft_cost_ratio={'none': 0.0, 'ngram': 0.0, 'draft': 0.1, 'mtp': 0.1})
+    probe = _flat_probe()
     rates = {System('ours', 'none'): 30.0, System('ours', 'ngram', 2): 45.0, System('ours', 'draft', 0): 60.0,
              System('ours', 'none', compile='off'): 20.0, System('ours', 'draft', 2, 'off'): 50.0,
              System('hf', 'none'): 20.0, System('hf', 'draft', 4): 24.0, System('hf-static', 'none'): 25.0,
@@ -243,9 +248,7 @@ def test_peer_ratios():
 
 
 def test_adaptive_against_the_best_fixed_k_per_category():
-    probe = CostProbe(context_tokens=100, rounds=1, target_forward_ms={1: 10.0}, verify_cost={1: 1.0},
-                      draft_step_ms=1.0, assistant_step_ms=1.0,
-                      draft_cost_ratio={'none': 0.0, 'ngram': 0.0, 'draft': 0.1, 'mtp': 0.1})
+    probe = _flat_probe()
     rates = {'code': {0: 10.0, 2: 20.0, 4: 30.0, 'adaptive': 29.0},   # K4 best on code
              'prose': {0: 10.0, 2: 15.0, 4: 8.0, 'adaptive': 12.0}}   # K2 best on prose; K4 loses
     systems = [System('ours', 'none'), System('ours', 'ngram', 2), System('ours', 'ngram', 4),
@@ -265,9 +268,7 @@ def test_adaptive_against_the_best_fixed_k_per_category():
 
 
 def test_adaptive_rows_give_the_ratio_within_each_repeat():
-    probe = CostProbe(context_tokens=100, rounds=1, target_forward_ms={1: 10.0}, verify_cost={1: 1.0},
-                      draft_step_ms=1.0, assistant_step_ms=1.0,
-                      draft_cost_ratio={'none': 0.0, 'ngram': 0.0, 'draft': 0.1, 'mtp': 0.1})
+    probe = _flat_probe()
     systems = [System('ours', 'none'), System('ours', 'ngram', 4), System('ours', 'ngram', 0), System('hf', 'none')]
     rates = {0: {0: 10.0, 4: 30.0, 'adaptive': 33.0}, 1: {0: 8.0, 4: 20.0, 'adaptive': 18.0}}  # a slow second repeat
     measurements = []

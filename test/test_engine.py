@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import TEST_COMPILE, TEST_DEVICE, corrupt_after
+from conftest import ON_TEST_DEVICE, TEST_COMPILE, TEST_DEVICE, corrupt_after
 
 from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.stream import IncrementalDetokenizer, StopStrings
@@ -19,8 +19,8 @@ LONG = 72  # new tokens: several times the fixtures' sliding_window (16)
 @pytest.fixture(scope='module')
 def ordered_engine(tiny_models):
     return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='mtp',
-                                           assistant_path=tiny_models.assistant_ordered, device=TEST_DEVICE,
-                                           dtype='float32', compile=TEST_COMPILE))
+                                           assistant_path=tiny_models.assistant_ordered, compile=TEST_COMPILE,
+                                           **ON_TEST_DEVICE))
 
 
 def ids_of(engine, prompt):
@@ -231,8 +231,8 @@ def test_cuda_timing_reads_an_event_only_once_it_completed():
 
 def test_profit_gate_pauses_useless_drafter(tiny_models):
     engine = Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
-                                             draft_model_path=tiny_models.draft, device=TEST_DEVICE, dtype='float32',
-                                             probe_interval=8))
+                                             draft_model_path=tiny_models.draft, probe_interval=8,
+                                             **ON_TEST_DEVICE))
     result = engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=60))
     status = engine.status()
     # random weights accept almost nothing: speculation must pause and most rounds run plain
@@ -243,8 +243,8 @@ def test_profit_gate_pauses_useless_drafter(tiny_models):
 
 def test_engine_times_its_verify_passes_when_it_loads(tiny_models):
     engine = Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
-                                             draft_model_path=tiny_models.draft, device=TEST_DEVICE, dtype='float32',
-                                             max_draft_tokens=4, compile=TEST_COMPILE))
+                                             draft_model_path=tiny_models.draft, max_draft_tokens=4,
+                                             compile=TEST_COMPILE, **ON_TEST_DEVICE))
     curve = engine.calibrate_verify_costs(rounds=2)
     assert sorted(curve) == [1, 2, 3, 4, 5] and all(seconds > 0 for seconds in curve.values())
     # the controller starts from that curve: its first round drafts (no plain round to time plain decoding first),
@@ -264,8 +264,7 @@ def test_multimodal_checkpoint_generates_through_language_model(tiny_models, tin
     multimodal.save_pretrained(tmp_path / 'multimodal')
     tiny_engine.tokenizer.save_pretrained(tmp_path / 'multimodal')
     engine = Engine.from_config(EngineConfig(target_path=str(tmp_path / 'multimodal'), drafter='mtp',
-                                             assistant_path=tiny_models.assistant, device=TEST_DEVICE,
-                                             dtype='float32'))
+                                             assistant_path=tiny_models.assistant, **ON_TEST_DEVICE))
     expected = tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=30, drafter='none'))
     for drafter in ('none', 'mtp'):
         result = engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=30, drafter=drafter,

@@ -5,7 +5,7 @@ import re
 
 import jsonschema
 import pytest
-from conftest import TEST_DEVICE
+from conftest import ON_TEST_DEVICE
 
 from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.grammar import GrammarConstraint
@@ -42,8 +42,7 @@ SKILL_PATTERN = re.compile(rf'{CALL}(; ?{CALL}){{0,2}}')
 def agreeing_engine(tiny_models):
     """Draft model = the target itself: greedy drafts are accepted, so the accept paths run under the grammar."""
     return Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='draft',
-                                           draft_model_path=tiny_models.target, device=TEST_DEVICE,
-                                           dtype='float32'))
+                                           draft_model_path=tiny_models.target, **ON_TEST_DEVICE))
 
 
 def constrained(schema=None, grammar='', **fields) -> GenerationRequest:

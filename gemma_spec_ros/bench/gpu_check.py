@@ -129,9 +129,9 @@ def _decode_rate(engine, prompt_ids, drafter: str, k: int, new_tokens: int, repe
             statistics.median(run.stats.tau for run in runs), runs[-1].token_ids)
 
 
-def check(name: str, target, assistant, tokenizer, args, device, dtype, bandwidth: float, save) -> list[dict]:
-    """Measure each mode of args.modes; a mode that fails gets a row with its error, and the others still run."""
-    rows = []
+def check(name: str, target, assistant, tokenizer, args, device, dtype, bandwidth: float, rows: list[dict],
+          save) -> None:
+    """Append a row per mode of args.modes, save() after each; a mode that fails gets a row with its error."""
     prompt_ids = tokenizer(PROMPT).input_ids
     read_bytes = step_read_bytes(target)
     for mode in args.modes.split(','):
@@ -143,8 +143,7 @@ def check(name: str, target, assistant, tokenizer, args, device, dtype, bandwidt
             traceback.print_exc()
             rows.append({'model': name, 'compile': mode, 'error': '{}: {}'.format(type(exc).__name__, exc)[:300]})
         _say(json.dumps(rows[-1]))
-        save(rows)
-    return rows
+        save()
 
 
 def _measure(name, target, assistant, tokenizer, mode, prompt_ids, read_bytes, args, device, dtype,
@@ -199,10 +198,8 @@ def main(argv=None) -> int:
               'rows': []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    done: list[dict] = []
 
-    def save(rows: list[dict]) -> None:  # after every row: a run cut short keeps what it measured
-        result['rows'] = done + rows
+    def save() -> None:  # after every row: a run cut short keeps what it measured
         (out / 'results.json').write_text(json.dumps(result, indent=1))
         (out / 'results.md').write_text(markdown(result))
 
@@ -210,12 +207,12 @@ def main(argv=None) -> int:
     if 'bundled' in args.models:
         target = models.load_causal_lm(BUNDLED['target'], 'target', device, dtype)
         assistant = models.load_assistant(BUNDLED['assistant'], device, dtype)
-        done += check('bundled', target, assistant, tokenizer, args, device, dtype, bandwidth, save)
+        check('bundled', target, assistant, tokenizer, args, device, dtype, bandwidth, result['rows'], save)
         del target, assistant
     if 'e2b' in args.models:
         target, assistant = _random_e2b(args.e2b_layers, device, dtype)
-        done += check('e2b-shape random' + (' ({} layers)'.format(args.e2b_layers) if args.e2b_layers else ''),
-                      target, assistant, tokenizer, args, device, dtype, bandwidth, save)
+        check('e2b-shape random' + (' ({} layers)'.format(args.e2b_layers) if args.e2b_layers else ''),
+              target, assistant, tokenizer, args, device, dtype, bandwidth, result['rows'], save)
     print(markdown(result))
     return 1 if any('error' in row for row in result['rows']) else 0
 
