@@ -23,10 +23,10 @@ from gemma_spec_ros.ros.diagnostics import ERROR, OK, STALE, WARN, PeriodStatus,
 DOMAIN_ID = 11 + (os.getpid() + 53) % 80
 
 
-def result(new_tokens=10, passes=5, drafted=8, accepted=5, ttft=0.1, tps=50.0, warnings=()):
+def result(new_tokens=10, passes=5, drafted=8, accepted=5, ttft=0.1, tps=50.0, warnings=(), drafter='ngram'):
     stats = GenerationStats(new_tokens=new_tokens, target_passes=passes, drafted_tokens=drafted,
                             accepted_tokens=accepted, tau=new_tokens / passes, time_to_first_token=ttft,
-                            tokens_per_second=tps)
+                            tokens_per_second=tps, drafter=drafter)
     return SimpleNamespace(stats=stats, warnings=list(warnings))
 
 
@@ -102,6 +102,16 @@ def test_unknown_server_figures_stay_out_of_the_window():
     assert snap['goals_in_window'] == 2 and snap['tau'] == pytest.approx(2.0)
     assert snap['acceptance_rate'] == pytest.approx(5 / 8) and snap['ttft_p50'] == pytest.approx(0.15)
     assert snap['drafter_fallbacks'] == 0 and snap['last_warning'] == SERVER_WIDE_WARNING
+
+
+def test_plain_goals_stay_out_of_the_window_tau():
+    metrics = diagnostics.GenerationMetrics()
+    metrics.record('succeeded', result(new_tokens=12, passes=3, drafted=12, accepted=9, tps=60.0))
+    metrics.record('succeeded', result(new_tokens=20, passes=20, drafted=0, accepted=0, tps=20.0, drafter='none'))
+    snap = metrics.snapshot()
+    assert snap['goals_in_window'] == 2 and snap['tau'] == pytest.approx(4.0)
+    assert snap['acceptance_rate'] == pytest.approx(9 / 12)
+    assert snap['tokens_per_second'] == pytest.approx((11 + 19) / (11 / 60.0 + 19 / 20.0))  # plain goals count here
 
 
 def test_generation_task_window_and_latency_budget():

@@ -211,6 +211,17 @@ def test_status_reports_controller(tiny_engine):
     assert status.drafter == 'ngram' and status.num_draft_tokens >= 1 and status.tau_lifetime >= 1.0
 
 
+def test_plain_generations_leave_the_lifetime_tau_alone(tiny_engine):
+    speculative = tiny_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=16, drafter='ngram'))
+    assert speculative.stats.drafter == 'ngram'
+    before = tiny_engine.status()
+    plain = tiny_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=16, drafter='none'))
+    after = tiny_engine.status()
+    assert plain.stats.tau == 1.0 and before.tau_lifetime >= 1.0
+    assert (after.tau_lifetime, after.acceptance_rate_lifetime) == (before.tau_lifetime,
+                                                                   before.acceptance_rate_lifetime)
+
+
 def test_cuda_timing_reads_an_event_only_once_it_completed():
     from gemma_spec_ros.engine.engine import _Stopwatch
 

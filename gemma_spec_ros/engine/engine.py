@@ -440,12 +440,17 @@ class Engine:
         return new_tokens, ''
 
     def _result(self, run: _Run, started: float) -> GenerationResult:
-        """Build the result with its statistics; add the generation to the lifetime counters."""
+        """
+        Build the result with its statistics; a generation that speculated to its end adds to the lifetime counters.
+
+        Plain ones (drafter none, or a fallback) stay out: their tau of 1 would hide what speculation achieves.
+        """
         with self._measure_lock:
             cost_ratio = self._cost_ratio(run.controller) if run.controller is not None else 0.0
-            for key, value in (('tokens', len(run.generated)), ('passes', run.tally.target_passes),
-                               ('drafted', run.tally.drafted), ('accepted', run.tally.accepted)):
-                self._lifetime[key] += value
+            if run.controller is not None:
+                for key, value in (('tokens', len(run.generated)), ('passes', run.tally.target_passes),
+                                   ('drafted', run.tally.drafted), ('accepted', run.tally.accepted)):
+                    self._lifetime[key] += value
         stats = generation_stats(run.tally, len(run.plan.prompt_ids), len(run.generated), started,
                                  time.perf_counter(), run.plan.drafter if run.controller is not None else 'none',
                                  cost_ratio)

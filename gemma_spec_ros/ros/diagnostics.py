@@ -85,7 +85,8 @@ class GenerationMetrics:
         a round of n tokens that arrived g seconds after the previous one adds n gaps of g / n.
         accepted_at: monotonic time the goal was accepted; queue wait and time to first token are measured from it
         (else time to first token is the engine's, from the start of generation).
-        Unknown figures (NaN or -1, from a server backend) stay out of the window's tau and acceptance.
+        Unknown figures (NaN or -1, from a server backend) stay out of the window's tau and acceptance, and so do
+        goals that ran plain decoding (drafter none): their tau of 1 would hide what speculation achieves.
         """
         gaps = token_gaps(feedback_times[1:])
         with self._lock:
@@ -98,7 +99,7 @@ class GenerationMetrics:
             stats = result.stats
             if stats.new_tokens > 0:
                 from_acceptance = accepted_at is not None and len(feedback_times) > 1
-                tau_known = _known(stats.tau) and _known(stats.target_passes)
+                tau_known = stats.drafter != 'none' and _known(stats.tau) and _known(stats.target_passes)
                 acceptance_known = _known(stats.drafted_tokens) and _known(stats.accepted_tokens)
                 ttft = feedback_times[1][0] - accepted_at if from_acceptance else stats.time_to_first_token
                 self._window.append({
