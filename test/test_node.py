@@ -283,9 +283,15 @@ def test_parameters_at_run_time(served):
 
 def test_diagnostics_content(served):
     node, client = served
-    client.send(make_goal('warm the figures', max_new_tokens=12))
-    latest = client.diagnostics_sample('gemma_spec_t', timeout=10)
-    assert latest is not None, 'No diagnostics received'
+    assert client.send(make_goal('warm the figures', max_new_tokens=12)).status == 'succeeded'
+
+    def after_a_goal(statuses):  # a status computed while the goal ran may precede the goal's figures
+        names = ('gemma_spec_t: engine', 'gemma_spec_t: generation', 'gemma_spec_t: memory')
+        return all(name in statuses for name in names) and \
+            int(statuses['gemma_spec_t: generation'][2].get('goals succeeded', 0)) >= 1
+
+    latest = client.diagnostics_sample('gemma_spec_t', 10, after_a_goal)
+    assert latest is not None, 'no diagnostics after a goal'
     engine = latest['gemma_spec_t: engine']
     generation = latest['gemma_spec_t: generation']
     memory = latest['gemma_spec_t: memory']

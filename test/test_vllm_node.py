@@ -50,13 +50,11 @@ def serving(context, name, url, namespace=''):
 
 
 def engine_status(client, name, predicate=lambda engine: True, timeout=10.0):
-    """Return the node's next engine status (level, message, values, time) that satisfies predicate."""
-    for _ in range(int(timeout / 0.2) + 1):
-        latest = client.diagnostics_sample(name, timeout=timeout)
-        engine = latest and latest.get(name + ': engine')
-        if engine and predicate(engine):
-            return engine
-    raise AssertionError('no engine status of {} matching within {} s'.format(name, timeout))
+    """Return the node's latest engine status (level, message, values, time) that satisfies predicate."""
+    key = name + ': engine'
+    latest = client.diagnostics_sample(name, timeout, lambda statuses: key in statuses and predicate(statuses[key]))
+    assert latest is not None, 'no engine status of {} matching within {} s'.format(name, timeout)
+    return latest[key]
 
 
 def test_a_goal_streams_and_succeeds(context, server):

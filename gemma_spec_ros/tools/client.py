@@ -197,11 +197,15 @@ class GenerateClient:
             raise RuntimeError('node {} is not serving: {}'.format(node_name, message))
         return latest
 
-    def diagnostics_sample(self, node_name='gemma_spec', timeout=10.0):
-        """Return the next /diagnostics statuses of the node: {name: (level, message, values, time)}."""
+    def diagnostics_sample(self, node_name='gemma_spec', timeout=10.0, predicate=None):
+        """
+        Return the node's /diagnostics statuses, {name: (level, message, values, time)}; None on timeout.
+
+        Without a predicate: the next sample. With one: the latest statuses that satisfy predicate(statuses).
+        """
         if self._diagnostics is None:
             self._diagnostics = DiagnosticsListener(self._node, node_name)
-        return self._diagnostics.wait(timeout=timeout)
+        return self._diagnostics.wait(predicate, timeout=timeout)
 
     def send(self, goal, on_feedback=None, cancel_after_tokens=0, cancel_after_seconds=0.0,
              timeout=600.0) -> Outcome:
