@@ -287,8 +287,8 @@ def test_diagnostics_content(served):
 
     def after_a_goal(statuses):  # a status computed while the goal ran may precede the goal's figures
         names = ('gemma_spec_t: engine', 'gemma_spec_t: generation', 'gemma_spec_t: memory')
-        return all(name in statuses for name in names) and \
-            int(statuses['gemma_spec_t: generation'][2].get('goals succeeded', 0)) >= 1
+        return (all(name in statuses for name in names)
+                and int(statuses['gemma_spec_t: generation'][2].get('goals succeeded', 0)) >= 1)
 
     latest = client.diagnostics_sample('gemma_spec_t', 10, after_a_goal)
     assert latest is not None, 'no diagnostics after a goal'

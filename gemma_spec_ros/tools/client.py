@@ -186,10 +186,8 @@ class GenerateClient:
 
     def wait_until_ready(self, node_name='gemma_spec', timeout=120.0):
         """Wait until the node's /diagnostics say the engine is ready; RuntimeError if it failed or timed out."""
-        if self._diagnostics is None:
-            self._diagnostics = DiagnosticsListener(self._node, node_name)
-        latest = self._diagnostics.wait(
-            lambda latest: engine_state(latest, node_name)[0] in ('ready', 'failed'), timeout)
+        latest = self.diagnostics_sample(
+            node_name, timeout, lambda latest: engine_state(latest, node_name)[0] in ('ready', 'failed'))
         if latest is None:
             raise RuntimeError('node {} did not report ready on /diagnostics within {} s'.format(node_name, timeout))
         state, message = engine_state(latest, node_name)
