@@ -114,6 +114,20 @@ def test_plain_goals_stay_out_of_the_window_tau():
     assert snap['tokens_per_second'] == pytest.approx((11 + 19) / (11 / 60.0 + 19 / 20.0))  # plain goals count here
 
 
+def test_tau_and_acceptance_read_a_dash_until_a_goal_speculates():
+    metrics = diagnostics.GenerationMetrics()
+    metrics.record('succeeded', result(new_tokens=20, passes=20, drafted=0, accepted=0, drafter='none'))
+    status = EngineStatus(drafter='mtp', speculating=True)  # a fresh engine: nothing speculated yet
+    before = values(diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', status, metrics))
+    assert [before[key] for key in ('tau (window)', 'tau (lifetime)', 'acceptance rate (window)',
+                                    'acceptance rate (lifetime)')] == ['-'] * 4
+    metrics.record('succeeded', result(new_tokens=12, passes=3, drafted=12, accepted=9, drafter='mtp'))
+    status.tau_lifetime, status.acceptance_rate_lifetime = 4.0, 0.75
+    after = values(diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', status, metrics))
+    assert [after[key] for key in ('tau (window)', 'tau (lifetime)', 'acceptance rate (window)',
+                                   'acceptance rate (lifetime)')] == ['4.000', '4.000', '0.750', '0.750']
+
+
 def test_generation_task_window_and_latency_budget():
     metrics = diagnostics.GenerationMetrics(window=2)
     metrics.record('succeeded', result(ttft=0.1), [(0.0, 0), (0.1, 1), (0.3, 2), (0.4, 1)])

@@ -1,5 +1,6 @@
 """The engine: prefill -> draft -> verify -> accept / roll back -> stream, one verify round at a time."""
 
+import math
 import random
 import statistics
 import threading
@@ -189,8 +190,9 @@ class Engine:
                 device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
                 compile_mode=self._target.mode, warmup_seconds=self._warmup_seconds,
                 weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
-                tau_lifetime=lifetime['tokens'] / lifetime['passes'] if lifetime['passes'] else 0.0,
-                acceptance_rate_lifetime=lifetime['accepted'] / lifetime['drafted'] if lifetime['drafted'] else 0.0,
+                tau_lifetime=lifetime['tokens'] / lifetime['passes'] if lifetime['passes'] else math.nan,
+                acceptance_rate_lifetime=(lifetime['accepted'] / lifetime['drafted'] if lifetime['drafted']
+                                          else math.nan),
                 disabled_drafters=list(self.drafter_errors.values()))
             controller = self._controllers.get(name)
             if controller is not None:

@@ -5,6 +5,7 @@ EngineConfig fields carry their parameter metadata (description, limits or choic
 group); the node declares its ROS parameters from it and requests.check_config enforces it.
 """
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -194,6 +195,6 @@ class EngineStatus:
     draft_cost_ratio: float = 0.0      # measured c
     break_even_tau: float = 1.0        # tau needed to beat plain decoding at this K: 1 + K*c (verify-cost adjusted)
     speculating: bool = False          # False while the profit gate has paused speculation
-    tau_lifetime: float = 0.0
-    acceptance_rate_lifetime: float = 0.0
+    tau_lifetime: float = math.nan              # over the generations that speculated; NaN before the first
+    acceptance_rate_lifetime: float = math.nan  # accepted / drafted over them; NaN before the first draft
     disabled_drafters: list[DisabledDrafter] = field(default_factory=list)  # drafters that failed to load

@@ -125,8 +125,8 @@ class GenerationMetrics:
         ttfts = [g['ttft'] for g in window]
         waits = [g['queue_wait'] for g in window]
         snap.update(
-            tau=sum(g['tau'] * g['target_passes'] for g in window) / passes if passes else 0.0,
-            acceptance_rate=sum(g['accepted'] for g in window) / drafted if drafted else 0.0,
+            tau=sum(g['tau'] * g['target_passes'] for g in window) / passes if passes else math.nan,
+            acceptance_rate=sum(g['accepted'] for g in window) / drafted if drafted else math.nan,
             tokens_per_second=sum(g['decode_tokens'] for g in window) / decode_time if decode_time else 0.0,
             ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),
             queue_wait_p50=percentile(waits, 50), queue_wait_p95=percentile(waits, 95),
@@ -139,8 +139,11 @@ def _known(value) -> bool:
     return not (isinstance(value, float) and math.isnan(value)) and value != -1
 
 
-def _figure(value, digits=3) -> str:
-    return '{:.{}f}'.format(value, digits) if _known(value) else 'unknown'
+def _figure(value, digits=3, missing='unknown') -> str:
+    return '{:.{}f}'.format(value, digits) if _known(value) else missing
+
+
+NOT_SPECULATED = '-'  # tau and acceptance before any goal speculated: in the window, or since start
 
 
 def fill_server_status(stat, status, snap):
@@ -157,9 +160,9 @@ def fill_server_status(stat, status, snap):
             ('requests running', status.requests_running), ('requests waiting', status.requests_waiting),
             ('KV-cache usage', _figure(status.kv_cache_usage)),
             ('requests in flight (this node)', status.requests_in_flight),
-            ('tau (window)', '{:.3f}'.format(snap['tau'])),
+            ('tau (window)', _figure(snap['tau'], missing=NOT_SPECULATED)),
             ('tau (lifetime)', _figure(status.tau_lifetime)),
-            ('acceptance rate (window)', '{:.3f}'.format(snap['acceptance_rate'])),
+            ('acceptance rate (window)', _figure(snap['acceptance_rate'], missing=NOT_SPECULATED)),
             ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime))):
         stat.add(key, str(value))
     if snap['last_warning']:
@@ -212,10 +215,10 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0)
             ('speculation', speculation), ('K', status.num_draft_tokens),
             ('draft cost ratio c', '{:.3f}'.format(status.draft_cost_ratio)),
             ('break-even tau', '{:.3f}'.format(status.break_even_tau)),
-            ('tau (window)', '{:.3f}'.format(snap['tau'])),
-            ('tau (lifetime)', '{:.3f}'.format(status.tau_lifetime)),
-            ('acceptance rate (window)', '{:.3f}'.format(snap['acceptance_rate'])),
-            ('acceptance rate (lifetime)', '{:.3f}'.format(status.acceptance_rate_lifetime)),
+            ('tau (window)', _figure(snap['tau'], missing=NOT_SPECULATED)),
+            ('tau (lifetime)', _figure(status.tau_lifetime, missing=NOT_SPECULATED)),
+            ('acceptance rate (window)', _figure(snap['acceptance_rate'], missing=NOT_SPECULATED)),
+            ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime, missing=NOT_SPECULATED)),
             ('drafter fallbacks', snap['drafter_fallbacks'])):
         stat.add(key, str(value))
     for drafter in disabled.values():
