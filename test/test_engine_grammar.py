@@ -11,7 +11,7 @@ from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationR
 from gemma_spec_ros.engine.grammar import GrammarConstraint
 
 PROMPT = 'Plan for the robot: '
-MAX_NEW = 400  # random weights pad with whitespace (at most 16 characters between elements) but close in time
+MAX_NEW = 400  # random weights write long numbers and strings but close in time
 DRAFTERS = ('none', 'ngram', 'draft', 'mtp')
 OBJECT = 'object'
 NAME = {'type': 'string', 'pattern': '^[a-z][a-z_ ]{0,11}$'}  # ASCII: random byte tokens cannot break UTF-8
@@ -65,6 +65,17 @@ def test_outputs_validate_greedy_and_sampled(tiny_engine, drafter):
             assert result.token_ids[-1] in tiny_engine.eos_token_ids  # EOS only once the grammar accepts
             jsonschema.validate(json.loads(result.text), schema)
             assert result.stats.drafter == drafter, (name, temperature)
+
+
+def test_json_is_compact_unless_free_whitespace_is_asked(tiny_engine):
+    schema = SCHEMAS['pose']  # no free-text strings: any whitespace would lie between elements
+    compact = tiny_engine.generate(constrained(schema, drafter='mtp', temperature=1.0, seed=3))
+    free = tiny_engine.generate(constrained(schema, drafter='mtp', temperature=1.0, seed=3, json_free_whitespace=True))
+    for result in (compact, free):
+        assert_complete(result)
+        jsonschema.validate(json.loads(result.text), schema)
+    assert not re.search(r'\s', compact.text), compact.text
+    assert re.search(r'\s', free.text), free.text  # random weights take the whitespace they are offered
 
 
 @pytest.mark.parametrize('drafter', DRAFTERS)
@@ -171,6 +182,7 @@ def test_unconstrained_requests_report_no_structure(tiny_engine):
     (dict(grammar='root ::= "a" | b'), r'^grammar: EBNF parser error at line 1, column 16: Rule "b" is not defined$'),
     (dict(json_schema='{"type": "integer"}', grammar='root ::= "1"'), r'^set at most one of json_schema and grammar$'),
     (dict(json_schema={'type': 'integer'}), r'^json_schema must be a string \(the document as text\), got dict$'),
+    (dict(grammar='root ::= "1"', json_free_whitespace=True), r'^json_free_whitespace applies to json_schema only'),
 ])
 def test_bad_constraint_is_refused_before_any_model_work(tiny_engine, fields, message):
     request = GenerationRequest(prompt=PROMPT, max_new_tokens=8, **fields)

@@ -23,7 +23,7 @@ TOKENIZER = Path(__file__).resolve().parents[1] / 'models' / 'tokenizer'
 EOS_IDS = (1, 5)            # <eos>, <end_of_turn>
 PADDED_VOCAB = 4096 + 64    # a model head wider than the tokenizer, as many checkpoints have
 MAX_NEW = 600
-CLOSING_PULL = 0.08         # logit added per generated token to tokens that close strings, objects and arrays
+CLOSING_PULL = 0.08         # logit added per generated token to tokens that end values, objects and arrays
 SAMPLING = SamplingParams(temperature=1.0)
 OBJECT = 'object'
 
@@ -105,11 +105,11 @@ def compiler(tokenizer):
 
 @pytest.fixture(scope='module')
 def closing(tokenizer):
-    """Tokens [vocab] bool whose text closes a string, object or array, and the EOS ids."""
+    """Tokens [vocab] bool whose text ends a value (a comma ends a number), object or array, and the EOS ids."""
     marks = torch.zeros(PADDED_VOCAB, dtype=torch.bool)
     for token, index in tokenizer.get_vocab().items():
         text = tokenizer.convert_tokens_to_string([token])
-        marks[index] = any(mark in text for mark in '"}]')
+        marks[index] = any(mark in text for mark in '"}],')
     marks[list(EOS_IDS)] = True
     return marks
 
@@ -221,6 +221,15 @@ def test_every_output_parses_and_validates(compiler, tokenizer, models, name, gr
         jsonschema.validate(json.loads(decode(tokenizer, tokens)), schema)
 
 
+@pytest.mark.parametrize('name', ['plan', 'pose', 'matrix', 'refs'])
+def test_outputs_with_free_whitespace_validate(compiler, tokenizer, models, name):
+    schema = SCHEMAS[name]
+    constraint = compiler.constraint(json_schema=json.dumps(schema), json_free_whitespace=True)
+    tokens = generate(constraint, *models, DRAFTERS['masked'], 3, greedy=False)
+    assert constraint.completed and tokens[-1] in EOS_IDS, decode(tokenizer, tokens)
+    jsonschema.validate(json.loads(decode(tokenizer, tokens)), schema)
+
+
 @pytest.mark.parametrize('name', ['plan', 'nested', 'pose', 'optional', 'matrix'])
 def test_constrained_greedy_speculation_equals_constrained_plain_decoding(compiler, models, name):
     text = json.dumps(SCHEMAS[name])
@@ -290,6 +299,57 @@ def test_compiled_grammars_are_cached_by_kind_and_text(tokenizer):
     assert compiler.compile('grammar', 'root ::= "1"') is not first
     compiler.compile('grammar', 'root ::= "2"')  # the least recently used entry (the schema) is dropped
     assert compiler.compile('json_schema', '{"type": "integer"}') is not first
+
+
+def test_free_whitespace_is_a_separate_cache_entry(tokenizer):
+    compiler = ConstraintCompiler(tokenizer, PADDED_VOCAB, EOS_IDS)
+    compact = compiler.compile('json_schema', '{"type": "integer"}')
+    free = compiler.compile('json_schema', '{"type": "integer"}', json_free_whitespace=True)
+    assert free is not compact
+    assert compiler.compile('json_schema', '{"type": "integer"}', json_free_whitespace=True) is free
+    assert compiler.compile('json_schema', '{"type": "integer"}') is compact
+    with pytest.raises(ValueError, match='^json_free_whitespace applies to json_schema only$'):
+        compiler.compile('grammar', 'root ::= "1"', json_free_whitespace=True)
+
+
+WHITESPACE_SCHEMA = json.dumps({'type': OBJECT, 'properties': {'a': {'type': 'integer'}, 'any': {}},
+                                'required': ['a', 'any']})
+
+
+def _whitespace_tokens(tokenizer) -> list[int]:
+    return [index for token, index in tokenizer.get_vocab().items()
+            if not tokenizer.convert_tokens_to_string([token]).strip(' \t\r\n')]
+
+
+@pytest.mark.parametrize('prefix', ['{', '{"a"', '{"a":', '{"a":1', '{"a":1,', '{"a":1,"any":[1,',
+                                    '{"a":1,"any":{"k":1,'])
+def test_json_output_is_compact_by_default(compiler, tokenizer, prefix):
+    whitespace = _whitespace_tokens(tokenizer)
+    assert len(whitespace) > 10
+    compact = compiler.constraint(json_schema=WHITESPACE_SCHEMA)
+    free = compiler.constraint(json_schema=WHITESPACE_SCHEMA, json_free_whitespace=True)
+    for constraint in (compact, free):
+        constraint.accept(tokenizer(prefix, add_special_tokens=False).input_ids)
+    assert not compact.next_mask()[0, whitespace].any()
+    assert free.next_mask()[0, tokenizer(' ', add_special_tokens=False).input_ids].all()
+
+
+def test_free_whitespace_is_bounded(compiler, tokenizer):
+    constraint = compiler.constraint(json_schema=WHITESPACE_SCHEMA, json_free_whitespace=True)
+    space = tokenizer(' ', add_special_tokens=False).input_ids
+    constraint.accept(tokenizer('{', add_special_tokens=False).input_ids + space * 16)
+    assert not constraint.next_mask()[0, space].any()
+
+
+@pytest.mark.parametrize('fields, message', [
+    (dict(grammar='root ::= "a"', json_free_whitespace=True), r'^json_free_whitespace applies to json_schema only'),
+    (dict(json_free_whitespace=True), r'^json_free_whitespace applies to json_schema only'),
+    (dict(json_schema='{"type": "integer"}', json_free_whitespace=1),
+     r'^json_free_whitespace must be a bool, got int$'),
+])
+def test_bad_json_free_whitespace_names_the_field(compiler, fields, message):
+    with pytest.raises(ValueError, match=message):
+        compiler.constraint(**fields)
 
 
 def test_padding_rows_and_special_tokens_are_never_allowed(compiler, tokenizer):

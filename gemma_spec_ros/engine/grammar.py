@@ -6,8 +6,10 @@ step is the target's distribution with disallowed tokens masked out and renormal
 the unchanged `verify()`, a forbidden draft token has target probability 0 and is always rejected, so speculation
 stays lossless. EOS ids are the grammar's stop tokens: allowed exactly where the grammar accepts termination.
 
-One `ConstraintCompiler` per tokenizer compiles and caches grammars by (kind, text); each request gets its own
-`GrammarConstraint` (an xgrammar matcher that advances along accepted tokens and rolls back drafts).
+JSON Schemas compile to compact JSON (separators ',' and ':', no whitespace between elements) unless a request
+sets `json_free_whitespace`. One `ConstraintCompiler` per tokenizer compiles and caches grammars by (kind, text,
+free whitespace); each request gets its own `GrammarConstraint` (an xgrammar matcher that advances along accepted
+tokens and rolls back drafts).
 """
 
 import functools
@@ -24,8 +26,11 @@ import xgrammar
 
 JSON_SCHEMA = 'json_schema'
 GRAMMAR = 'grammar'
+JSON_FREE_WHITESPACE = 'json_free_whitespace'
 CACHE_SIZE = 64            # compiled grammars kept (least recently used dropped)
-MAX_JSON_WHITESPACE = 16   # whitespace characters allowed between JSON elements: room for indentation, no endless runs
+MAX_JSON_WHITESPACE = 16   # with json_free_whitespace, characters allowed between JSON elements: room for
+                           # indentation, no endless runs
+COMPACT_SEPARATORS = (',', ':')
 # JSON Schema keywords xgrammar 0.2.8 would silently ignore (measured): refused, so that every output validates.
 # oneOf is compiled as anyOf: output matching several alternatives is possible, so keep alternatives disjoint
 _IGNORED_KEYWORDS = ('not', 'if', 'then', 'else', 'dependencies', 'dependentRequired', 'dependentSchemas',
@@ -37,6 +42,13 @@ _SUBSCHEMA_MAP_KEYWORDS = ('properties', 'patternProperties', '$defs', 'definiti
 _LENGTH_KEYWORDS = {'minLength', 'maxLength'}  # xgrammar 0.2.8 ignores them beside 'pattern' or 'format'
 _LENGTH_STRING_CHARACTERS = r'[^\"\\\r\n]'       # as xgrammar prints them: see _json_schema_grammar
 _JSON_STRING_CHARACTERS = r'[^\0-\x1f\"\\\r\n]'
+# xgrammar 0.2.8 separates the items of untyped values ({} or no "items") with ', ' whatever the separators: the
+# compact grammar gets ',' there too (rule text as xgrammar prints it)
+_UNTYPED_SEPARATOR_RULES = {
+    'basic_array_items ::= ((", " basic_any))': 'basic_array_items ::= (("," basic_any))',
+    'basic_object_properties ::= ((", " basic_string ":" basic_any))':
+        'basic_object_properties ::= (("," basic_string ":" basic_any))',
+}
 _LIBRARY_PREFIX = re.compile(r'^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?')
 
 
@@ -82,7 +94,7 @@ def _bit_shifts(device: torch.device) -> torch.Tensor:
 
 class ConstraintCompiler:
     """
-    Compiles JSON Schemas and EBNF grammars for one tokenizer and model vocabulary, cached by (kind, text).
+    Compiles JSON Schemas and EBNF grammars for one tokenizer and vocabulary; cached by kind, text, whitespace.
 
     vocab_size is the model's (the logits' width): ids the tokenizer lacks (padding rows) are never allowed, and
     neither are special tokens other than the stop tokens. Thread-safe.
@@ -96,49 +108,73 @@ class ConstraintCompiler:
         self.vocab_size = vocab_size
         self._info = _tokenizer_info(tokenizer, vocab_size, self._stop_ids)
         self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
-        self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool], xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
-    def constraint(self, json_schema: str = '', grammar: str = '') -> 'GrammarConstraint | None':
+    def constraint(self, json_schema: str = '', grammar: str = '',
+                   json_free_whitespace: bool = False) -> 'GrammarConstraint | None':
         """Return a fresh per-request constraint, or None when both are empty; ValueError names the bad field."""
-        compiled = self.compile_request(json_schema, grammar)
+        compiled = self.compile_request(json_schema, grammar, json_free_whitespace)
         return None if compiled is None else self.matcher(compiled)
 
-    def compile_request(self, json_schema: str = '', grammar: str = '') -> xgrammar.CompiledGrammar | None:
-        """Compile a request's constraint fields (at most one set), or None when both are empty; cached."""
+    def compile_request(self, json_schema: str = '', grammar: str = '',
+                        json_free_whitespace: bool = False) -> xgrammar.CompiledGrammar | None:
+        """
+        Compile a request's constraint fields (json_schema or grammar), or None when both are empty; cached.
+
+        json_free_whitespace without a json_schema is refused: a grammar spells out its own whitespace and
+        unconstrained output has no limit, so the planner would not get what it asked for.
+        """
         for name, value in ((JSON_SCHEMA, json_schema), (GRAMMAR, grammar)):
             if not isinstance(value, str):
                 raise ValueError('{} must be a string (the document as text), got {}'.format(
                     name, type(value).__name__))
+        if not isinstance(json_free_whitespace, bool):
+            raise ValueError('{} must be a bool, got {}'.format(JSON_FREE_WHITESPACE,
+                                                                type(json_free_whitespace).__name__))
         if json_schema and grammar:
             raise ValueError('set at most one of json_schema and grammar')
+        if json_free_whitespace and not json_schema:
+            raise ValueError('{} applies to json_schema only (a grammar spells out its own whitespace); set a '
+                             'json_schema or leave it false'.format(JSON_FREE_WHITESPACE))
         if not (json_schema or grammar):
             return None
-        return self.compile(JSON_SCHEMA, json_schema) if json_schema else self.compile(GRAMMAR, grammar)
+        if json_schema:
+            return self.compile(JSON_SCHEMA, json_schema, json_free_whitespace)
+        return self.compile(GRAMMAR, grammar)
 
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> 'GrammarConstraint':
         """Return a fresh per-request constraint at the start of a compiled grammar."""
         return GrammarConstraint(compiled, self.vocab_size, self._stop_ids)
 
-    def compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
-        """Return the compiled grammar for kind 'json_schema' or 'grammar' (EBNF, root rule `root`); cached."""
-        key = (kind, text)
+    def compile(self, kind: str, text: str, json_free_whitespace: bool = False) -> xgrammar.CompiledGrammar:
+        """
+        Return the compiled grammar for kind 'json_schema' or 'grammar' (EBNF, root rule `root`); cached.
+
+        A JSON Schema compiles to compact JSON, or with json_free_whitespace to JSON with up to
+        MAX_JSON_WHITESPACE whitespace characters between elements.
+        """
+        if json_free_whitespace and kind != JSON_SCHEMA:
+            raise ValueError('{} applies to json_schema only'.format(JSON_FREE_WHITESPACE))
+        key = (kind, text, json_free_whitespace)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        compiled = self._compile(kind, text)  # outside the lock: a slow schema does not block cached ones
+        # outside the lock: a slow schema does not block cached ones
+        compiled = self._compile(kind, text, json_free_whitespace)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
+    def _compile(self, kind: str, text: str, json_free_whitespace: bool) -> xgrammar.CompiledGrammar:
         if kind == JSON_SCHEMA:
             _check_json_schema(text)
-            compile_text = lambda: self._compiler.compile_grammar(_json_schema_grammar(text))  # noqa: E731
+            compile_text = lambda: self._compiler.compile_grammar(  # noqa: E731
+                _json_schema_grammar(text, json_free_whitespace))
         elif kind == GRAMMAR:
             compile_text = lambda: self._compiler.compile_grammar(text)  # noqa: E731
         else:
@@ -315,21 +351,27 @@ def _subschemas(schema, path: str) -> Iterator[tuple[str, dict]]:
                 yield from _subschemas(child, '{}.{}.{}'.format(path, key, name))
 
 
-def _json_schema_grammar(text: str) -> xgrammar.Grammar:
+def _json_schema_grammar(text: str, free_whitespace: bool) -> xgrammar.Grammar:
     """
-    Return xgrammar's grammar of a JSON Schema, with JSON's string characters in length-bounded strings.
+    Return xgrammar's grammar of a JSON Schema: compact JSON, or free whitespace (bounded) between elements.
 
     xgrammar 0.2.8 writes the characters of a minLength / maxLength string as a class that admits raw control
     characters, which JSON forbids in strings (mlc-ai/xgrammar#800); they are swapped for the class of its other
     strings. Escapes stay unavailable in such strings. A pattern would also exclude control characters, but its
     masks cost up to 100 times more per token (measured with bench/grammar_timing).
     """
-    grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE,
-                                                strict_mode=True)
-    ebnf = str(grammar)
-    if _LENGTH_STRING_CHARACTERS not in ebnf:
-        return grammar
-    return xgrammar.Grammar.from_ebnf(ebnf.replace(_LENGTH_STRING_CHARACTERS, _JSON_STRING_CHARACTERS))
+    if free_whitespace:
+        grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE,
+                                                    strict_mode=True)
+    else:
+        grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=False, separators=COMPACT_SEPARATORS,
+                                                    strict_mode=True)
+    ebnf = original = str(grammar)
+    if not free_whitespace:
+        for rule, compact_rule in _UNTYPED_SEPARATOR_RULES.items():
+            ebnf = ebnf.replace(rule, compact_rule)
+    ebnf = ebnf.replace(_LENGTH_STRING_CHARACTERS, _JSON_STRING_CHARACTERS)
+    return grammar if ebnf == original else xgrammar.Grammar.from_ebnf(ebnf)
 
 
 def _unsupported_keyword(schema, path: str) -> str:

@@ -217,5 +217,6 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
         # adaptive K follows measured timings, which would change the random draws: pin K so that the same
         # seed reproduces the same output
         pinned = max(1, config.max_draft_tokens // 2)
-    compiled = constraints.compile_request(request.json_schema, request.grammar)  # cached per text
+    compiled = constraints.compile_request(request.json_schema, request.grammar,  # cached per text
+                                           request.json_free_whitespace)
     return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned, compiled)

@@ -98,6 +98,8 @@ class GenerationRequest:
     num_draft_tokens: int = 0                          # 0 = adaptive
     json_schema: str = ''                              # JSON Schema text the output must match; '' = unconstrained
     grammar: str = ''                                  # EBNF grammar (xgrammar syntax, rule root); at most one set
+    json_free_whitespace: bool = False                 # json_schema output may hold whitespace between elements
+                                                       # (bounded); False = compact JSON
 
 
 @dataclass
