@@ -60,7 +60,9 @@ def test_messages_json_and_config_file(tiny_models, tmp_path, capsys):
 
 
 def test_json_schema_and_grammar_files(tiny_models, tmp_path, capsys):
-    schema = {'type': 'object', 'properties': {'mode': {'enum': ['idle', 'dock']}, 'speed': {'type': 'integer'}},
+    # bounded: compact JSON gives random weights no whitespace to end an unbounded integer with
+    schema = {'type': 'object', 'properties': {'mode': {'enum': ['idle', 'dock']},
+                                               'speed': {'type': 'integer', 'minimum': 0, 'maximum': 99}},
               'required': ['mode', 'speed']}
     (tmp_path / 'schema.json').write_text(json.dumps(schema))
     (tmp_path / 'skills.gbnf').write_text('root ::= "pick(" [a-z]{1,8} ")"')
@@ -68,6 +70,11 @@ def test_json_schema_and_grammar_files(tiny_models, tmp_path, capsys):
     assert generate(argv + ['--json-schema', str(tmp_path / 'schema.json'), '--json']) == 0
     line = json.loads(capsys.readouterr().out)
     assert line['structure_complete'] and line['finish_reason'] == 'stop'
+    jsonschema.validate(json.loads(line['text']), schema)
+    assert not re.search(r'\s', line['text'])  # compact by default
+    assert generate(argv + ['--json-schema', str(tmp_path / 'schema.json'), '--json-free-whitespace', '--json']) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line['structure_complete'] and re.search(r'\s', line['text'])  # random weights take whitespace offered
     jsonschema.validate(json.loads(line['text']), schema)
     assert generate(argv + ['--grammar', str(tmp_path / 'skills.gbnf')]) == 0
     out = capsys.readouterr().out
@@ -81,6 +88,7 @@ def test_json_schema_and_grammar_files(tiny_models, tmp_path, capsys):
     (['--json-schema', '/no/such/schema.json'], '--json-schema: cannot read /no/such/schema.json'),
     (['--grammar', 'test/data'], '--grammar: cannot read test/data'),
     (['--json-schema', 'test/data/../../package.xml'], 'json_schema: not valid JSON'),
+    (['--json-free-whitespace'], 'json_free_whitespace applies to json_schema only'),
 ])
 def test_bad_input_exits_2_with_message(tiny_models, capsys, extra, message):
     argv = ['--target', tiny_models.target, '--drafter', 'none', '--max-new-tokens', '2']

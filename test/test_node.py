@@ -143,6 +143,8 @@ BAD_GOALS = [
      'grammar: EBNF parser error at line 1, column 16: Rule "b" is not defined'),
     (dict(prompt='x', json_schema='{"type": "integer"}', grammar='root ::= "1"'),
      'set at most one of json_schema and grammar'),
+    (dict(prompt='x', grammar='root ::= "1"', json_free_whitespace=True),
+     'json_free_whitespace applies to json_schema only'),
 ]
 
 

@@ -80,7 +80,10 @@ def test_validate_refuses_what_the_server_cannot_honour():
                            (GenerationRequest(prompt='hi', seed=-5), 'seed'),
                            (GenerationRequest(prompt='x' * 40000), 'max_prompt_chars'),
                            (GenerationRequest(prompt_ids=[1, -2]), 'prompt_ids'),
-                           (GenerationRequest(messages=[{'role': 'user'}]), 'messages[0]')):
+                           (GenerationRequest(messages=[{'role': 'user'}]), 'messages[0]'),
+                           (GenerationRequest(prompt='hi', json_schema='{}'), 'json_schema'),
+                           (GenerationRequest(prompt='hi', grammar='root ::= "a"'), 'grammar'),
+                           (GenerationRequest(prompt='hi', json_free_whitespace=True), 'json_free_whitespace')):
         with pytest.raises(ValueError, match=re.escape(field)):
             backend.validate(request)
     with pytest.raises(ValueError, match='num_draft_tokens'):

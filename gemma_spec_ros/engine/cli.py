@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--json-schema', metavar='FILE', help='JSON Schema file the output must match')
     parser.add_argument('--grammar', metavar='FILE', help='EBNF grammar file (xgrammar syntax, rule root); at '
                         'most one of --json-schema and --grammar')
+    parser.add_argument('--json-free-whitespace', action='store_true',
+                        help='allow up to 16 whitespace characters between JSON elements (default: compact JSON)')
     parser.add_argument('--num-draft-tokens', type=int, default=None, help='K; 0 = adaptive')
     parser.add_argument('--device', choices=DEVICES, help='default: auto')
     parser.add_argument('--dtype', choices=DTYPES, help='default: auto')
@@ -72,7 +74,8 @@ def _engine_overrides(args) -> dict:
 def _request(args, sample: int, constraint: dict[str, str]) -> GenerationRequest:
     request = GenerationRequest(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, stop=list(args.stop),
-                                seed=args.seed + sample if args.seed >= 0 else -1, **constraint)
+                                seed=args.seed + sample if args.seed >= 0 else -1,
+                                json_free_whitespace=args.json_free_whitespace, **constraint)
     if args.prompt is not None:
         request.prompt = args.prompt
     elif args.prompt_ids is not None:

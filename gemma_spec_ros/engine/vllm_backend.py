@@ -325,10 +325,10 @@ class VllmBackend:
         """Check a request against the engine's rules and the server's limits (no generation); ValueError if not."""
         sampling = check_fields(request, self.config)
         self._check_drafter(request.drafter)
-        for name in ('json_schema', 'grammar'):
+        for name in ('json_schema', 'grammar', 'json_free_whitespace'):
             if getattr(request, name):
                 raise ValueError('{} is not supported by the vllm backend yet (structured output runs on the local '
-                                 'backend); leave it empty'.format(name))
+                                 'backend); leave it unset'.format(name))
         if request.num_draft_tokens:
             raise ValueError('num_draft_tokens cannot be set per request with the vllm backend: the server fixes '
                              'K at start (--speculative-config); leave it 0, got {}'.format(request.num_draft_tokens))

@@ -28,7 +28,7 @@ def goal_to_request(goal) -> GenerationRequest:
         prompt='' if messages else goal.prompt, messages=messages or None, max_new_tokens=int(goal.max_new_tokens),
         temperature=float(goal.temperature), top_p=float(goal.top_p), top_k=int(goal.top_k), stop=list(goal.stop),
         seed=int(goal.seed), drafter=goal.drafter, num_draft_tokens=int(goal.num_draft_tokens),
-        json_schema=goal.json_schema, grammar=goal.grammar)
+        json_schema=goal.json_schema, grammar=goal.grammar, json_free_whitespace=bool(goal.json_free_whitespace))
 
 
 def delta_to_feedback(delta: StreamDelta) -> Generate.Feedback:

@@ -68,7 +68,8 @@ class Outcome:
 
 
 def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0.0, top_k=0, stop=(),
-              seed=-1, drafter='', num_draft_tokens=0, client_id='', json_schema='', grammar='') -> Generate.Goal:
+              seed=-1, drafter='', num_draft_tokens=0, client_id='', json_schema='', grammar='',
+              json_free_whitespace=False) -> Generate.Goal:
     """Build a Generate goal; messages are (role, content) pairs or dicts; json_schema and grammar are text."""
     chat = [ChatMessage(role=m['role'], content=m['content']) if isinstance(m, dict)
             else ChatMessage(role=m[0], content=m[1]) for m in messages]
@@ -76,7 +77,7 @@ def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0
                          temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                          stop=list(stop), seed=int(seed), drafter=drafter,
                          num_draft_tokens=int(num_draft_tokens), client_id=client_id, json_schema=json_schema,
-                         grammar=grammar)
+                         grammar=grammar, json_free_whitespace=bool(json_free_whitespace))
 
 
 class BackgroundSpinner:
@@ -334,6 +335,8 @@ def build_parser():
     parser.add_argument('--num-draft-tokens', type=int, default=0, help='K, 0 = adaptive')
     parser.add_argument('--json-schema', metavar='FILE', help='JSON Schema file the output must match')
     parser.add_argument('--grammar', metavar='FILE', help='EBNF grammar file (xgrammar syntax, rule root)')
+    parser.add_argument('--json-free-whitespace', action='store_true',
+                        help='allow up to 16 whitespace characters between JSON elements (default: compact JSON)')
     parser.add_argument('--cancel-after', type=int, default=0, metavar='N', help='cancel after N tokens')
     parser.add_argument('--action', default=DEFAULT_ACTION, help='action name (default %(default)s)')
     parser.add_argument('--server-timeout', type=float, default=30.0, help='seconds to wait for the server')
@@ -352,7 +355,8 @@ def main(argv=None) -> int:
         print('client: {}'.format(error), file=sys.stderr)
         return 2
     goal = make_goal(args.prompt, args.message, args.max_new_tokens, args.temperature, args.top_p, args.top_k,
-                     args.stop, args.seed, args.drafter, args.num_draft_tokens, **constraint)
+                     args.stop, args.seed, args.drafter, args.num_draft_tokens,
+                     json_free_whitespace=args.json_free_whitespace, **constraint)
     rclpy.init(args=['client'] + ros_args, signal_handler_options=SignalHandlerOptions.NO)
     client = GenerateClient(args.action)
     try:
