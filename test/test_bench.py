@@ -72,7 +72,15 @@ def test_quick_constrained_category_on_tiny_models(tiny_models, tmp_path, capsys
         assert 0 < cell['overhead'] == cell['constrained']['grammar_share'] < 1
     greedy = {s['system']: s['new_tokens'] for s in document['samples'] if s['constrained']}
     assert len(set(greedy.values())) == 1  # constrained greedy output is the same for every drafter
+    assert document['json_free_whitespace'] is False
+    assert [o['prompt'] for o in document['per_prompt']] == [p['id'] for p in document['prompts']]
+    assert document['per_prompt'][0]['new_tokens'] == next(iter(greedy.values()))
     assert '| ours/mtp/K2 | 2 |' in capsys.readouterr().out
+
+
+def test_free_whitespace_needs_the_constrained_category(capsys):
+    assert main(['--quick', '--json-free-whitespace']) == 2
+    assert '--json-free-whitespace applies to --constrained only' in capsys.readouterr().err
 
 
 def test_bad_constrained_spec_exits_with_message(tmp_path, capsys, tiny_models):

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help='measure the constrained category instead: our engine with and without the JSON Schema '
                              'of FILE on its prompts (default {}); output in --out (default '
                              'bench/results/constrained)'.format(constrained.DEFAULT_SPEC))
+    parser.add_argument('--json-free-whitespace', action='store_true',
+                        help='with --constrained: let the output put whitespace between JSON elements (default: '
+                             'compact JSON)')
     return parser
 
 
@@ -110,6 +113,8 @@ def _weights_digest(directory: str) -> str:
 
 def run(args, argv: list[str]) -> Path:
     """Run the whole benchmark; return the output directory."""
+    if args.json_free_whitespace and args.constrained is None:
+        raise ValueError('--json-free-whitespace applies to --constrained only')
     import torch
     from tqdm import tqdm
 
@@ -129,7 +134,8 @@ def run(args, argv: list[str]) -> Path:
         with tqdm(desc='bench --constrained', unit='gen', file=sys.stderr) as bar:
             constrained.run(settings, spec, _option(args, 'per_category'), out,
                             'python -m gemma_spec_ros bench ' + shlex.join(argv),
-                            say=lambda message: print(message, file=sys.stderr), on_step=lambda name: bar.update())
+                            say=lambda message: print(message, file=sys.stderr), on_step=lambda name: bar.update(),
+                            json_free_whitespace=args.json_free_whitespace)
         return out
     vllm_ks = sorted(set(_parse_list(args.vllm_ks, int, '--vllm-ks'))) if args.vllm_ks else []
     if vllm_ks and min(vllm_ks) < 1:

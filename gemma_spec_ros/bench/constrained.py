@@ -4,7 +4,9 @@ The constrained category: what a JSON Schema costs our engine, per drafter and K
 ``python -m gemma_spec_ros bench --constrained [FILE]`` runs the prompts of FILE (default bench/constrained.json: a
 JSON Schema and a few planner prompts) on our plain decoding and on each drafter at each fixed K, every system with
 and without the schema, greedy, interleaved in a shuffled order per prompt and repeat; without the schema it
-generates as many tokens as with it. Per system (medians over repeats of sums over the prompts):
+generates as many tokens as with it. The schema's output is compact JSON, or with --json-free-whitespace JSON with
+whitespace between elements. Per prompt: tokens used and whether the output completed the schema. Per system
+(medians over repeats of sums over the prompts):
 
 - tau: decode tokens per decode target pass (bonus token included), without and with the schema;
 - tok/s: decode tokens per second (wall clock);
@@ -35,7 +37,7 @@ from gemma_spec_ros.bench.report import machine_description, write_json
 from gemma_spec_ros.bench.systems import EngineRunner, System
 from gemma_spec_ros.engine import engine as engine_loop
 from gemma_spec_ros.engine.drafters import base as drafter_base
-from gemma_spec_ros.engine.grammar import GrammarConstraint, Lookahead
+from gemma_spec_ros.engine.grammar import MAX_JSON_WHITESPACE, GrammarConstraint, Lookahead
 from gemma_spec_ros.engine.types import GenerationRequest
 
 SCHEMA = 'gemma_spec_ros.bench.constrained/1'
@@ -141,11 +143,12 @@ def load_spec(path: str) -> ConstrainedSpec:
 
 
 def measure(engine, settings: Settings, spec: ConstrainedSpec, prompts: list[Prompt],
-            on_step: Callable[[str], None]) -> list[Sample]:
+            on_step: Callable[[str], None], json_free_whitespace: bool = False) -> list[Sample]:
     """Run every system with and without the schema on every prompt, `repeats` times, after one warm-up each."""
     systems = [System('ours', 'none')] + [System('ours', d, k) for d in settings.drafters for k in settings.ks]
     runners = {(system.name, constrained): EngineRunner(engine, system.drafter, system.k or 0,
-                                                        spec.json_schema if constrained else '')
+                                                        spec.json_schema if constrained else '',
+                                                        json_free_whitespace and constrained)
                for system in systems for constrained in (False, True)}
     encoded = {prompt.id: engine.tokenizer(prompt.text).input_ids for prompt in prompts}
     # without the schema a system generates as many tokens as with it (greedy: the same count for every system), so
@@ -207,8 +210,20 @@ def summarize(settings: Settings, samples: list[Sample]) -> list[Cell]:
     return cells
 
 
+def per_prompt(samples: list[Sample]) -> list[dict]:
+    """Per prompt, over every system and repeat with the schema: median tokens used and the share that completed."""
+    outcomes = []
+    for prompt_id in dict.fromkeys(s.prompt_id for s in samples):
+        chosen = [s for s in samples if s.prompt_id == prompt_id and s.constrained]
+        outcomes.append({'prompt': prompt_id, 'new_tokens': statistics.median(s.new_tokens for s in chosen),
+                         'complete': sum(s.structure_complete for s in chosen) / len(chosen)})
+    return outcomes
+
+
 def markdown(document: dict, cells: list[Cell]) -> str:
     settings, machine = document['settings'], document['machine']
+    whitespace = ('free whitespace (up to {} characters between elements)'.format(MAX_JSON_WHITESPACE)
+                  if document['json_free_whitespace'] else 'compact JSON')
     lines = ['# Constrained category', '', 'Command: `{}`'.format(document['command']), '',
              'Machine: {} ({} cores, torch threads {}); load average at start {}, at end {}. Started {}, took {:.0f} s.'
              .format(machine['cpu_model'], machine['cores'], machine['torch_threads'],
@@ -216,9 +231,13 @@ def markdown(document: dict, cells: list[Cell]) -> str:
                      '/'.join('{:.2f}'.format(v) for v in document['load_average_end']), document['created_utc'],
                      document['duration_s']), '',
              'Settings: {} prompts of `{}`, max_new_tokens {}, repeats {}, greedy, fixed K; every system ran with '
-             'and without the JSON Schema (then generating as many tokens as with it), interleaved in a shuffled '
-             'order per prompt and repeat.'.format(
-                 len(document['prompts']), document['spec'], settings['max_new_tokens'], settings['repeats']), '',
+             'and without the JSON Schema (output: {}; without it generating as many tokens as with it), '
+             'interleaved in a shuffled order per prompt and repeat.'.format(
+                 len(document['prompts']), document['spec'], settings['max_new_tokens'], settings['repeats'],
+                 whitespace), '',
+             '| Prompt | tokens used with the schema (median) | complete |', '|---|---|---|',
+             *('| {} | {:g} | {:.0f}% |'.format(o['prompt'], o['new_tokens'], 100 * o['complete'])
+               for o in document['per_prompt']), '',
              'tau: decode tokens per decode target pass. tok/s: wall clock. Round: decode CPU ms of the generating '
              'thread per target pass. Grammar: CPU time of the constraint (matcher calls and masking the logits) per '
              'decode token. Overhead at the same tau: that time over the rest of the same runs\' decode time (goal '
@@ -239,22 +258,24 @@ def markdown(document: dict, cells: list[Cell]) -> str:
 
 
 def run(settings: Settings, spec_path: str, per_category: int, out: Path, command: str,
-        say: Callable[[str], None], on_step: Callable[[str], None]) -> None:
+        say: Callable[[str], None], on_step: Callable[[str], None], json_free_whitespace: bool = False) -> None:
     """Measure the constrained category; write results.json and results.md under out."""
     started, machine = time.time(), machine_description(settings.threads)
     spec = load_spec(spec_path)
     prompts = take_per_category(spec.prompts, per_category)
     engine = load_engine(settings, say)
-    engine.validate(GenerationRequest(prompt_ids=[1], max_new_tokens=1, json_schema=spec.json_schema))  # fail early
-    samples = measure(engine, settings, spec, prompts, on_step)
+    engine.validate(GenerationRequest(prompt_ids=[1], max_new_tokens=1, json_schema=spec.json_schema,  # fail early
+                                      json_free_whitespace=json_free_whitespace))
+    samples = measure(engine, settings, spec, prompts, on_step, json_free_whitespace)
     cells = summarize(settings, samples)
     document = {
         'schema': SCHEMA, 'created_utc': datetime.fromtimestamp(started, UTC).strftime('%Y-%m-%dT%H:%M:%SZ'),
         'duration_s': time.time() - started, 'command': command, 'machine': machine,
         'load_average_end': list(machine_description(settings.threads)['load_average']),
         'settings': asdict(settings), 'spec': spec_path, 'json_schema': json.loads(spec.json_schema),
+        'json_free_whitespace': json_free_whitespace,
         'prompts': [{'id': p.id, 'prompt_tokens': len(engine.tokenizer(p.text).input_ids)} for p in prompts],
-        'goal_overhead': GOAL_OVERHEAD, 'cells': cells, 'samples': samples,
+        'goal_overhead': GOAL_OVERHEAD, 'per_prompt': per_prompt(samples), 'cells': cells, 'samples': samples,
     }
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / 'results.json', document)

@@ -82,17 +82,19 @@ Runner = Callable[[list[int], int], Outcome]
 class EngineRunner:
     """Greedy generation with our engine, one drafter and K per request (and a JSON Schema when given)."""
 
-    def __init__(self, engine, drafter: str, k: int, json_schema: str = ''):
+    def __init__(self, engine, drafter: str, k: int, json_schema: str = '', json_free_whitespace: bool = False):
         self._engine = engine
         self._drafter = drafter
         self._k = k
         self._json_schema = json_schema
+        self._json_free_whitespace = json_free_whitespace
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
         from gemma_spec_ros.engine.types import GenerationRequest
 
         request = GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=0.0,
-                                    drafter=self._drafter, num_draft_tokens=self._k, json_schema=self._json_schema)
+                                    drafter=self._drafter, num_draft_tokens=self._k, json_schema=self._json_schema,
+                                    json_free_whitespace=self._json_free_whitespace)
         times: dict[str, tuple[float, float]] = {}  # first / last delta: (wall, thread CPU) seconds
 
         def on_delta(delta) -> None:
