@@ -78,6 +78,11 @@ def test_quick_constrained_category_on_tiny_models(tiny_models, tmp_path, capsys
     assert '| ours/mtp/K2 | 2 |' in capsys.readouterr().out
 
 
+def test_constrained_category_measures_one_compile_mode(capsys, tiny_models):
+    assert main(['--constrained', '--quick', '--compile', 'eager,auto', '--target', tiny_models.target]) == 2
+    assert '--constrained measures one compile mode, got eager,auto' in capsys.readouterr().err
+
+
 def test_free_whitespace_needs_the_constrained_category(capsys):
     assert main(['--quick', '--json-free-whitespace']) == 2
     assert '--json-free-whitespace applies to --constrained only' in capsys.readouterr().err

@@ -263,7 +263,9 @@ def run(settings: Settings, spec_path: str, per_category: int, out: Path, comman
     started, machine = time.time(), machine_description(settings.threads)
     spec = load_spec(spec_path)
     prompts = take_per_category(spec.prompts, per_category)
-    engine = load_engine(settings, say)
+    if len(settings.compile_modes) != 1:
+        raise ValueError('--constrained measures one compile mode, got {}'.format(','.join(settings.compile_modes)))
+    engine = load_engine(settings, say, settings.compile_modes[0])
     engine.validate(GenerationRequest(prompt_ids=[1], max_new_tokens=1, json_schema=spec.json_schema,  # fail early
                                       json_free_whitespace=json_free_whitespace))
     samples = measure(engine, settings, spec, prompts, on_step, json_free_whitespace)
