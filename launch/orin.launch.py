@@ -11,7 +11,7 @@ from launch import LaunchDescription
 
 # launch argument -> the parameter it overrides when not empty
 OVERRIDES = {'device': 'engine.device', 'drafter': 'engine.drafter', 'compile': 'engine.compile',
-             'backend': 'engine.backend', 'vllm_url': 'vllm.url'}
+             'warmup': 'engine.warmup', 'backend': 'engine.backend', 'vllm_url': 'vllm.url'}
 
 
 def _node(context):
@@ -47,6 +47,9 @@ def generate_launch_description():
         DeclareLaunchArgument('compile', default_value='',
                               description='override engine.compile: auto|inductor|inductor-gemm|cudagraph|eager|off '
                                           "('' = keep the file's)"),
+        DeclareLaunchArgument('warmup', default_value='',
+                              description='override engine.warmup: background (serve at once on eager steps) | '
+                                          "blocking (compile before serving) | off ('' = keep the file's)"),
         DeclareLaunchArgument('backend', default_value='',
                               description="override engine.backend: local|vllm ('' = keep the file's)"),
         DeclareLaunchArgument('vllm_url', default_value='',

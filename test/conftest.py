@@ -19,7 +19,9 @@ TEST_COMPILE = os.environ.get('GEMMA_SPEC_TEST_COMPILE', 'eager')
 # the device of the engines the tests load (cuda with GEMMA_SPEC_TEST_COMPILE=cudagraph: scripts/device_check.sh);
 # float32 there too (auto would pick bfloat16), so that greedy output equals transformers' on CPU
 TEST_DEVICE = os.environ.get('GEMMA_SPEC_TEST_DEVICE', 'cpu')
-ON_TEST_DEVICE = {'device': TEST_DEVICE, 'dtype': 'float32'}  # EngineConfig fields of every engine the tests load
+# EngineConfig fields of every engine the tests load; compiled steps are built before the first request, as they
+# were before background warm-up (test_warmup.py covers that), so that no worker compiles behind later tests
+ON_TEST_DEVICE = {'device': TEST_DEVICE, 'dtype': 'float32', 'warmup': 'blocking'}
 # what the agreeing engine compiles with: inductor on CPU (the compiled path), TEST_COMPILE elsewhere
 AGREEING_COMPILE = 'inductor' if TEST_DEVICE == 'cpu' else TEST_COMPILE
 # compiled CPU steps: a graph per pass length of row products up to 2 (not the CPU's 4 or 9), so that the engines
@@ -258,3 +260,23 @@ def chi_squared_p_value(observed: Counter, expected: dict[tuple[int, ...], float
     # the χ² survival function is the regularised upper incomplete gamma function
     return torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
                                    torch.tensor(statistic / 2, dtype=torch.float64)).item()
+
+
+def target_distribution(model, prompt_ids: list[int], temperature: float, top_k: int,
+                        length: int) -> dict[tuple[int, ...], float]:
+    """Exact probabilities of every length-token output under top-k sampling of the target (χ² tests)."""
+    import torch
+
+    expected = {}
+    with torch.inference_mode():
+        def extend(prefix: tuple[int, ...], probability: float) -> None:
+            if len(prefix) == length:
+                expected[prefix] = probability
+                return
+            logits = model(torch.tensor([prompt_ids + list(prefix)], device=model.device)).logits[0, -1].double()
+            top = torch.topk(logits / temperature, top_k)
+            for token, token_probability in zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist(),
+                                                strict=True):
+                extend(prefix + (token,), probability * token_probability)
+        extend((), 1.0)
+    return expected

@@ -31,7 +31,7 @@ def engine():
 
     return Engine.from_config(EngineConfig(target_path=str(TARGET), assistant_path=str(ASSISTANT),
                                            draft_model_path=str(DRAFT), device='cpu', dtype='float32',
-                                           profit_gate=False))
+                                           profit_gate=False, warmup='blocking'))
 
 
 def test_models_fit_the_size_budget():

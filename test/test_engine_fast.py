@@ -11,7 +11,15 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import AGREEING_COMPILE, SLIDING_WINDOW, TEST_COMPILE, TEST_THREADS, chi_squared_p_value, corrupt_after
+from conftest import (
+    AGREEING_COMPILE,
+    SLIDING_WINDOW,
+    TEST_COMPILE,
+    TEST_THREADS,
+    chi_squared_p_value,
+    corrupt_after,
+    target_distribution,
+)
 
 from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.causal_lm import DynamicCausalLM
@@ -93,29 +101,11 @@ def test_mtp_assistant_reads_only_the_kept_target_cache(tiny_engine, reference):
     assert max(checked) > 2 * SLIDING_WINDOW  # past the window: the ring has wrapped
 
 
-def _target_distribution(model, prompt_ids: list[int], temperature: float) -> dict[tuple[int, ...], float]:
-    """Exact probabilities of every OUTPUT_LENGTH-token output under top-k sampling of the target."""
-    expected = {}
-    with torch.inference_mode():
-        def extend(prefix: tuple[int, ...], probability: float) -> None:
-            if len(prefix) == OUTPUT_LENGTH:
-                expected[prefix] = probability
-                return
-            logits = model(torch.tensor([prompt_ids + list(prefix)], device=model.device)).logits[0, -1].double()
-            logits = logits / temperature
-            top = torch.topk(logits, TOP_K)
-            for token, token_probability in zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist(),
-                                                strict=True):
-                extend(prefix + (token,), probability * token_probability)
-        extend((), 1.0)
-    return expected
-
-
 @pytest.mark.parametrize('drafter', ['draft', 'mtp'])  # drafters with draft_probs; test_verify: one-hot
 def test_sampled_speculation_follows_the_target_distribution(tiny_engine, drafter):
     temperature = 2.0  # spreads the random target's top 3
     prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
-    expected = _target_distribution(tiny_engine._target.model, prompt_ids, temperature)
+    expected = target_distribution(tiny_engine._target.model, prompt_ids, temperature, TOP_K, OUTPUT_LENGTH)
     assert sum(p * SAMPLES >= 5 for p in expected.values()) >= 10  # bins enough for power
     observed, drafted = Counter(), 0
     for seed in range(SAMPLES):
@@ -131,7 +121,7 @@ def test_sampled_speculation_follows_the_target_distribution(tiny_engine, drafte
 def test_chi_squared_detects_a_wrong_distribution(tiny_engine):
     # the same check against the target at another temperature must fail: the test has power
     prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
-    expected = _target_distribution(tiny_engine._target.model, prompt_ids, 2.0)
+    expected = target_distribution(tiny_engine._target.model, prompt_ids, 2.0, TOP_K, OUTPUT_LENGTH)
     observed = Counter()
     for seed in range(SAMPLES):
         result = tiny_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=OUTPUT_LENGTH,

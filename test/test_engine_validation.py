@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import ON_TEST_DEVICE
 
 from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest, load_engine_config
 
@@ -39,7 +40,7 @@ def test_bad_request_rejected(tiny_engine, fields, message):
 
 
 def test_drafter_not_loaded(tiny_models):
-    engine = Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='none'))
+    engine = Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='none', **ON_TEST_DEVICE))
     with pytest.raises(ValueError, match='set engine.assistant_path'):
         engine.generate(GenerationRequest(prompt='hi', drafter='mtp'))
     with pytest.raises(ValueError, match='set engine.draft_model_path'):

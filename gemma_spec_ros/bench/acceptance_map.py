@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     engine = Engine.from_config(EngineConfig(
         target_path='models/gemma4-spec-target', drafter='none', assistant_path='models/gemma4-spec-assistant',
         draft_model_path='models/gemma4-spec-draft', device='cpu', dtype='float32', max_draft_tokens=args.max_k,
-        num_threads=args.threads, compile=args.compile), progress=_say)
+        num_threads=args.threads, compile=args.compile, warmup='blocking'), progress=_say)
     prompts = take_per_category(load_prompts(args.prompts or default_prompts_path()), args.per_category)
     started = time.perf_counter()
     records = []

@@ -6,6 +6,8 @@ Measure the fast path against transformers' eager forward (figures for issue 12;
     python -m gemma_spec_ros.bench.fast_measure threads  # 1 vs 2 threads, with a busy-loop or not, OMP wait policy
     python -m gemma_spec_ros.bench.fast_measure memory   # RSS: runtime (and mode) baseline, weights, KV cache, peaks
     python -m gemma_spec_ros.bench.fast_measure memory --random-targets 12x768x3072   # + random models of that shape
+    python -m gemma_spec_ros.bench.fast_measure warmup --cold-cache   # background warm-up: time to full speed, and
+                                                                      # tok/s while warming up against after it
 
 Systems: ``hf`` is transformers' forward on a DynamicCache driven as the engine drives it, ``lean`` the lean forward
 eager on the static cache, ``compiled`` the same through the inductor step graphs (on CPU called directly, without
@@ -226,7 +228,7 @@ def memory_one(args) -> dict:
     mode_baseline = _compile_stack_baseline(args) if _compiles(args) else baseline
     engine = Engine.from_config(EngineConfig(
         target_path=args.model, assistant_path=args.assistant, draft_model_path=args.draft, device=args.device,
-        compile=args.compile, num_threads=args.threads))
+        compile=args.compile, num_threads=args.threads, warmup='blocking'))
     loaded, startup_peak = _rss()
     with open('/proc/self/clear_refs', 'w') as refs:  # reset VmHWM: the serving peak without the warm-up's
         refs.write('5')
@@ -244,6 +246,58 @@ def memory_one(args) -> dict:
             'serving_peak_over_bound': serving_peak / bound, 'compile_stack_mib': (mode_baseline - baseline) / mib,
             'mode_baseline_mib': mode_baseline / mib, 'mode_bound_mib': mode_bound / mib,
             'serving_peak_over_mode_bound': serving_peak / mode_bound, 'warmup_seconds': status.warmup_seconds}
+
+
+def warmup(args) -> dict:
+    """
+    Feed a planner's goals to the bundled models' engine while it warms up in the background, until full speed.
+
+    A goal pair (MTP adaptive, then plain) is sent every --interval seconds from load on, as a planner would; each
+    records its time since the engine started loading, tok/s and decode path. Once every graph serves, the same goals
+    run --repeats times on eager steps only and on the graphs, interleaved: tok/s while warming up against after.
+    --cold-cache compiles into an empty inductor cache (a fresh machine); else the cache under ~/.cache is used.
+    """
+    import tempfile
+
+    if args.cold_cache:
+        os.environ['TORCHINDUCTOR_CACHE_DIR'] = tempfile.mkdtemp(prefix='gemma_spec_cold_cache_')
+    import torch
+
+    from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
+
+    torch.set_num_threads(args.threads)
+    prompt = next(p for p in load_prompts(DEFAULT_PROMPTS) if p.category == 'code')
+    started = time.perf_counter()
+    engine = Engine.from_config(EngineConfig(
+        target_path=args.model, assistant_path=args.assistant, draft_model_path=args.draft, drafter='mtp',
+        device=args.device, compile='inductor', num_threads=args.threads, warmup='background'),
+        progress=lambda message: _say('{:7.1f} s  {}'.format(time.perf_counter() - started, message)))
+    ready = time.perf_counter() - started
+
+    def goal(drafter):
+        result = engine.generate(GenerationRequest(prompt=prompt.text, max_new_tokens=args.new_tokens,
+                                                   drafter=drafter))
+        return {'at_s': round(time.perf_counter() - started, 2), 'drafter': drafter,
+                'tok_s': round(result.stats.tokens_per_second, 1), 'path': result.stats.decode_path}
+
+    served = []
+    while not engine.status().warmup.done:
+        served += [goal('mtp'), goal('none')]
+        _say('{at_s:7.1f} s  goal {drafter}: {tok_s} tok/s on {path}'.format(**served[-2]))
+        _say('{at_s:7.1f} s  goal {drafter}: {tok_s} tok/s on {path}'.format(**served[-1]))
+        engine.warmup.wait(args.interval)
+    state = engine.status().warmup
+    side_by_side = {(drafter, graphs): [] for drafter in ('mtp', 'none') for graphs in (False, True)}
+    for _ in range(args.repeats):
+        for (drafter, graphs), rates in side_by_side.items():
+            engine.warmup.use_graphs(graphs)
+            rates.append(goal(drafter)['tok_s'])
+    return {'cold_cache': args.cold_cache, 'engine_ready_s': round(ready, 2),
+            'first_result_s': served[0]['at_s'] if served else None, 'time_to_full_speed_s': round(state.seconds, 1),
+            'graphs': state.graphs_total, 'failed': state.failed, 'served_while_warming': served,
+            'median_tok_s': {'{} on {}'.format(drafter, 'graphs' if graphs else 'eager steps'):
+                             statistics.median(rates) for (drafter, graphs), rates in side_by_side.items()}}
 
 
 def _compiles(args) -> bool:
@@ -336,7 +390,8 @@ def _write_random_models(shape_text: str, directory: str) -> tuple[str, str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.bench.fast_measure', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('what', choices=('decode', 'verify', 'threads', 'thread-matrix', 'memory', 'memory-one'))
+    parser.add_argument('what', choices=('decode', 'verify', 'threads', 'thread-matrix', 'memory', 'memory-one',
+                                         'warmup'))
     parser.add_argument('--model', default=TARGET)
     parser.add_argument('--systems', default='hf,lean,compiled', help='comma-separated: ' + ', '.join(SYSTEMS))
     parser.add_argument('--threads', type=int, default=1)
@@ -350,11 +405,13 @@ def main(argv=None) -> int:
     parser.add_argument('--random-targets', default='',
                         help='memory: also random-weight targets of these shapes (LAYERSxHIDDENxINTERMEDIATE, '
                              'comma-separated)')
+    parser.add_argument('--cold-cache', action='store_true', help='warmup: compile into an empty inductor cache')
+    parser.add_argument('--interval', type=float, default=5.0, help='warmup: seconds between goal pairs')
     args = parser.parse_args(argv)
     if any(name not in SYSTEMS for name in args.systems.split(',')):
         parser.error('--systems takes a comma-separated subset of {}'.format(', '.join(SYSTEMS)))
     result = {'decode': decode, 'verify': verify, 'threads': threads, 'thread-matrix': thread_matrix, 'memory': memory,
-              'memory-one': memory_one}[args.what](args)
+              'memory-one': memory_one, 'warmup': warmup}[args.what](args)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -105,14 +105,15 @@ def _engine(target, assistant, tokenizer, mode: str, device, dtype):
     from gemma_spec_ros.engine.causal_lm import build_causal_lm
     from gemma_spec_ros.engine.drafters.mtp import MtpDrafter
     from gemma_spec_ros.engine.drafters.none import NoneDrafter
-    from gemma_spec_ros.engine.engine import Engine, warm_up
+    from gemma_spec_ros.engine.engine import Engine
+    from gemma_spec_ros.engine.warmup import warm_up_blocking
 
     config = EngineConfig(target_path='in-memory', assistant_path='in-memory', device=str(device), compile=mode,
-                          context_limit=1024)
+                          context_limit=1024, warmup='blocking')
     target_lm = build_causal_lm(target, mode, 1024, config.max_draft_tokens + 1, 'target', _say)
     drafters = {'none': NoneDrafter(), 'mtp': MtpDrafter(assistant, target_lm)}
-    seconds = warm_up(target_lm, drafters, _say)
-    engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, warmup_seconds=seconds)
+    warmed = warm_up_blocking(target_lm, drafters, _say)
+    engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, warmup=warmed)
     engine.calibrate_verify_costs()  # as Engine.from_config does: the adaptive controller's verify-cost curve
     return engine
 

@@ -6,7 +6,8 @@ A Gemma 4 causal LM (the target or the draft model) with its KV cache, behind on
   lean forward does not cover (MoE).
 
 Both: ``reset()`` per request, ``prefill(ids, logits_to_keep, want_states)`` for the prompt, ``append(...)`` for a
-step, ``crop(-n)`` to roll back, ``length``, ``nbytes`` (the preallocated cache), ``mode`` and ``warmup()``.
+step, ``crop(-n)`` to roll back, ``length``, ``nbytes`` (the preallocated cache), ``mode``, ``warmup()`` and
+``graph_jobs()`` (a background warm-up's, engine/warmup.py).
 """
 
 from collections.abc import Callable
@@ -77,6 +78,10 @@ class DynamicCausalLM:
     def warmup(self, logits_to_keep: int = 0, progress: Callable[[str], None] | None = None) -> WarmupReport:
         """Nothing to compile."""
         return WarmupReport(self.mode, 0, 0.0)
+
+    def graph_jobs(self, role: str, logits_to_keep: int = 0) -> list:
+        """Nothing to compile."""
+        return []
 
 
 def build_causal_lm(model, compile_mode: str, context_limit: int, max_query: int, role: str,

@@ -9,7 +9,7 @@ from pathlib import Path
 from .config_file import load_engine_config, read_constraint_files, resolve_model_path
 from .drafters import DRAFTERS
 from .stats import format_stats
-from .types import COMPILE_MODES, DEVICES, DTYPES, GenerationRequest, GenerationResult
+from .types import COMPILE_MODES, DEVICES, DTYPES, WARMUP_POLICIES, GenerationRequest, GenerationResult
 
 DEFAULT_TARGET = 'models/gemma4-spec-target'
 DEFAULT_ASSISTANT = 'models/gemma4-spec-assistant'
@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--threads', type=int, default=None,
                         help='torch CPU threads (engine.num_threads, default 1; 0 = torch default)')
     parser.add_argument('--compile', choices=COMPILE_MODES, help='decode steps (engine.compile, default auto)')
+    parser.add_argument('--warmup', choices=WARMUP_POLICIES,
+                        help='engine.warmup (default background: generate at once on eager steps while the compiled '
+                             'steps load or compile; blocking: compile them all first)')
     parser.add_argument('--samples', type=int, default=1, help='number of generations (seeds S, S+1, ...)')
     parser.add_argument('--json', action='store_true', help='print one JSON object per sample and line')
     return parser
@@ -54,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engine_overrides(args) -> dict:
     overrides = {'target_path': args.target, 'drafter': args.drafter, 'device': args.device, 'dtype': args.dtype,
-                 'num_draft_tokens': args.num_draft_tokens, 'num_threads': args.threads, 'compile': args.compile}
+                 'num_draft_tokens': args.num_draft_tokens, 'num_threads': args.threads, 'compile': args.compile,
+                 'warmup': args.warmup}
     if not args.config:
         # the bundled drafters belong to the bundled target; with --target only --drafter-path adds one
         overrides['target_path'] = args.target or DEFAULT_TARGET
@@ -128,6 +132,7 @@ def main(argv=None) -> int:
             else:
                 result = engine.generate(request, on_delta=lambda delta: print(delta.text, end='', flush=True))
                 _print_stats(result)
+        engine.close()  # a background warm-up builds no further graph: the process is about to exit
     except ValueError as exc:
         print('error: {}'.format(exc), file=sys.stderr)
         return 2

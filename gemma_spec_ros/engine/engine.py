@@ -14,7 +14,6 @@ from . import causal_lm, models, requests
 from .adaptive import AdaptiveK, Decision, TargetCost
 from .drafters import REGISTRY, drafter_class
 from .drafters.base import DraftContext, Drafter, LoadContext, Proposal
-from .fast.runner import INDUCTOR_MODES, compile_cache_dir
 from .grammar import ConstraintCompiler, GrammarConstraint, mask_logits
 from .requests import RequestPlan, SamplingParams
 from .sampling import logits_to_probs, sample
@@ -29,8 +28,10 @@ from .types import (
     GenerationRequest,
     GenerationResult,
     StreamDelta,
+    WarmupState,
 )
 from .verify import verify
+from .warmup import Warmup, order_jobs, warm_up_blocking
 
 CALIBRATION_ROUNDS = 5     # timed passes of every size when the engine loads (calibrate_verify_costs)
 CALIBRATION_CONTEXT = 64   # tokens of context the calibration passes follow (at most)
@@ -87,8 +88,12 @@ class Engine:
     """A loaded target plus drafters serving many generate calls, one at a time (thread-safe)."""
 
     def __init__(self, config: EngineConfig, target_lm, tokenizer, drafters: dict[str, Drafter], device, dtype,
-                 drafter_errors: dict[str, DisabledDrafter] | None = None, warmup_seconds: float = 0.0):
-        """target_lm: the target with its KV cache (causal_lm.build_causal_lm), its drafters already loaded."""
+                 drafter_errors: dict[str, DisabledDrafter] | None = None, warmup: WarmupState | None = None):
+        """
+        target_lm: the target with its KV cache (causal_lm.build_causal_lm), its drafters already loaded.
+
+        warmup: how the decode steps were warmed up before (blocking, off); start_background_warmup for background.
+        """
         self.config = config
         self._target = target_lm
         self._tokenizer = tokenizer
@@ -103,7 +108,12 @@ class Engine:
         self._context_limit = models.context_limit(config, target_lm.model)
         self._vocab_size = models.text_config(target_lm.model).vocab_size
         self._eos_ids = models.eos_token_ids(target_lm.model, tokenizer)
-        self._warmup_seconds = warmup_seconds
+        self._warmup_state = warmup or WarmupState(config.warmup)
+        self._warmup: Warmup | None = None  # a background warm-up, while and after it runs
+        self._graph_jobs, self._default_path_jobs = order_jobs(
+            target_lm.graph_jobs('target'), {name: drafter.graph_jobs() for name, drafter in drafters.items()},
+            config.drafter)
+        self._step_runners = list({id(job.steps): job.steps for job in self._graph_jobs}.values())
         self._weights_bytes = causal_lm.parameter_bytes(target_lm.model) + sum(
             drafter.weights_bytes for drafter in drafters.values())
         self._kv_cache_bytes = target_lm.nbytes + sum(drafter.kv_cache_bytes for drafter in drafters.values())
@@ -116,12 +126,14 @@ class Engine:
         self.set_default_drafter(config.drafter)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, progress=None, tolerate_drafter_errors: bool = False) -> 'Engine':
+    def from_config(cls, config: EngineConfig, progress=None, tolerate_drafter_errors: bool = False,
+                    start_warmup: bool = True) -> 'Engine':
         """
         Load the target and every drafter whose model path is set; ValueError when something does not fit.
 
         tolerate_drafter_errors: a drafter that fails to load is disabled (see drafter_errors) instead of failing
         the whole engine; requests for it run plain decoding with a warning. The target is always required.
+        start_warmup: False leaves a background warm-up to warmup.start() or its build calls (benchmarks, tests).
         """
         say = progress or (lambda message: None)
         requests.check_config(config)
@@ -146,17 +158,39 @@ class Engine:
                     raise
                 errors[name] = DisabledDrafter(name, spec.role, getattr(config, spec.path_field), str(exc))
                 say(errors[name].describe())
-        warmup_seconds = warm_up(target_lm, drafters, say)
-        engine = cls(config, target_lm, tokenizer, drafters, device, dtype, errors, warmup_seconds)
-        if engine._controllers:
-            curve = engine.calibrate_verify_costs()
-            say('verify passes of 1..{} tokens: {} ms'.format(len(curve), ' / '.join(
-                '{:.1f}'.format(seconds * 1e3) for _, seconds in sorted(curve.items()))))
-        say('engine ready: drafters {}; decode steps {}, warm-up {:.1f} s, weights {:.1f} MiB, KV cache {:.1f} MiB '
-            '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, warmup_seconds,
+        engine = cls(config, target_lm, tokenizer, drafters, device, dtype, errors)
+        background = config.warmup == 'background' and engine._graph_jobs
+        if config.warmup == 'blocking' or (config.warmup == 'background' and not background):
+            engine._warmup_state = warm_up_blocking(target_lm, drafters, say)
+        if background:
+            engine._warmup = Warmup(engine._graph_jobs, say, on_compiled=lambda: engine._calibrate(say),
+                                    default_path=engine._default_path_jobs)
+        engine._calibrate(say)
+        say('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
+            '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, engine.status().warmup.serving,
+                                 'in the background ({} graphs)'.format(len(engine._graph_jobs)) if background else
+                                 '{:.1f} s'.format(engine._warmup_state.seconds),
                                  engine._weights_bytes / 2 ** 20, engine._kv_cache_bytes / 2 ** 20,
                                  engine._context_limit))
+        if engine._warmup is not None and start_warmup:
+            engine._warmup.start()
         return engine
+
+    def _calibrate(self, say) -> None:
+        if self._controllers:
+            curve = self.calibrate_verify_costs()
+            say('verify passes of 1..{} tokens: {} ms'.format(len(curve), ' / '.join(
+                '{:.1f}'.format(seconds * 1e3) for _, seconds in sorted(curve.items()))))
+
+    @property
+    def warmup(self) -> Warmup | None:
+        """The background warm-up (None with another policy, or nothing to compile): wait(), stop(), state()."""
+        return self._warmup
+
+    def close(self) -> None:
+        """Stop a background warm-up after the graph it is building (the engine keeps serving on what is built)."""
+        if self._warmup is not None:
+            self._warmup.stop()
 
     @property
     def tokenizer(self):
@@ -183,12 +217,13 @@ class Engine:
         """Return a snapshot for diagnostics (safe from any thread)."""
         name = self._default_drafter
         path = getattr(self.config, REGISTRY[name].path_field) if REGISTRY[name].path_field else ''
+        warmup = self._warmup_state if self._warmup is None else self._warmup.state()
         with self._measure_lock:
             lifetime = dict(self._lifetime)
             status = EngineStatus(
                 target_id=Path(self.config.target_path).name, drafter=name, drafter_id=Path(path).name if path else '',
                 device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
-                compile_mode=self._target.mode, warmup_seconds=self._warmup_seconds,
+                compile_mode=self._target.mode, warmup_seconds=warmup.seconds, warmup=warmup,
                 weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
                 tau_lifetime=lifetime['tokens'] / lifetime['passes'] if lifetime['passes'] else math.nan,
                 acceptance_rate_lifetime=(lifetime['accepted'] / lifetime['drafted'] if lifetime['drafted']
@@ -237,6 +272,8 @@ class Engine:
         stopwatch = _Stopwatch(self._device)
         seconds = {}
         with self._lock, torch.inference_mode():
+            if self._warmup is not None:
+                self._warmup.adopt()  # between requests: time the graphs built so far
             self._target.reset()
             self._target.prefill(torch.tensor([prompt_ids], device=self._device))
             next_tokens = torch.tensor([(prompt_ids[::-1] * max(sizes))[:max(sizes)]], device=self._device)  # real ids
@@ -275,6 +312,7 @@ class Engine:
     # ----------------------------------------------------------------------------------------------- the loop
     def _run(self, plan: RequestPlan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> GenerationResult:
         started = time.perf_counter()
+        steps_before = self._step_calls()
         if self._device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self._device)
         self._target.reset()
@@ -300,7 +338,7 @@ class Engine:
                 run.finish = 'cancelled'
                 break
             new_tokens = self._speculate(run)
-        return self._result(run, started)
+        return self._result(run, started, steps_before)
 
     def _prefill(self, run: _Run) -> list[int]:
         """Start the drafter, run the prompt through the target in one pass and pick the first token."""
@@ -324,6 +362,8 @@ class Engine:
 
     def _speculate(self, run: _Run) -> list[int]:
         """One round: draft K tokens, verify them in one target pass, roll back the rejected ones, measure."""
+        if self._warmup is not None:
+            self._warmup.adopt()  # graphs built since the last round take over: the whole round runs on them
         round_start = run.stopwatch.mark()
         budget = min(run.plan.max_new_tokens - len(run.generated), self._context_limit - len(run.tokens)) - 1
         decision = self._decide(run.plan, run.controller)
@@ -441,7 +481,21 @@ class Engine:
             return new_tokens[:room], 'length'
         return new_tokens, ''
 
-    def _result(self, run: _Run, started: float) -> GenerationResult:
+    def _step_calls(self) -> tuple[int, int]:
+        """Decode steps run so far (graph, eager) by the models that have compiled graphs."""
+        return (sum(steps.graph_calls for steps in self._step_runners),
+                sum(steps.eager_calls for steps in self._step_runners))
+
+    def _decode_path(self, steps_before: tuple[int, int]) -> str:
+        """Say what ran a request's decode steps: the compile mode, 'eager', or both with the compiled share."""
+        graph, eager = (now - before for now, before in zip(self._step_calls(), steps_before, strict=True))
+        if not self._step_runners or not eager:
+            return self._target.mode
+        if not graph:
+            return 'eager (warming up)'
+        return 'eager + {} ({:.0%} of steps compiled)'.format(self._target.mode, graph / (graph + eager))
+
+    def _result(self, run: _Run, started: float, steps_before: tuple[int, int]) -> GenerationResult:
         """
         Build the result with its statistics; a generation that speculated to its end adds to the lifetime counters.
 
@@ -456,6 +510,7 @@ class Engine:
         stats = generation_stats(run.tally, len(run.plan.prompt_ids), len(run.generated), started,
                                  time.perf_counter(), run.plan.drafter if run.controller is not None else 'none',
                                  cost_ratio)
+        stats.decode_path = self._decode_path(steps_before)
         if self._device.type == 'cuda':
             stats.cuda_peak_allocated_bytes = torch.cuda.max_memory_allocated(self._device)
             stats.cuda_peak_reserved_bytes = torch.cuda.max_memory_reserved(self._device)
@@ -465,16 +520,3 @@ class Engine:
                                 'its json_schema / grammar'.format(run.plan.max_new_tokens))
         return GenerationResult(''.join(run.pieces), run.generated, run.finish, stats, run.warnings, complete)
 
-
-def warm_up(target_lm, drafters: dict[str, Drafter], say) -> float:
-    """Compile or capture the decode steps of the target and every drafter before the first request; seconds."""
-    started = time.perf_counter()
-    if target_lm.mode in INDUCTOR_MODES:
-        say('warm-up: compiling the decode steps ({}); a cold compile cache ({}) takes minutes on a small CPU'.format(
-            target_lm.mode, compile_cache_dir()))
-    elif target_lm.mode == 'cudagraph':
-        say('warm-up: capturing the decode steps as CUDA graphs')
-    target_lm.warmup(logits_to_keep=0, progress=say)
-    for drafter in drafters.values():
-        drafter.warmup(say)
-    return time.perf_counter() - started

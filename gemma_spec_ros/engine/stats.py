@@ -142,11 +142,11 @@ def generation_stats(tally: RoundTally, prompt_tokens: int, new_tokens: int, sta
 
 
 def format_stats(stats) -> str:
-    """Two lines about a GenerationStats (the engine's dataclass or the gemma_spec_msgs message)."""
+    """Three lines about a GenerationStats (the engine's dataclass or the gemma_spec_msgs message)."""
     return ('tokens {} (prompt {})  tau {:.2f}  acceptance {:.2f}  drafter {}  K {:.1f}  c {:.3f}\n'
             'ttft {:.3f} s  itl p50 {:.4f} s  p95 {:.4f} s  decode {:.1f} tok/s  wall {:.2f} s  '
-            'process peak RSS {:.0f} MiB').format(
+            'process peak RSS {:.0f} MiB\ndecode steps: {}').format(
         stats.new_tokens, stats.prompt_tokens, stats.tau, stats.acceptance_rate, stats.drafter or '-',
         stats.mean_num_draft_tokens, stats.draft_cost_ratio, stats.time_to_first_token,
         stats.inter_token_latency_p50, stats.inter_token_latency_p95, stats.tokens_per_second, stats.wall_time,
-        stats.process_peak_rss_bytes / MIB)
+        stats.process_peak_rss_bytes / MIB, stats.decode_path or '-')

@@ -18,6 +18,9 @@ DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 # how decode steps run: the lean forward on a static KV cache, eager, inductor-compiled or captured as CUDA graphs;
 # off: transformers' own forward on a DynamicCache (the reference path, and the one for MoE checkpoints)
 COMPILE_MODES = ('auto', 'inductor', 'inductor-gemm', 'cudagraph', 'eager', 'off')
+# when compiled decode steps are built (engine/warmup.py): background (serve on eager steps at once, swap each graph
+# in when ready), blocking (all before the first request) or off (each on first use, inside that request)
+WARMUP_POLICIES = ('background', 'blocking', 'off')
 # the engine ends with stop, length or cancelled; the node adds error, busy (queue full) and timeout
 # (queue.goal_timeout)
 FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
@@ -64,6 +67,10 @@ class EngineConfig:
                               "inductor's GEMM template on frozen weights; faster, one more copy of the weights and "
                               'a compile at every start), cudagraph, eager (lean forward, static cache) '
                               "or off (transformers' forward)", choices=COMPILE_MODES)
+    warmup: str = _parameter('background', 'when compiled decode steps are built: background (serve at once on eager '
+                             'steps, each graph takes over when ready), blocking (all before the first request: '
+                             'minutes with a cold compile cache) or off (each on first use, inside that request)',
+                             choices=WARMUP_POLICIES)
     context_limit: int = _parameter(4096, 'most tokens (prompt + generated) of one request; the static KV cache is '
                                     "preallocated for it (at most the model's max_position_embeddings)",
                                     limits=(16, INT32_MAX))
@@ -138,6 +145,7 @@ class GenerationStats:
     process_peak_rss_bytes: int = 0    # process RSS high-water mark since the process started
     cuda_peak_allocated_bytes: int = 0  # peak CUDA memory allocated during this generation (0 on CPU)
     cuda_peak_reserved_bytes: int = 0   # peak CUDA memory reserved during this generation (0 on CPU)
+    decode_path: str = ''              # what ran the decode steps: the compile mode, eager, or both while warming up
 
 
 @dataclass
@@ -181,6 +189,29 @@ class DisabledDrafter:
 
 
 @dataclass
+class WarmupState:
+    """Where the warm-up of the compiled decode steps stands."""
+
+    policy: str = 'off'             # WARMUP_POLICIES
+    graphs_ready: int = 0           # graphs built in the background so far (blocking: all of them)
+    graphs_total: int = 0           # graphs a background warm-up builds (0: none; blocking: as many as ready)
+    seconds: float = 0.0            # warm-up time so far; once done, the time to full speed
+    default_path_seconds: float | None = None  # when the graphs of the target and the default drafter all served
+    done: bool = True
+    failed: list[str] = field(default_factory=list)  # graphs that failed to build: their steps stay eager
+
+    @property
+    def serving(self) -> str:
+        """What the decode steps run on now: compiled, partly compiled (k of n graphs) or eager."""
+        if self.policy == 'off':
+            return 'compiled on first use'
+        if self.graphs_ready and self.graphs_ready >= self.graphs_total:
+            return 'compiled'
+        return 'partly compiled ({} of {} graphs)'.format(self.graphs_ready, self.graphs_total) \
+            if self.graphs_ready else 'eager'
+
+
+@dataclass
 class EngineStatus:
     """A snapshot of the engine for diagnostics; safe to read from another thread."""
 
@@ -190,7 +221,8 @@ class EngineStatus:
     device: str = 'cpu'
     dtype: str = 'float32'
     compile_mode: str = 'off'          # how decode steps run (engine.compile resolved for this device and model)
-    warmup_seconds: float = 0.0        # compile / capture time at load
+    warmup_seconds: float = 0.0        # compile / capture time at load (background: WarmupState.seconds)
+    warmup: WarmupState = field(default_factory=WarmupState)
     weights_bytes: int = 0             # parameters of every loaded model
     kv_cache_bytes: int = 0            # static KV caches (preallocated for engine.context_limit; 0 when off)
     num_draft_tokens: int = 0          # K the adaptive controller would use now

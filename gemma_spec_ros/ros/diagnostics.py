@@ -170,9 +170,11 @@ def fill_server_status(stat, status, snap):
     return stat
 
 
-def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0):
+def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0, progress=''):
     """
     Fill the engine task: ERROR when the models or a drafter's model failed to load, OK while serving.
+
+    progress: the latest loading step (a client waits while it changes: GenerateClient.wait_until_ready).
 
     A disabled drafter is ERROR although the node serves without it (an operator must fix the model); speculation
     paused by the profit gate is normal operation and stays OK.
@@ -182,7 +184,7 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0)
         stat.summary(ERROR, error or 'models not loaded')
         return stat
     if state == 'loading':
-        stat.summary(WARN, 'loading models ({:.0f} s)'.format(loading_seconds))
+        stat.summary(WARN, 'loading models ({:.0f} s){}'.format(loading_seconds, ': ' + progress if progress else ''))
         return stat
     if state == 'shutdown' or status is None:
         stat.summary(WARN, error or 'not serving')
@@ -206,10 +208,19 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0)
                      '(break-even tau {:.2f})'.format(status.drafter, status.break_even_tau))
     for drafter in disabled.values():
         stat.mergeSummary(ERROR, '{}; goals asking for it run plain decoding'.format(drafter.describe()))
+    warmup = status.warmup
+    if not warmup.done:
+        stat.mergeSummary(OK, 'warming up: {} of {} graphs ready, serving {} steps meanwhile'.format(
+            warmup.graphs_ready, warmup.graphs_total, 'eager' if not warmup.graphs_ready else 'eager and compiled'))
+    for graph in warmup.failed:
+        stat.mergeSummary(WARN, 'graph {} failed to build: its steps run eager'.format(graph))
     for key, value in (
             ('target model', status.target_id), ('drafter', status.drafter),
             ('drafter model', status.drafter_id or '-'), ('device', status.device), ('dtype', status.dtype),
-            ('decode steps', status.compile_mode), ('warm-up s', '{:.1f}'.format(status.warmup_seconds)),
+            ('decode steps', status.compile_mode), ('warm-up', warmup.policy), ('serving', warmup.serving),
+            ('graphs ready', '{} of {}'.format(warmup.graphs_ready, warmup.graphs_total)),
+            ('warm-up done', str(warmup.done).lower()),
+            ('warm-up s', '{:.1f}'.format(warmup.seconds)),  # once done: the time to full speed
             ('weights MiB', '{:.1f}'.format(status.weights_bytes / 2 ** 20)),
             ('KV cache MiB', '{:.1f}'.format(status.kv_cache_bytes / 2 ** 20)),
             ('speculation', speculation), ('K', status.num_draft_tokens),

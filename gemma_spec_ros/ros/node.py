@@ -57,6 +57,7 @@ class GemmaSpecNode(Node):
         self._engine = None
         self._metrics = diagnostics.GenerationMetrics(self._param('diagnostics.window'))
         self._load_started = time.monotonic()
+        self._load_progress = ''  # the latest loading step the engine reported
 
         self._updater = diagnostics.Updater(self)
         self._updater.setHardwareID(self._param('diagnostics.hardware_id'))
@@ -149,8 +150,7 @@ class GemmaSpecNode(Node):
                 engine = self._engine_factory(config)
             else:
                 from gemma_spec_ros.engine import Engine
-                engine = Engine.from_config(config, progress=lambda message: logger.info(str(message)),
-                                            tolerate_drafter_errors=True)
+                engine = Engine.from_config(config, progress=self._report_progress, tolerate_drafter_errors=True)
         except Exception as error:  # noqa: BLE001 (any load failure is reported, the node stays up)
             reason = 'engine failed to load: {}'.format(error)
             logger.error(reason)
@@ -162,6 +162,11 @@ class GemmaSpecNode(Node):
         if self._queue.set_ready():
             logger.info('ready in {:.1f} s: action {}'.format(
                 time.monotonic() - self._load_started, self.resolve_action_name()))
+
+    def _report_progress(self, message):
+        """Log a loading or warm-up step; while loading it also goes to /diagnostics."""
+        self._load_progress = str(message)
+        self.get_logger().info(self._load_progress)
 
     # ---- action callbacks --------------------------------------------------------------------
 
@@ -275,7 +280,7 @@ class GemmaSpecNode(Node):
         engine = self._engine  # status() of a VllmBackend asks the server over HTTP: never under a lock
         return diagnostics.fill_engine_status(
             stat, self.state, self._queue.reason, engine.status() if engine is not None else None, self._metrics,
-            loading_seconds=time.monotonic() - self._load_started)
+            loading_seconds=time.monotonic() - self._load_started, progress=self._load_progress)
 
     def _generation_task(self, stat):
         queued, running = self._queue.depth()

@@ -148,6 +148,11 @@ class DiagnosticsListener:
             return dict(self._latest)
 
 
+def _progress(loading_message: str) -> str:
+    """Return what a loading message says was done, without its running clock ('loading models (12 s): ...')."""
+    return loading_message.split(': ', 1)[1] if ': ' in loading_message else ''
+
+
 def engine_state(latest, node_name='gemma_spec'):
     """Return (state, message) of the node's engine status: loading|ready|failed|shutdown, or None."""
     entry = latest.get('{}: engine'.format(node_name))
@@ -185,16 +190,32 @@ class GenerateClient:
     def wait_for_server(self, timeout=30.0) -> bool:
         return self._client.wait_for_server(timeout_sec=timeout)
 
-    def wait_until_ready(self, node_name='gemma_spec', timeout=120.0):
-        """Wait until the node's /diagnostics say the engine is ready; RuntimeError if it failed or timed out."""
-        latest = self.diagnostics_sample(
-            node_name, timeout, lambda latest: engine_state(latest, node_name)[0] in ('ready', 'failed'))
-        if latest is None:
-            raise RuntimeError('node {} did not report ready on /diagnostics within {} s'.format(node_name, timeout))
-        state, message = engine_state(latest, node_name)
-        if state != 'ready':
-            raise RuntimeError('node {} is not serving: {}'.format(node_name, message))
-        return latest
+    def wait_until_ready(self, node_name='gemma_spec', timeout=120.0, on_progress=None):
+        """
+        Wait until the node's /diagnostics say the engine is ready, as long as its loading makes progress.
+
+        timeout: seconds without progress (a new loading message, such as a compile warm-up step) before giving
+        up. on_progress(message) sees each new loading message. RuntimeError if the node failed or stalled.
+        """
+        seen = None
+
+        def ready_or_progress(latest):
+            state, message = engine_state(latest, node_name)
+            return state in ('ready', 'failed') or (state == 'loading' and _progress(message) != seen)
+
+        while True:
+            latest = self.diagnostics_sample(node_name, timeout, ready_or_progress)
+            if latest is None:
+                raise RuntimeError('node {} made no loading progress on /diagnostics for {} s{}'.format(
+                    node_name, timeout, ' (last: {})'.format(seen) if seen else ''))
+            state, message = engine_state(latest, node_name)
+            if state == 'ready':
+                return latest
+            if state != 'loading':
+                raise RuntimeError('node {} is not serving: {}'.format(node_name, message))
+            seen = _progress(message)
+            if on_progress is not None:
+                on_progress(message)
 
     def diagnostics_sample(self, node_name='gemma_spec', timeout=10.0, predicate=None):
         """

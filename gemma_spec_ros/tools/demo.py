@@ -94,6 +94,13 @@ def run_goal(client, label, goal, stream):
     return outcome
 
 
+def compared_paths(speculative: str, plain: str) -> str:
+    """Say what the two goals' decode steps ran on: a speedup across different paths is not like for like."""
+    if speculative == plain:
+        return 'both on {} steps'.format(speculative)
+    return 'not like for like while the node warms up: speculative on {}, plain on {}'.format(speculative, plain)
+
+
 def print_plan(result):
     """Print the parsed action plan, or why the output holds none."""
     if not result.structure_complete:
@@ -111,7 +118,8 @@ def print_diagnostics(latest):
     for name in sorted(latest):
         level, message, values, _ = latest[name]
         print('[{}] {}: {}'.format(level, name, message))
-        for key in ('speculation', 'K', 'draft cost ratio c', 'break-even tau', 'tau (window)', 'tau (lifetime)',
+        for key in ('serving', 'graphs ready', 'warm-up s', 'speculation', 'K', 'draft cost ratio c',
+                    'break-even tau', 'tau (window)', 'tau (lifetime)',
                     'acceptance rate (window)', 'decode tokens/s', 'time to first token p95 (s)',
                     'inter-token latency p95 (s)', 'process RSS (MiB)', 'MemAvailable (MiB)',
                     'CUDA reserved (MiB)'):
@@ -129,7 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument('--max-new-tokens', type=int, default=192)
     parser.add_argument('--no-compare', action='store_true', help='skip the plain-decoding comparison goal')
     parser.add_argument('--once', action='store_true', help='stop the node after the demo goals (no serving)')
-    parser.add_argument('--ready-timeout', type=float, default=600.0, help='seconds to wait for the models')
+    parser.add_argument('--ready-timeout', type=float, default=600.0,
+                        help='seconds to wait for the action server, and for each loading step of the node')
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.client and (args.params_file or args.param):
         parser.error('--params-file and --param configure the node this demo starts; --client starts none')
@@ -163,7 +172,8 @@ def main(argv=None) -> int:
                              stream=False)
             same = list(plain.result.token_ids) == list(spec.result.token_ids)
             ratio = spec.result.stats.tokens_per_second / max(plain.result.stats.tokens_per_second, 1e-9)
-            print('\nspeculative vs plain: {:.2f}x decode tokens/s, identical tokens: {}'.format(ratio, same))
+            print('\nspeculative vs plain: {:.2f}x decode tokens/s ({}), identical tokens: {}'.format(
+                ratio, compared_paths(spec.result.stats.decode_path, plain.result.stats.decode_path), same))
         latest = client.diagnostics_sample(NODE_NAME, timeout=10.0)
         if latest:
             print_diagnostics(latest)

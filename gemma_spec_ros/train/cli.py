@@ -293,7 +293,7 @@ def eval_drafter_command(args: argparse.Namespace) -> int:
     config = EngineConfig(target_path=args.target, assistant_path=args.assistant if 'mtp' in drafters else '',
                           draft_model_path=args.draft if 'draft' in drafters else '', drafter='none',
                           device=args.device, profit_gate=False, max_draft_tokens=max(ks),
-                          num_threads=args.threads)
+                          num_threads=args.threads, warmup='blocking')  # measured at full speed
     engine = Engine.from_config(config, progress=print)
     prompts = held_out_prompts(args.prompts_per_category, args.prompt_chars, args.seed)
     start = time.time()

@@ -92,8 +92,13 @@ class Drafter(ABC):
         (prefill: 1 and 1, the last prompt position).
         """
 
-    def warmup(self, progress) -> None:  # noqa: B027 (optional hook)
-        """Compile or capture the drafter's steps (after every model is loaded, before the first request)."""
+    def warmup(self, progress) -> int:
+        """Compile or capture the drafter's steps (after every model is loaded, before the first request); graphs."""
+        return 0
+
+    def graph_jobs(self) -> list:
+        """Return the drafter's step graphs for a background warm-up (fast.GraphJob; none unless compiled on CPU)."""
+        return []
 
 
 @contextmanager

@@ -28,8 +28,11 @@ class DraftModelDrafter(Drafter):
                                              context.config.max_draft_tokens + 1, 'draft model', context.progress)
         return cls(draft_lm)
 
-    def warmup(self, progress) -> None:
-        self._lm.warmup(logits_to_keep=1, progress=progress)
+    def warmup(self, progress) -> int:
+        return self._lm.warmup(logits_to_keep=1, progress=progress).graphs
+
+    def graph_jobs(self) -> list:
+        return self._lm.graph_jobs(self.name, logits_to_keep=1)
 
     def start(self, prompt_ids: list[int]) -> None:
         # prefill here, so that the first round's drafting cost is a normal step

@@ -51,9 +51,11 @@ class MtpDrafter(Drafter):
                 str(drafter._fast.weights_dtype).replace('torch.', '')))
         return drafter
 
-    def warmup(self, progress) -> None:
-        if self._fast is not None:
-            self._fast.warmup(progress)
+    def warmup(self, progress) -> int:
+        return 0 if self._fast is None else self._fast.warmup(progress).graphs
+
+    def graph_jobs(self) -> list:
+        return [] if self._fast is None else self._fast.graph_jobs(self.name)
 
     def start(self, prompt_ids: list[int]) -> None:
         self._hidden = None

@@ -7,7 +7,7 @@ inductor-compiled (CPU) or captured as CUDA graphs (GPU). transformers stays the
 
 from .cache import StaticKvCache
 from .model import LeanAssistant, LeanGemma4, StepOutput
-from .runner import STEP_MODES, FastAssistant, FastCausalLM, WarmupReport, resolve_compile_mode
+from .runner import STEP_MODES, FastAssistant, FastCausalLM, GraphJob, WarmupReport, resolve_compile_mode
 
-__all__ = ['STEP_MODES', 'FastAssistant', 'FastCausalLM', 'LeanAssistant', 'LeanGemma4', 'StaticKvCache',
+__all__ = ['STEP_MODES', 'FastAssistant', 'FastCausalLM', 'GraphJob', 'LeanAssistant', 'LeanGemma4', 'StaticKvCache',
            'StepOutput', 'WarmupReport', 'resolve_compile_mode']

@@ -60,11 +60,14 @@ class StaticKvCache:
         self.length = 0
         self._written_end = 0   # highest position written since reset, + 1
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer of the cache, in a fixed order (the same for two caches of one model)."""
+        return [*self.keys, *self.values, self.ring_positions, self.key_positions]
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the cache buffers."""
-        tensors = [*self.keys, *self.values, self.ring_positions, self.key_positions]
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors())
 
     @property
     def max_rollback(self) -> int:

@@ -24,13 +24,16 @@ Warm up after every model is loaded and the thread count is set: compiled graphs
 on the registered pytree types, and a change recompiles (slowly, but correctly).
 """
 
+import copy
 import functools
 import gc
 import inspect
 import linecache
 import os
+import threading
 import time
 import types
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -181,6 +184,27 @@ class WarmupReport:
     direct_graphs: int = 0  # of those, variants with a graph called without dynamo's entry (_DirectGraph)
 
 
+@dataclass
+class GraphJob:
+    """
+    One step graph that a background warm-up builds (engine/warmup.py), while its model serves on eager steps.
+
+    build() compiles the variant on a shadow of the model (the same weights, a scratch cache: the served cache is
+    never touched) and stages the graph on the served steps, which adopt it between rounds (adopt_graphs).
+    """
+
+    name: str                        # e.g. 'target q=1', 'mtp greedy x4'
+    owner: object                    # the FastCausalLM or FastAssistant it serves (release_shadow when done)
+    steps: '_Steps'                  # the served steps: demand for this graph is counted there
+    variant_keys: tuple[tuple, ...]  # the variants the graph serves
+    build: Callable[[], int]         # returns how many graphs it staged
+
+    @property
+    def demand(self) -> int:
+        """Steps run eager so far for want of this graph."""
+        return sum(self.steps.demand[key] for key in self.variant_keys)
+
+
 class _Graph:
     """One captured CUDA graph over static input buffers; returns clones of its outputs."""
 
@@ -214,6 +238,12 @@ class _DirectRecord:
 
     def __post_init__(self):
         self._sizes = [(binding[1], binding[2]) for binding in self.bindings if binding[0] == 'size']
+
+    def rebound(self, tensors: dict[int, torch.Tensor]) -> '_DirectRecord':
+        """Return this graph reading tensors[id(t)] wherever it read a fixed tensor t (a shadow's cache: the served)."""
+        bindings = [('fixed', tensors.get(id(binding[1]), binding[1])) if binding[0] == 'fixed' else binding
+                    for binding in self.bindings]
+        return _DirectRecord(self.graph, bindings, self.size_guards, self.guard_names)
 
     def accepts(self, inputs: tuple[torch.Tensor, ...]) -> bool:
         if self.size_guards is None:
@@ -292,6 +322,14 @@ class _DirectGraph:
         """Confirmed graphs at this thread count."""
         return len(self._records.get(torch.get_num_threads(), ()))
 
+    def take_records(self) -> list['_DirectRecord']:
+        """Remove and return the graphs confirmed at this thread count."""
+        return self._records.pop(torch.get_num_threads(), [])
+
+    def add_records(self, threads: int, records: list['_DirectRecord']) -> None:
+        """Serve direct calls at that thread count with these graphs too."""
+        self._records.setdefault(threads, []).extend(records)
+
     def try_call(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         """Run the first graph recorded for this thread count that accepts the inputs; None when none does."""
         for record in self._records.get(torch.get_num_threads(), ()):
@@ -323,6 +361,10 @@ class _Steps:
     row_product_max_rows, then one dynamic range; the key length dynamic); with inductor-gemm the range of 2 tokens
     or more compiles on frozen weights. Otherwise a variant is one q and, unless eager, one full-attention
     key-length bucket.
+
+    With serve_eager (a background warm-up), a variant without a graph runs its step function eager instead of
+    compiling in the caller's thread; graphs built elsewhere are staged (stage) and taken over between rounds
+    (adopt), so that a round runs on one set of steps.
     """
 
     def __init__(self, mode: str, device: torch.device, context_limit: int, cpp_wrapper: bool,
@@ -343,6 +385,14 @@ class _Steps:
         self._variants: dict[tuple, Callable] = {}
         self._direct: dict[tuple, _DirectGraph] = {}  # the dynamic CPU variants' graphs
         self._pool = torch.cuda.graph_pool_handle() if mode == 'cudagraph' else None
+        self.serve_eager = False                     # a variant without a graph runs eager (background warm-up)
+        self.use_graphs = True                       # False: every step runs eager, graphs or not
+        self._eager: dict[tuple, Callable] = {}      # step functions run uncompiled, per key
+        self.demand: Counter = Counter()             # variant -> steps run eager for want of its graph
+        self.graph_calls = 0                         # steps run compiled or captured
+        self.eager_calls = 0                         # steps run eager (mode eager, or waiting for a graph)
+        self._staged: list[tuple[int, dict[tuple, list[_DirectRecord]]]] = []  # (threads, graphs) to adopt
+        self._staged_lock = threading.Lock()
 
     @property
     def count(self) -> int:
@@ -376,16 +426,20 @@ class _Steps:
                            tensor.clone(memory_format=torch.contiguous_format) for tensor in inputs)
         arguments = (*inputs, kv_positions)
         q = next((inputs[index].shape[dim] for index, dim in enumerate(dynamic_dims) if dim is not None), 1)
-        if self.mode == 'eager':
-            variant_key = key
-        elif self.dynamic:
-            variant_key = (*key, query_variant(q, self.row_product_max_rows))
-        else:
-            variant_key = (*key, q, kv_positions.shape[0])
-        direct = self._direct.get(variant_key)
+        variant_key = self.variant_key(key, q, kv_positions.shape[0])
+        direct = self._direct.get(variant_key) if self.use_graphs else None
         outputs = None if direct is None else direct.try_call(arguments)
         if outputs is not None:
+            self.graph_calls += 1
             return outputs
+        if self.mode == 'eager' or self.serve_eager or not self.use_graphs:
+            self.eager_calls += 1
+            self.demand[variant_key] += self.serve_eager and self.use_graphs
+            function = self._eager.get(key)
+            if function is None:
+                function = self._eager[key] = make()
+            return function(*arguments)
+        self.graph_calls += 1
         if self.dynamic:  # a call through dynamo: a compile or recompile (after a thread-count change) stays dynamic
             torch._dynamo.mark_dynamic(kv_positions, 0)
             for tensor, dim in zip(inputs, dynamic_dims, strict=True):
@@ -431,9 +485,37 @@ class _Steps:
             return torch._inductor.config.patch(FROZEN_GEMM_SETTINGS)
         return nullcontext()
 
-    def _create(self, variant_key: tuple, function: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
+    def variant_key(self, key: tuple, q: int, kv_len: int) -> tuple:
+        """Return the variant that serves a step of q tokens over kv_len full-attention keys."""
         if self.mode == 'eager':
-            return function
+            return key
+        if self.dynamic:
+            return (*key, query_variant(q, self.row_product_max_rows))
+        return (*key, q, kv_len)
+
+    def take_confirmed(self) -> dict[tuple, list[_DirectRecord]]:
+        """Remove and return the graphs confirmed for direct calls at this thread count, per variant."""
+        taken = {key: direct.take_records() for key, direct in self._direct.items()}
+        return {key: records for key, records in taken.items() if records}
+
+    def stage(self, graphs: dict[tuple, list[_DirectRecord]]) -> None:
+        """Hand over graphs for adopt() (from any thread); they serve at this thread count."""
+        with self._staged_lock:
+            self._staged.append((torch.get_num_threads(), graphs))
+
+    def adopt(self) -> None:
+        """Take over the staged graphs (between rounds, in the serving thread)."""
+        if not self._staged:
+            return
+        with self._staged_lock:
+            staged, self._staged = self._staged, []
+        for threads, graphs in staged:
+            for variant_key, records in graphs.items():
+                if variant_key not in self._direct:
+                    self._direct[variant_key] = _DirectGraph((), self._options)
+                self._direct[variant_key].add_records(threads, records)
+
+    def _create(self, variant_key: tuple, function: Callable, inputs: tuple[torch.Tensor, ...]) -> Callable:
         if self.mode == 'cudagraph':
             return _Graph(function, inputs, self._pool)
         if self.dynamic:  # with cpp_wrapper no Python runs between the graph's kernels (model.py: INLINE_MAX_LAYERS)
@@ -446,6 +528,17 @@ class _Steps:
             torch.compiler.cudagraph_mark_step_begin()
             return tuple(output.clone() for output in compiled(*inputs))
         return run_captured
+
+
+def _stage_shadow_graphs(served: _Steps, shadow: _Steps, served_cache: StaticKvCache,
+                         shadow_cache: StaticKvCache) -> int:
+    """Stage on the served steps the graphs a shadow confirmed, reading the served cache; returns how many."""
+    tensors = {id(mine): theirs for mine, theirs in zip(shadow_cache.tensors(), served_cache.tensors(), strict=True)}
+    graphs = {key: [record.rebound(tensors) for record in records]
+              for key, records in shadow.take_confirmed().items()}
+    if graphs:
+        served.stage(graphs)
+    return sum(len(records) for records in graphs.values())
 
 
 class FastCausalLM:
@@ -467,8 +560,21 @@ class FastCausalLM:
                 torch._dynamo.mark_static_address(weights)
         self.cache: StaticKvCache = self.lean.new_cache(context_limit, max_query)
         self.max_query = max_query
-        self._steps = _Steps(self.mode, self.lean.device, context_limit, self.lean.inlines_layers,
-                             self.lean.row_product_max_rows)
+        self._steps = self._new_steps()
+        self._shadow: FastCausalLM | None = None  # what a background warm-up compiles on
+
+    def _new_steps(self) -> _Steps:
+        return _Steps(self.mode, self.lean.device, self.cache.context_limit, self.lean.inlines_layers,
+                      self.lean.row_product_max_rows)
+
+    @property
+    def steps(self) -> _Steps:
+        """The served steps (their graph and eager call counts, adopt_graphs)."""
+        return self._steps
+
+    def adopt_graphs(self) -> None:
+        """Take over graphs a background warm-up staged (call between rounds)."""
+        self._steps.adopt()
 
     @property
     def length(self) -> int:
@@ -519,12 +625,17 @@ class FastCausalLM:
         self.cache.check_write(start, q)
         positions = torch.arange(start, start + q, device=self.lean.device)
         kv_positions = self.cache.key_positions[:self._steps.key_length(start + q)]
-        keep = 0 if logits_to_keep in (0, q) else logits_to_keep
-        verifying = logits_to_keep == 0  # not a draft model's one-token step, which also keeps all (one) logits
-        logits, hidden, *greedy_row = self._steps.run((keep, verifying), lambda: self._step_function(keep, verifying),
+        key = self._step_key(q, logits_to_keep)
+        logits, hidden, *greedy_row = self._steps.run(key, lambda: self._step_function(*key),
                                                       (input_ids, positions), kv_positions, dynamic_dims=(1, 0))
         self.cache.advance(start, q)
         return StepOutput(logits, hidden, greedy_row=greedy_row[0] if greedy_row else None)
+
+    @staticmethod
+    def _step_key(q: int, logits_to_keep: int) -> tuple[int, bool]:
+        """(logits kept, 0: all; whether the step verifies) of a step of q tokens."""
+        keep = 0 if logits_to_keep in (0, q) else logits_to_keep
+        return keep, logits_to_keep == 0  # not a draft model's one-token step, which also keeps all (one) logits
 
     def _step_function(self, keep: int, verifying: bool):
         lean, cache = self.lean, self.cache
@@ -567,6 +678,54 @@ class FastCausalLM:
         self.cache.reset()
         return WarmupReport(self.mode, self._steps.count, time.perf_counter() - started, self._steps.direct_count)
 
+    def graph_jobs(self, role: str, logits_to_keep: int = 0) -> list[GraphJob]:
+        """
+        List the step graphs a background warm-up builds, a job per CPU query variant (none unless compiled on CPU).
+
+        Each compiles at both ends of its query range, as warmup() does; logits_to_keep as the steps will use it.
+        """
+        if not self._steps.dynamic:
+            return []
+        ranges: dict[int, list[int]] = {}
+        for q in range(1, self.max_query + 1):
+            ranges.setdefault(query_variant(q, self.lean.row_product_max_rows), []).append(q)
+        jobs = []
+        for members in ranges.values():
+            ends = tuple(sorted({members[0], members[-1]}))
+            name = '{} q={}'.format(role, '..'.join(str(q) for q in ends))
+            keys = tuple(self._steps.variant_key(self._step_key(q, logits_to_keep), q, 0) for q in ends)
+            jobs.append(GraphJob(name, self, self._steps, keys,
+                                 functools.partial(self._build_on_shadow, ends, logits_to_keep)))
+        return jobs
+
+    @torch.inference_mode()
+    def _build_on_shadow(self, queries: tuple[int, ...], logits_to_keep: int) -> int:
+        shadow = self.shadow()
+        for q in queries:
+            shadow.cache.reset()
+            shadow.step(torch.zeros((1, q), dtype=torch.long, device=self.lean.device), logits_to_keep)
+        shadow.cache.reset()
+        return _stage_shadow_graphs(self._steps, shadow._steps, self.cache, shadow.cache)
+
+    def shadow(self) -> 'FastCausalLM':
+        """
+        Return this model on the same weights with a scratch cache and steps of its own, made on first use.
+
+        A background warm-up compiles on it while this one serves: compiling runs the step on its cache.
+        """
+        if self._shadow is None:
+            shadow = copy.copy(self)
+            shadow.cache = self.lean.new_cache(self.cache.context_limit, self.max_query)
+            shadow._steps = shadow._new_steps()
+            shadow._shadow = None
+            self._shadow = shadow
+        return self._shadow
+
+    def release_shadow(self) -> None:
+        """Free the shadow's cache and compiled wrappers (its graphs now serve this model)."""
+        self._shadow = None
+        _release_compile_garbage()
+
 
 class FastAssistant:
     """
@@ -583,7 +742,20 @@ class FastAssistant:
         compiled_for_cpu = self.mode in INDUCTOR_MODES and target.lean.device.type == 'cpu'
         self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu else None
         self.lean = LeanAssistant(assistant, target.lean)  # after the dtype change: it packs the weights as they are
-        self._steps = _Steps(self.mode, target.lean.device, target.cache.context_limit, self.lean.inlines_layers)
+        self._steps = self._new_steps()
+        self._shadow: FastAssistant | None = None  # what a background warm-up compiles on
+
+    def _new_steps(self) -> _Steps:
+        return _Steps(self.mode, self.target.lean.device, self.target.cache.context_limit, self.lean.inlines_layers)
+
+    @property
+    def steps(self) -> _Steps:
+        """The served steps (their graph and eager call counts, adopt_graphs)."""
+        return self._steps
+
+    def adopt_graphs(self) -> None:
+        """Take over graphs a background warm-up staged (call between rounds)."""
+        self._steps.adopt()
 
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int) -> StepOutput:
         """
@@ -687,3 +859,51 @@ class FastAssistant:
         cache.reset()
         say('warm-up: MTP assistant ({} mode, {:.1f} s)'.format(self.mode, time.perf_counter() - started))
         return WarmupReport(self.mode, self._steps.count, time.perf_counter() - started, self._steps.direct_count)
+
+    def graph_jobs(self, role: str) -> list[GraphJob]:
+        """
+        List the step graphs a background warm-up builds (none unless steps compile on CPU).
+
+        Greedy rounds first, in the order adaptive K reaches them (K = 4 is one call of 4 steps, K = 5 adds one of 1),
+        then the single step that sampled rounds use.
+        """
+        if not self._steps.dynamic:
+            return []
+        sizes = sorted(GREEDY_STEPS, key=lambda size: (size != 4, size))
+        jobs = [GraphJob('{} greedy x{}'.format(role, size), self, self._steps,
+                         (self._steps.variant_key(('greedy', size), 1, 0),),
+                         functools.partial(self._build_on_shadow, size)) for size in sizes]
+        jobs.append(GraphJob('{} step'.format(role), self, self._steps, (self._steps.variant_key((1,), 1, 0),),
+                             functools.partial(self._build_on_shadow, 0)))
+        return jobs
+
+    @torch.inference_mode()
+    def _build_on_shadow(self, greedy_steps: int) -> int:
+        """Compile the greedy call of greedy_steps steps (0: the single step) on the shadow; stage it here."""
+        shadow = self.shadow()
+        cache, device = shadow.target.cache, self.target.lean.device
+        cache.reset()
+        cache.advance(0, 2)
+        token_ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+        hidden = torch.zeros((1, 1, self.target.lean.hidden_size), dtype=self.target.lean.dtype, device=device)
+        if greedy_steps:
+            shadow.greedy_drafts(token_ids, hidden, cache.length, greedy_steps)
+        else:
+            shadow.step(token_ids, hidden, cache.length)
+        cache.reset()
+        return _stage_shadow_graphs(self._steps, shadow._steps, self.target.cache, cache)
+
+    def shadow(self) -> 'FastAssistant':
+        """Return this assistant reading its target's shadow, with steps of its own (FastCausalLM.shadow)."""
+        if self._shadow is None:
+            shadow = copy.copy(self)
+            shadow.target = self.target.shadow()
+            shadow._steps = shadow._new_steps()
+            shadow._shadow = None
+            self._shadow = shadow
+        return self._shadow
+
+    def release_shadow(self) -> None:
+        """Free the shadow's compiled wrappers, and its target's cache unless the target still compiles on it."""
+        self._shadow = None
+        _release_compile_garbage()
