@@ -164,7 +164,7 @@ class Engine:
             engine._warmup_state = warm_up_blocking(target_lm, drafters, say)
         if background:
             engine._warmup = Warmup(engine._graph_jobs, say, on_compiled=lambda: engine._calibrate(say),
-                                    default_path=engine._default_path_jobs)
+                                    default_path=engine._default_path_jobs, compile_process=config)
         engine._calibrate(say)
         say('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
             '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, engine.status().warmup.serving,
@@ -181,6 +181,11 @@ class Engine:
             curve = self.calibrate_verify_costs()
             say('verify passes of 1..{} tokens: {} ms'.format(len(curve), ' / '.join(
                 '{:.1f}'.format(seconds * 1e3) for _, seconds in sorted(curve.items()))))
+
+    @property
+    def graph_jobs(self) -> tuple:
+        """Every compiled step graph of this engine's models, as fast.GraphJob (none without CPU inductor)."""
+        return tuple(self._graph_jobs)
 
     @property
     def warmup(self) -> Warmup | None:

@@ -1,11 +1,15 @@
 """
 Warm-up of the decode steps: compile before serving (blocking), or serve at once while graphs compile (background).
 
-- ``background`` (default): the engine serves its first request on eager steps at once. A worker thread, at a lower
-  priority, compiles the step graphs one at a time on shadows of the models (fast/runner.py: GraphJob), which never
-  touch the caches that serve. Each graph is taken over between rounds (adopt, called by the decode loop), so a
-  round runs on one set of steps. The next graph is the one the served requests ran eager most often for; before
-  any request, the target's one-token step, then the default drafter's graphs, then the rest.
+- ``background`` (default): the engine serves its first request on eager steps at once. A worker thread builds the
+  step graphs one at a time on shadows of the models (fast/runner.py: GraphJob), which never touch the caches that
+  serve. Each graph is taken over between rounds (adopt, called by the decode loop), so a round runs on one set of
+  steps. The next graph is the one the served requests ran eager most often for; before any request, the target's
+  one-token step, then the default drafter's graphs, then the rest.
+  Compiling a graph is mostly Python (tracing, inductor's scheduling) and holds the GIL for most of a minute, which
+  would slow the eager steps that serve meanwhile many times over. So a compile process (CompileProcess: the same
+  models, at a lower priority) compiles each graph first into inductor's on-disk cache, and the worker thread then
+  builds it from there in seconds. Without the process (it failed to start or died) the worker compiles itself.
 - ``blocking``: every graph is compiled or captured before the first request (minutes with a cold compile cache).
 - ``off``: no warm-up; a graph is compiled the first time a request needs it, inside that request.
 
@@ -13,7 +17,11 @@ Only CPU inductor graphs build in the background. CUDA graphs are captured in se
 bind the cache they were compiled on, so on CUDA background warms up as blocking does.
 """
 
+import dataclasses
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,9 +30,71 @@ import torch
 
 from .fast import GraphJob
 from .fast.runner import INDUCTOR_MODES, compile_cache_dir
-from .types import WarmupState
+from .types import EngineConfig, WarmupState
 
-BACKGROUND_NICE = 10  # the worker's scheduling priority below the serving thread's (Linux: per thread)
+BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priority below the serving thread's
+COMPILE_PROCESS_START_TIMEOUT = 300.0  # seconds for the compile process to load the models
+
+
+class CompileProcess:
+    """
+    A child process with the engine's models that compiles the graphs it is asked for into inductor's on-disk cache.
+
+    It runs at a lower priority and holds its own GIL. Protocol, a line each: the child says ``ready`` once loaded;
+    the parent sends a graph's name, the child answers ``built NAME`` or ``failed NAME: why``. It exits when its
+    standard input closes.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self._process = subprocess.Popen(
+            [sys.executable, '-m', 'gemma_spec_ros.engine.warmup', json.dumps(dataclasses.asdict(config))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        if self._answer() != 'ready':
+            self.close()
+            raise RuntimeError('the compile process did not load the models')
+
+    def compile(self, name: str) -> str:
+        """Compile one graph into the cache; '' when built, else why not."""
+        try:
+            self._process.stdin.write(name + '\n')
+            self._process.stdin.flush()
+            answer = self._answer()
+        except (OSError, ValueError):  # closed by stop() from another thread
+            answer = ''
+        return '' if answer == 'built ' + name else answer or 'the compile process exited'
+
+    @property
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+
+    def _answer(self) -> str:
+        return self._process.stdout.readline().strip()
+
+
+def serve_compile_requests(config: EngineConfig) -> None:
+    """Run the compile process (python -m gemma_spec_ros.engine.warmup CONFIG_JSON): answer on standard output."""
+    os.nice(BACKGROUND_NICE)
+    answers = os.fdopen(os.dup(1), 'w', buffering=1)
+    os.dup2(2, 1)  # whatever else torch or a library prints must not reach the protocol
+
+    from .engine import Engine
+
+    engine = Engine.from_config(dataclasses.replace(config, warmup='off'))
+    jobs = {job.name: job for job in engine.graph_jobs}
+    answers.write('ready\n')
+    for line in sys.stdin:
+        name = line.strip()
+        try:
+            jobs[name].build()
+        except Exception as exc:  # noqa: BLE001 (the parent compiles that graph itself)
+            answers.write('failed {}: {}: {}\n'.format(name, type(exc).__name__, str(exc).replace('\n', ' ')))
+        else:
+            answers.write('built {}\n'.format(name))
 
 
 class Warmup:
@@ -33,11 +103,13 @@ class Warmup:
 
     jobs: every graph to build, in the order wanted before any request (order_jobs), the first default_path of
     them the target's and the default drafter's. on_compiled: called in the worker once those serve (the engine
-    times its verify passes again then).
+    times its verify passes again then). compile_process: the engine's config, for a CompileProcess that compiles
+    each graph before the worker builds it (None: the worker compiles).
     """
 
     def __init__(self, jobs: list[GraphJob], say: Callable[[str], None],
-                 on_compiled: Callable[[], None] | None = None, default_path: int = 0):
+                 on_compiled: Callable[[], None] | None = None, default_path: int = 0,
+                 compile_process: EngineConfig | None = None):
         self._pending = list(jobs)
         self._default_path = set(jobs[:default_path])
         self._default_path_done: float | None = None
@@ -47,6 +119,8 @@ class Warmup:
         self._steps = list({id(job.steps): job.steps for job in jobs}.values())
         self._say = say
         self._on_compiled = on_compiled
+        self._compile_process_config = compile_process
+        self._compiler: CompileProcess | None = None
         self._stop = threading.Event()
         self._started = time.perf_counter()
         self._finished: float | None = None
@@ -64,8 +138,11 @@ class Warmup:
         self._thread.start()
 
     def stop(self, timeout: float = 0.0) -> None:
-        """Build no further graph; wait up to timeout seconds for the one in progress."""
+        """Build no further graph and end the compile process; wait up to timeout seconds for the worker."""
         self._stop.set()
+        compiler = self._compiler
+        if compiler is not None:
+            compiler.close()
         if self._thread is not None and timeout > 0:
             self._thread.join(timeout)
 
@@ -106,8 +183,11 @@ class Warmup:
         """Build the graph most wanted now (in the calling thread); False when none is left."""
         if not self._pending:
             return False
-        self.build(max(self._pending, key=lambda candidate: (candidate.demand, -self._pending.index(candidate))))
+        self.build(self._most_wanted())
         return True
+
+    def _most_wanted(self) -> GraphJob:
+        return max(self._pending, key=lambda candidate: (candidate.demand, -self._pending.index(candidate)))
 
     def build(self, job: GraphJob) -> None:
         """Build one pending graph in the calling thread and stage it; the decode loop adopts it between rounds."""
@@ -141,8 +221,28 @@ class Warmup:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         except (AttributeError, OSError):  # not Linux, or not allowed: the same priority
             pass
-        while not self._stop.is_set() and self.build_next():
-            pass
+        if self._compile_process_config is not None:
+            self._start_compiler()
+        while not self._stop.is_set() and self._pending:
+            job = self._most_wanted()
+            if self._compiler is not None:
+                why = self._compiler.compile(job.name)
+                if self._stop.is_set():
+                    break
+                if why:
+                    self._say('warm-up: the compile process did not build {} ({}); building it here'.format(
+                        job.name, why))
+                    if not self._compiler.alive:
+                        self._compiler = None
+            self.build(job)
+        if self._compiler is not None:
+            self._compiler.close()
+
+    def _start_compiler(self) -> None:
+        try:
+            self._compiler = CompileProcess(self._compile_process_config)
+        except (OSError, RuntimeError) as exc:
+            self._say('warm-up: no compile process ({}); compiling in this process'.format(exc))
 
     def _finish(self) -> None:
         self._finished = time.perf_counter()
@@ -175,3 +275,7 @@ def warm_up_blocking(target_lm, drafters: dict, say: Callable[[str], None]) -> W
     for drafter in drafters.values():
         graphs += drafter.warmup(say)
     return WarmupState('blocking', graphs, graphs, time.perf_counter() - started)
+
+
+if __name__ == '__main__':
+    serve_compile_requests(EngineConfig(**json.loads(sys.argv[1])))

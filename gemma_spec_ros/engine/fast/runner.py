@@ -184,7 +184,7 @@ class WarmupReport:
     direct_graphs: int = 0  # of those, variants with a graph called without dynamo's entry (_DirectGraph)
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: the warm-up keeps sets of them
 class GraphJob:
     """
     One step graph that a background warm-up builds (engine/warmup.py), while its model serves on eager steps.
