@@ -294,7 +294,9 @@ def warmup(args) -> dict:
             engine.warmup.use_graphs(graphs)
             rates.append(goal(drafter)['tok_s'])
     return {'cold_cache': args.cold_cache, 'engine_ready_s': round(ready, 2),
-            'first_result_s': served[0]['at_s'] if served else None, 'time_to_full_speed_s': round(state.seconds, 1),
+            'first_result_s': served[0]['at_s'] if served else None,
+            'default_path_s': round(state.default_path_seconds or 0.0, 1),
+            'time_to_full_speed_s': round(state.seconds, 1),
             'graphs': state.graphs_total, 'failed': state.failed, 'served_while_warming': served,
             'median_tok_s': {'{} on {}'.format(drafter, 'graphs' if graphs else 'eager steps'):
                              statistics.median(rates) for (drafter, graphs), rates in side_by_side.items()}}

@@ -165,7 +165,8 @@ class Engine:
         if background:
             engine._warmup = Warmup(engine._graph_jobs, say, on_compiled=lambda: engine._calibrate(say),
                                     default_path=engine._default_path_jobs, compile_process=config)
-        engine._calibrate(say)
+        if config.warmup != 'off':  # timing every pass size would compile each graph now, not on first use
+            engine._calibrate(say)
         say('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
             '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, engine.status().warmup.serving,
                                  'in the background ({} graphs)'.format(len(engine._graph_jobs)) if background else

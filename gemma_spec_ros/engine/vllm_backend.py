@@ -643,6 +643,9 @@ class VllmBackend:
         self._speculating = counters.drafts is not None
         return counters
 
+    def close(self) -> None:
+        """Release what the backend holds: nothing, a connection lives for one request (Engine.close's interface)."""
+
     def status(self) -> VllmStatus:
         """Return a snapshot for diagnostics: EngineStatus fields plus the server's state (two GETs)."""
         status = VllmStatus(url=self.url, device='remote', dtype='', requests_in_flight=self._in_flight)

@@ -17,9 +17,11 @@ Only CPU inductor graphs build in the background. CUDA graphs are captured in se
 bind the cache they were compiled on, so on CUDA background warms up as blocking does.
 """
 
+import ctypes
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -33,7 +35,7 @@ from .fast.runner import INDUCTOR_MODES, compile_cache_dir
 from .types import EngineConfig, WarmupState
 
 BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priority below the serving thread's
-COMPILE_PROCESS_START_TIMEOUT = 300.0  # seconds for the compile process to load the models
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 
 
 class CompileProcess:
@@ -76,9 +78,18 @@ class CompileProcess:
         return self._process.stdout.readline().strip()
 
 
+def _end_with_parent() -> None:
+    """Have Linux kill this process when the thread that started it ends (PR_SET_PDEATHSIG), not after a compile."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the process ends when its standard input closes
+        pass
+
+
 def serve_compile_requests(config: EngineConfig) -> None:
     """Run the compile process (python -m gemma_spec_ros.engine.warmup CONFIG_JSON): answer on standard output."""
-    os.nice(BACKGROUND_NICE)
+    os.setpriority(os.PRIO_PROCESS, 0, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
+    _end_with_parent()
     answers = os.fdopen(os.dup(1), 'w', buffering=1)
     os.dup2(2, 1)  # whatever else torch or a library prints must not reach the protocol
 

@@ -301,8 +301,10 @@ class GemmaSpecNode(Node):
     # ---- shutdown ----------------------------------------------------------------------------
 
     def shutdown(self, timeout=5.0):
-        """Stop serving: abort waiting goals, cancel the running one, wait for their results."""
+        """Stop serving: abort waiting goals, cancel the running one, wait for their results; end the warm-up."""
         self._queue.shutdown()
+        if self._engine is not None:
+            self._engine.close()
         deadline = time.monotonic() + timeout
         self._queue.wait_until_released(timeout)
         self._worker.join(max(0.0, deadline - time.monotonic()))
