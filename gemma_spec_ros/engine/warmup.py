@@ -55,13 +55,20 @@ class CompileProcess:
             self.close()
             raise RuntimeError('the compile process did not load the models')
 
-    def compile(self, name: str) -> str:
-        """Compile one graph into the cache; '' when built, else why not."""
+    def request(self, name: str) -> bool:
+        """Ask for one graph (answered by result); False when the process is gone."""
         try:
             self._process.stdin.write(name + '\n')
             self._process.stdin.flush()
+        except (OSError, ValueError):  # gone, or closed by stop() from another thread
+            return False
+        return True
+
+    def result(self, name: str) -> str:
+        """Wait for the graph asked for last: '' once it is in the cache, else why not."""
+        try:
             answer = self._answer()
-        except (OSError, ValueError):  # closed by stop() from another thread
+        except (OSError, ValueError):
             answer = ''
         return '' if answer == 'built ' + name else answer or 'the compile process exited'
 
@@ -198,7 +205,11 @@ class Warmup:
         return True
 
     def _most_wanted(self) -> GraphJob:
-        return max(self._pending, key=lambda candidate: (candidate.demand, -self._pending.index(candidate)))
+        return max(self._pending, key=self._wanted)
+
+    def _wanted(self, job: GraphJob) -> tuple[int, int]:
+        """Demand first, then the order before requests."""
+        return job.demand, -self._pending.index(job)
 
     def build(self, job: GraphJob) -> None:
         """Build one pending graph in the calling thread and stage it; the decode loop adopts it between rounds."""
@@ -234,10 +245,11 @@ class Warmup:
             pass
         if self._compile_process_config is not None:
             self._start_compiler()
+        compiling = self._ask_compiler()  # the graph the compile process works on
         while not self._stop.is_set() and self._pending:
-            job = self._most_wanted()
-            if self._compiler is not None:
-                why = self._compiler.compile(job.name)
+            job = compiling or self._most_wanted()
+            if compiling is not None:
+                why = self._compiler.result(job.name)
                 if self._stop.is_set():
                     break
                 if why:
@@ -245,9 +257,21 @@ class Warmup:
                         job.name, why))
                     if not self._compiler.alive:
                         self._compiler = None
+            compiling = self._ask_compiler(besides=job)  # the next one compiles there while this one builds here
             self.build(job)
         if self._compiler is not None:
             self._compiler.close()
+
+    def _ask_compiler(self, besides: GraphJob | None = None) -> GraphJob | None:
+        """Ask the compile process for the most wanted graph other than besides; the graph, or None."""
+        candidates = [job for job in self._pending if job is not besides]
+        if self._compiler is None or not candidates:
+            return None
+        job = max(candidates, key=self._wanted)
+        if not self._compiler.request(job.name):
+            self._compiler = None
+            return None
+        return job
 
     def _start_compiler(self) -> None:
         try:
