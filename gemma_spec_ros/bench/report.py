@@ -1,4 +1,4 @@
-"""Writing a run: results.json (schema in the README), results.md (tables) and the plots."""
+"""Writing a run: results.json (schema in docs/benchmark.md), results.md (tables) and the plots."""
 
 import dataclasses
 import json
