@@ -19,6 +19,7 @@ from gemma_spec_ros.engine.types import DisabledDrafter, EngineStatus, Generatio
 from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING, VllmStatus, unknown_stats
 from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.ros.diagnostics import ERROR, OK, STALE, WARN, PeriodStatus, Updater
+from gemma_spec_ros.tools.client import level_name
 
 DOMAIN_ID = 11 + (os.getpid() + 53) % 80
 
@@ -34,9 +35,9 @@ def values(stat):
     return {kv.key: kv.value for kv in stat.values}
 
 
-def test_level_names():
-    assert [diagnostics.level_name(level) for level in (OK, WARN, ERROR, STALE)] == ['OK', 'WARN', 'ERROR', 'STALE']
-    assert diagnostics.level_name(1) == 'WARN'
+def test_the_clients_level_names():
+    assert [level_name(level) for level in (OK, WARN, ERROR, STALE)] == ['OK', 'WARN', 'ERROR', 'STALE']
+    assert level_name(1) == 'WARN'
 
 
 def test_engine_task_levels():

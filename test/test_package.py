@@ -151,12 +151,15 @@ def test_layers_are_a_checked_contract():
     assert lint.returncode == 0, lint.stdout[-3000:] + lint.stderr[-2000:]
 
 
-def test_tools_import_without_torch():
+def test_tools_import_without_torch_or_the_node_internals():
+    # a client on a planner's machine needs neither the models nor the node's diagnostic tasks and backends
     code = ('import sys\n'
             'import gemma_spec_ros.tools.bag, gemma_spec_ros.tools.client, gemma_spec_ros.tools.diag_monitor\n'
-            'import gemma_spec_ros.tools.demo, gemma_spec_ros.ros.conversions, gemma_spec_ros.ros.goal_queue\n'
-            'heavy = sorted({"torch", "transformers"} & set(sys.modules))\n'
-            'assert not heavy, heavy\n')
+            'import gemma_spec_ros.tools.demo, gemma_spec_ros.tools.stress\n'
+            'import gemma_spec_ros.ros.conversions, gemma_spec_ros.ros.goal_queue\n'
+            'unwanted = sorted({"torch", "transformers", "diagnostic_updater", "gemma_spec_ros.ros.diagnostics",\n'
+            '                "gemma_spec_ros.engine.vllm_backend"} & set(sys.modules))\n'
+            'assert not unwanted, unwanted\n')
     run = subprocess.run([sys.executable, '-X', 'importtime', '-c', code], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]

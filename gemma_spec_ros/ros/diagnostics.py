@@ -20,7 +20,6 @@ OK = DiagnosticStatus.OK
 WARN = DiagnosticStatus.WARN
 ERROR = DiagnosticStatus.ERROR
 STALE = DiagnosticStatus.STALE
-LEVEL_NAMES = {OK: 'OK', WARN: 'WARN', ERROR: 'ERROR', STALE: 'STALE'}
 
 PERIOD_PARAMETER = 'diagnostic_updater.period'  # declared by diagnostic_updater.Updater
 PERIOD_TOLERANCE = 0.5  # PeriodStatus: WARN outside [0.5, 1.5] x the configured rate
@@ -46,12 +45,6 @@ class PeriodStatus(FrequencyStatus):
     def run(self, stat):
         self.tick()
         return super().run(stat)
-
-
-def level_name(level) -> str:
-    """'OK', 'WARN', 'ERROR' or 'STALE' for a level given as bytes (message field) or int."""
-    key = bytes([level]) if isinstance(level, int) else bytes(level)
-    return LEVEL_NAMES.get(key, repr(level))
 
 
 # ---- the node's figures and tasks (pure functions of a snapshot, testable without spinning) ----

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import rclpy
 from action_msgs.msg import GoalStatus
-from diagnostic_msgs.msg import DiagnosticArray
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from gemma_spec_msgs.action import Generate
 from gemma_spec_msgs.msg import ChatMessage
 from rclpy.action import ActionClient
@@ -27,13 +27,14 @@ from unique_identifier_msgs.msg import UUID
 
 from gemma_spec_ros.engine.config_file import read_constraint_files
 from gemma_spec_ros.engine.stats import format_stats
-from gemma_spec_ros.ros.diagnostics import level_name
 
 DEFAULT_ACTION = '/gemma_spec/generate'
 FEEDBACK_QUEUE_DEPTH = 1000
 FEEDBACK_SETTLE = 1.0   # seconds to wait for feedback still in flight when the result arrives
 STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: 'succeeded', GoalStatus.STATUS_ABORTED: 'aborted',
                 GoalStatus.STATUS_CANCELED: 'canceled'}
+LEVEL_NAMES = {DiagnosticStatus.OK: 'OK', DiagnosticStatus.WARN: 'WARN', DiagnosticStatus.ERROR: 'ERROR',
+               DiagnosticStatus.STALE: 'STALE'}
 
 
 @dataclass
@@ -78,6 +79,12 @@ def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0
                          stop=list(stop), seed=int(seed), drafter=drafter,
                          num_draft_tokens=int(num_draft_tokens), client_id=client_id, json_schema=json_schema,
                          grammar=grammar, json_free_whitespace=bool(json_free_whitespace))
+
+
+def level_name(level) -> str:
+    """'OK', 'WARN', 'ERROR' or 'STALE' for a level given as bytes (message field) or int."""
+    key = bytes([level]) if isinstance(level, int) else bytes(level)
+    return LEVEL_NAMES.get(key, repr(level))
 
 
 class BackgroundSpinner:
