@@ -1,6 +1,5 @@
-"""Model shapes for the bundled target, draft model and MTP assistant, and their forward latency."""
+"""Model shapes for the bundled target, draft model and MTP assistant."""
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -78,20 +77,3 @@ def assistant_config(target: Gemma4TextConfig, shape: ModelShape) -> Gemma4Assis
 def parameter_count(model: torch.nn.Module) -> int:
     """Count unique parameters (tied embeddings once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-@torch.inference_mode()
-def forward_latency_ms(model: torch.nn.Module, context: int, new_tokens: int, repeats: int = 20) -> float:
-    """Median ms of a forward over new_tokens after a context already in the KV cache."""
-    from transformers import DynamicCache
-
-    ids = torch.randint(4, model.config.vocab_size, (1, context + new_tokens))
-    times = []
-    for _ in range(repeats):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :context], cache=cache, use_cache=True)
-        start = time.perf_counter()
-        model(input_ids=ids[:, context:], cache=cache, use_cache=True, position_ids=torch.arange(
-            context, context + new_tokens)[None], output_hidden_states=-1, return_shared_kv_states=True)
-        times.append(time.perf_counter() - start)
-    return 1000 * sorted(times)[len(times) // 2]
