@@ -9,7 +9,9 @@ from conftest import chi_squared_p_value
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from gemma_spec_ros.engine.grammar import ConstraintCompiler, mask_logits, mask_probs, unpack_bitmask
+from gemma_spec_ros.engine.grammar import ConstraintCompiler, mask_logits, unpack_bitmask
+from gemma_spec_ros.engine.requests import SamplingParams
+from gemma_spec_ros.engine.sampling import logits_to_probs
 from gemma_spec_ros.engine.verify import verify
 
 VOCAB = ['<pad>', '<eos>', '<unk>', 'a', 'b', 'c', 'ab', 'ba', 'ca', 'bc', 'cc']
@@ -22,6 +24,7 @@ TARGET = torch.tensor([0.04, 0.08, 0.03, 0.15, 0.10, 0.12, 0.08, 0.06, 0.12, 0.0
 DRAFT = torch.tensor([0.02, 0.05, 0.02, 0.05, 0.20, 0.06, 0.05, 0.05, 0.05, 0.05, 0.40])
 TRIALS = 4_000
 OUTPUT_LENGTH = 3  # the χ² tests compare the distribution of the first three emitted tokens
+SAMPLED = SamplingParams(temperature=1.0)
 
 
 @pytest.fixture(scope='module')
@@ -40,6 +43,11 @@ def allowed_tokens(mask):
     return {VOCAB[index] for index in mask.reshape(-1).nonzero().flatten().tolist()}
 
 
+def constrained_probs(probs, allowed):
+    """Return the distribution the engine and the drafters sample under a constraint (mask, then logits_to_probs)."""
+    return logits_to_probs(mask_logits(probs.log(), allowed), SAMPLED)
+
+
 # ----------------------------------------------------------------------------------------------- pure helpers
 def test_mask_logits_sets_disallowed_to_minus_inf_and_moves_argmax():
     logits = torch.tensor([[3.0, 1.0, 2.0], [0.5, 0.1, 0.2]])
@@ -51,15 +59,11 @@ def test_mask_logits_sets_disallowed_to_minus_inf_and_moves_argmax():
     assert logits[0, 0] == 3.0  # the input is left alone
 
 
-def test_mask_probs_renormalises_and_defines_the_empty_cases():
-    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.7, 0.3, 0.0, 0.0], [0.7, 0.3, 0.0, 0.0]])
-    allowed = torch.tensor([[False, True, True, False], [False, False, True, True], [False] * 4])
-    masked = mask_probs(probs, allowed)
-    assert torch.allclose(masked[0], torch.tensor([0.0, 0.6, 0.4, 0.0]))
-    assert torch.allclose(masked[1], torch.tensor([0.0, 0.0, 0.5, 0.5]))  # no allowed mass: uniform over allowed
-    assert torch.equal(masked[2], torch.zeros(4))                          # nothing allowed: multinomial refuses
-    with pytest.raises(RuntimeError):
-        torch.multinomial(masked[2:], 1)
+def test_masked_logits_sample_the_allowed_tokens_renormalised_and_top_k_chooses_among_them():
+    masked = mask_logits(torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log(), torch.tensor([[False, True, True, False]]))
+    assert torch.allclose(logits_to_probs(masked, SAMPLED), torch.tensor([[0.0, 0.6, 0.4, 0.0]]))
+    # the mask applies before top-k: the most likely token, forbidden, does not take the only place
+    assert logits_to_probs(masked, SamplingParams(temperature=1.0, top_k=1)).tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
 def test_unpack_bitmask_reads_bits_little_endian_and_cuts_the_vocab():
@@ -76,10 +80,10 @@ def test_first_mask_and_eos_only_where_the_grammar_can_end(compiler):
     constraint = compiler.constraint(grammar=GRAMMAR)
     assert allowed_tokens(constraint.next_mask()) == {'a', 'b', 'ab', 'ba', 'bc'}
     constraint.accept(ids('a', 'bc'))
-    assert not constraint.completed and not constraint.can_terminate
+    assert not constraint.completed
     assert '<eos>' not in allowed_tokens(constraint.next_mask())
     constraint.accept(ids('a'))
-    assert constraint.completed and constraint.can_terminate
+    assert constraint.completed
     assert allowed_tokens(constraint.next_mask()) == {'<eos>', 'a', 'b', 'c', 'ab', 'ba', 'ca', 'bc'}
     constraint.accept([EOS])
     assert constraint.terminated and constraint.completed
@@ -149,7 +153,7 @@ def test_masks_after_rollback_equal_a_fresh_matcher_fed_the_same_prefix(compiler
         fresh = compiler.constraint(grammar=GRAMMAR)
         fresh.accept(prefix)
         assert torch.equal(constraint.next_mask(), fresh.next_mask())
-        step = torch.multinomial(mask_probs(TARGET[None], masks[:1]), 1, generator=generator).item()
+        step = torch.multinomial(constrained_probs(TARGET[None], masks[:1]), 1, generator=generator).item()
         if step == EOS:
             constraint.reset()
             prefix = []
@@ -166,7 +170,7 @@ def constrained_distribution(compiler, length=OUTPUT_LENGTH) -> dict[tuple[int, 
     def walk(prefix: list[int], probability: float) -> None:
         constraint = compiler.constraint(grammar=GRAMMAR)
         constraint.accept(prefix)
-        step = mask_probs(TARGET[None], constraint.next_mask())[0]
+        step = constrained_probs(TARGET[None], constraint.next_mask())[0]
         for token in step.nonzero().flatten().tolist():
             outcome, chance = prefix + [token], probability * step[token].item()
             if token == EOS or len(outcome) == length:
@@ -187,7 +191,7 @@ def draft_round(constraint, proposal: str, k: int, generator) -> tuple[list[int]
     tokens, rows = [], []
     with constraint.lookahead() as look:
         for _ in range(k):
-            draft_probs = mask_probs(DRAFT[None], look.mask())                  # [1, vocab]
+            draft_probs = constrained_probs(DRAFT[None], look.mask())           # [1, vocab]
             tokens.append(torch.multinomial(draft_probs, 1, generator=generator).item())
             rows.append(draft_probs)
             if not look.push(tokens[-1]):
@@ -214,7 +218,7 @@ def speculative_outcomes(compiler, proposal: str, k: int = 3, renormalise: bool 
             mask_rows.append(constraints[run].masks_along(tokens)[0])
         masks = torch.stack(mask_rows)                                           # [n, k + 1, vocab]
         target = TARGET.expand(masks.shape)
-        target_probs = mask_probs(target, masks) if renormalise else target * masks
+        target_probs = constrained_probs(target, masks) if renormalise else target * masks
         draft_probs = None if draft_rows[0] is None else torch.stack(draft_rows)  # [n, k, vocab]
         num_accepted, next_token = verify(torch.tensor(drafts), target_probs, draft_probs, greedy=False,
                                           generator=generator)

@@ -64,21 +64,6 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed, float('-inf'))
 
 
-def mask_probs(probs: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """
-    Probabilities [n, vocab] restricted to allowed [n, vocab] bool and renormalised (float32, a new tensor).
-
-    A row whose allowed tokens all have probability 0 (top-k / top-p or underflow removed them) becomes uniform
-    over its allowed tokens, so the output still follows the grammar. A row that allows nothing becomes all zeros,
-    which `torch.multinomial` refuses: an error, never a forbidden token.
-    """
-    assert probs.shape == allowed.shape, (tuple(probs.shape), tuple(allowed.shape))
-    masked = probs.float() * allowed
-    mass = masked.sum(dim=-1, keepdim=True)                                     # [n, 1]
-    uniform = allowed.float() / allowed.sum(dim=-1, keepdim=True).clamp(min=1)  # [n, vocab]
-    return torch.where(mass > 0, masked / mass.clamp(min=1e-30), uniform)
-
-
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Unpack xgrammar's int32 bitmask [n, ceil(vocab / 32)] (bit j of word i: token 32 i + j) -> [n, vocab] bool."""
     # host to device from pageable memory: staged at once, so the CPU buffer may be refilled; no stream sync
@@ -202,11 +187,6 @@ class GrammarConstraint:
     def completed(self) -> bool:
         """The accepted tokens form a complete string of the grammar (with or without the stop token)."""
         return self._matcher.is_completed()
-
-    @property
-    def can_terminate(self) -> bool:
-        """A stop (EOS) token is allowed next."""
-        return self._matcher.is_completed() and not self._matcher.is_terminated()
 
     @property
     def terminated(self) -> bool:
