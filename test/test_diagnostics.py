@@ -14,6 +14,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from diagnostic_updater import DiagnosticStatusWrapper
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
+from rclpy.serialization import deserialize_message, serialize_message
 
 from gemma_spec_ros.engine.types import DisabledDrafter, EngineStatus, GenerationStats
 from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING, VllmStatus, unknown_stats
@@ -194,11 +195,27 @@ class StrictWrapper(DiagnosticStatusWrapper):
 def test_tasks_pass_strings_as_diagnostic_updater_requires():
     metrics = diagnostics.GenerationMetrics()
     metrics.record('succeeded', result(warnings=['drafter failed']), [(0.0, 0), (0.1, 1), (0.2, 1)])
-    status = EngineStatus(target_id='t', drafter='mtp', speculating=True, num_draft_tokens=2)
-    diagnostics.fill_engine_status(StrictWrapper(), 'ready', '', status, metrics)
-    diagnostics.fill_generation_status(StrictWrapper(), metrics, 1, True)
-    memory = dict(diagnostics.read_memory('cpu'), cuda_allocated=1, cuda_reserved=2)
-    diagnostics.fill_memory_status(StrictWrapper(), memory)
+    local = EngineStatus(target_id='t', drafter='mtp', speculating=True, num_draft_tokens=2,
+                         disabled_drafters=[DisabledDrafter('ngram', 'n-gram table', '/models/ngram', 'missing')])
+    server = VllmStatus(url='http://gpu-server:8000', reachable=True, model='gemma', drafter='ngram',
+                        num_draft_tokens=4, requests_running=2, requests_waiting=0)
+    memory = dict(diagnostics.read_memory('cpu'), cuda_allocated=1, cuda_reserved=3 * 2 ** 20)
+    engine = diagnostics.fill_engine_status(StrictWrapper(), 'ready', '', local, metrics)
+    engine_on_a_server = diagnostics.fill_engine_status(StrictWrapper(), 'ready', '', server, metrics)
+    generation = diagnostics.fill_generation_status(StrictWrapper(), metrics, 1, True, queue_limit=4)
+    memory_task = diagnostics.fill_memory_status(StrictWrapper(), memory)
+    # the figures that start as numbers, booleans or None arrive as their text
+    assert (values(engine)['K'], values(engine)['drafter fallbacks']) == ('2', '1')
+    assert values(engine)['disabled drafter ngram'] == 'n-gram table /models/ngram: missing'
+    assert (values(engine_on_a_server)['K'], values(engine_on_a_server)['requests running']) == ('4', '2')
+    assert values(engine_on_a_server)['KV-cache usage'] == 'unknown'
+    assert [values(generation)[key] for key in ('queue depth', 'queue limit', 'running', 'goals in window')] == [
+        '1', '4', 'True', '1']
+    assert values(memory_task)['CUDA reserved (MiB)'] == '3.0'
+    # and the array the updater publishes serialises with every key and value intact
+    tasks = [engine, engine_on_a_server, generation, memory_task]
+    published = deserialize_message(serialize_message(DiagnosticArray(status=tasks)), DiagnosticArray)
+    assert [values(status) for status in published.status] == [values(task) for task in tasks]
 
 
 def test_period_status_reports_the_configured_rate_and_warns_when_off():
