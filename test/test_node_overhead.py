@@ -57,6 +57,23 @@ def orin_params():
     return flat
 
 
+def wait_for_feedback(arrived, messages, timeout=5.0):
+    """
+    Wait until the list `arrived` holds `messages` feedback entries.
+
+    The client stops waiting for feedback once the streamed text equals the result's: a last message without text
+    (an end-of-turn token) may still be on its way.
+    """
+    deadline = time.monotonic() + timeout
+    while len(arrived) < messages and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def feedback_tokens(outcome):
+    """Return the token ids the feedback messages of a goal carried, in order."""
+    return [token for feedback in outcome.feedback for token in feedback.token_ids_delta]
+
+
 def decode_rate(times, tokens):
     """Tokens per second after the first feedback: (tokens - first) / (last - first)."""
     return (sum(tokens) - tokens[0]) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
@@ -95,16 +112,24 @@ def node_and_client():
 def test_action_overhead_feedback_and_cancel_latency(node_and_client):
     node, client, engine = node_and_client
     rows = []
+    plain_tokens = {}  # prompt -> the engine's greedy output alone, drafter none
     for drafter in ('none', 'mtp'):
         for prompt in PROMPTS:
             request = GenerationRequest(prompt=prompt, max_new_tokens=MAX_NEW_TOKENS, drafter=drafter)
             alone = engine.inner.generate(request)  # the same loaded engine, no ROS in between
+            plain_tokens.setdefault(prompt, list(alone.token_ids))
             engine.delta_times.clear()
             received = []
             outcome = client.send(make_goal(prompt, max_new_tokens=MAX_NEW_TOKENS, drafter=drafter),
                                   on_feedback=lambda f, times=received: times.append(time.monotonic()))
             assert outcome.status == 'succeeded' and list(outcome.result.token_ids) == list(alone.token_ids)
+            # the action carries each of the engine's deltas as one feedback message, none lost, merged or added
+            wait_for_feedback(received, len(engine.delta_times))
+            assert len(received) == len(engine.delta_times), (len(received), len(engine.delta_times))
+            assert feedback_tokens(outcome) == list(outcome.result.token_ids)
+            assert outcome.streamed_text == outcome.result.text
             latencies = [r - s for r, s in zip(received, engine.delta_times, strict=True)]
+            assert all(latency > 0 for latency in latencies)  # one clock: a feedback arrives after its delta left
             tokens = [len(f.token_ids_delta) for f in outcome.feedback]
             rows.append((drafter, alone.stats.tokens_per_second, decode_rate(received, tokens),
                          outcome.result.stats.tokens_per_second, latencies, outcome.result_time,
@@ -115,6 +140,14 @@ def test_action_overhead_feedback_and_cancel_latency(node_and_client):
         engine.delta_times.clear()
         outcome = client.send(make_goal(PROMPTS[0], max_new_tokens=500, drafter='none'), cancel_after_tokens=8)
         assert outcome.status == 'canceled' and outcome.result.finish_reason == 'cancelled'
+        # the engine stopped where the result ends: it sent nothing the client did not get, and the result is the
+        # start of the uncancelled greedy output, at least the 8 tokens received before the cancel
+        cancelled = list(outcome.result.token_ids)
+        wait_for_feedback(outcome.feedback, len(engine.delta_times))
+        assert len(engine.delta_times) == len(outcome.feedback) and feedback_tokens(outcome) == cancelled
+        assert 8 <= len(cancelled) < 500 and outcome.result.stats.new_tokens == len(cancelled)
+        common = min(len(cancelled), len(plain_tokens[PROMPTS[0]]))
+        assert cancelled[:common] == plain_tokens[PROMPTS[0]][:common]
         cancels.append((outcome.cancel_latency, outcome.result.stats.new_tokens - 8))
 
     print('\nthrough the action vs the engine alone (bundled models, CPU, greedy, {} new tokens):'.format(
