@@ -17,11 +17,9 @@ Only CPU inductor graphs build in the background. CUDA graphs are captured in se
 bind the cache they were compiled on, so on CUDA background warms up as blocking does.
 """
 
-import ctypes
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -35,21 +33,20 @@ from .fast.runner import INDUCTOR_MODES, compile_cache_dir
 from .types import EngineConfig, WarmupState
 
 BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priority below the serving thread's
-PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 
 
 class CompileProcess:
     """
     A child process with the engine's models that compiles the graphs it is asked for into inductor's on-disk cache.
 
-    It runs at a lower priority and holds its own GIL. Protocol, a line each: the child says ``ready`` once loaded;
-    the parent sends a graph's name, the child answers ``built NAME`` or ``failed NAME: why``. It exits when its
-    standard input closes.
+    It runs at a lower priority and holds its own GIL (compile_worker.py). Protocol, a line each: the child says
+    ``ready`` once loaded; the parent sends a graph's name, the child answers ``built NAME`` or ``failed NAME: why``.
+    It exits when its standard input closes or the thread that started it ends.
     """
 
     def __init__(self, config: EngineConfig):
         self._process = subprocess.Popen(
-            [sys.executable, '-m', 'gemma_spec_ros.engine.warmup', json.dumps(dataclasses.asdict(config))],
+            [sys.executable, '-m', 'gemma_spec_ros.engine.compile_worker', json.dumps(dataclasses.asdict(config))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
         if self._answer() != 'ready':
             self.close()
@@ -83,36 +80,6 @@ class CompileProcess:
 
     def _answer(self) -> str:
         return self._process.stdout.readline().strip()
-
-
-def _end_with_parent() -> None:
-    """Have Linux kill this process when the thread that started it ends (PR_SET_PDEATHSIG), not after a compile."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the process ends when its standard input closes
-        pass
-
-
-def serve_compile_requests(config: EngineConfig) -> None:
-    """Run the compile process (python -m gemma_spec_ros.engine.warmup CONFIG_JSON): answer on standard output."""
-    os.setpriority(os.PRIO_PROCESS, 0, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
-    _end_with_parent()
-    answers = os.fdopen(os.dup(1), 'w', buffering=1)
-    os.dup2(2, 1)  # whatever else torch or a library prints must not reach the protocol
-
-    from .engine import Engine
-
-    engine = Engine.from_config(dataclasses.replace(config, warmup='off'))
-    jobs = {job.name: job for job in engine.graph_jobs}
-    answers.write('ready\n')
-    for line in sys.stdin:
-        name = line.strip()
-        try:
-            jobs[name].build()
-        except Exception as exc:  # noqa: BLE001 (the parent compiles that graph itself)
-            answers.write('failed {}: {}: {}\n'.format(name, type(exc).__name__, str(exc).replace('\n', ' ')))
-        else:
-            answers.write('built {}\n'.format(name))
 
 
 class Warmup:
@@ -311,6 +278,3 @@ def warm_up_blocking(target_lm, drafters: dict, say: Callable[[str], None]) -> W
         graphs += drafter.warmup(say)
     return WarmupState('blocking', graphs, graphs, time.perf_counter() - started)
 
-
-if __name__ == '__main__':
-    serve_compile_requests(EngineConfig(**json.loads(sys.argv[1])))

@@ -190,7 +190,7 @@ class GraphJob:
     One step graph that a background warm-up builds (engine/warmup.py), while its model serves on eager steps.
 
     build() compiles the variant on a shadow of the model (the same weights, a scratch cache: the served cache is
-    never touched) and stages the graph on the served steps, which adopt it between rounds (adopt_graphs).
+    never touched) and stages the graph on the served steps, which adopt it between rounds (Warmup.adopt).
     """
 
     name: str                        # e.g. 'target q=1', 'mtp greedy x4'
@@ -541,7 +541,40 @@ def _stage_shadow_graphs(served: _Steps, shadow: _Steps, served_cache: StaticKvC
     return sum(len(records) for records in graphs.values())
 
 
-class FastCausalLM:
+class _Shadowed:
+    """
+    A runner that a background warm-up compiles on a shadow of (GraphJob.build), made on first use.
+
+    The shadow shares the weights and has a cache and steps of its own: compiling runs a step, which must not touch
+    the cache that serves.
+    """
+
+    _shadow = None
+    _steps: _Steps
+
+    def _new_steps(self) -> _Steps:
+        raise NotImplementedError
+
+    def _give_shadow_a_cache(self, shadow) -> None:
+        raise NotImplementedError
+
+    def shadow(self):
+        """Return the shadow (made now if there is none)."""
+        if self._shadow is None:
+            shadow = copy.copy(self)
+            self._give_shadow_a_cache(shadow)
+            shadow._steps = shadow._new_steps()
+            shadow._shadow = None
+            self._shadow = shadow
+        return self._shadow
+
+    def release_shadow(self) -> None:
+        """Free the shadow's cache and compiled wrappers (its graphs now serve this runner)."""
+        self._shadow = None
+        _release_compile_garbage()
+
+
+class FastCausalLM(_Shadowed):
     """
     A Gemma 4 causal LM (target or draft model) on a static cache with per-q step functions.
 
@@ -561,20 +594,10 @@ class FastCausalLM:
         self.cache: StaticKvCache = self.lean.new_cache(context_limit, max_query)
         self.max_query = max_query
         self._steps = self._new_steps()
-        self._shadow: FastCausalLM | None = None  # what a background warm-up compiles on
 
     def _new_steps(self) -> _Steps:
         return _Steps(self.mode, self.lean.device, self.cache.context_limit, self.lean.inlines_layers,
                       self.lean.row_product_max_rows)
-
-    @property
-    def steps(self) -> _Steps:
-        """The served steps (their graph and eager call counts, adopt_graphs)."""
-        return self._steps
-
-    def adopt_graphs(self) -> None:
-        """Take over graphs a background warm-up staged (call between rounds)."""
-        self._steps.adopt()
 
     @property
     def length(self) -> int:
@@ -707,27 +730,11 @@ class FastCausalLM:
         shadow.cache.reset()
         return _stage_shadow_graphs(self._steps, shadow._steps, self.cache, shadow.cache)
 
-    def shadow(self) -> 'FastCausalLM':
-        """
-        Return this model on the same weights with a scratch cache and steps of its own, made on first use.
-
-        A background warm-up compiles on it while this one serves: compiling runs the step on its cache.
-        """
-        if self._shadow is None:
-            shadow = copy.copy(self)
-            shadow.cache = self.lean.new_cache(self.cache.context_limit, self.max_query)
-            shadow._steps = shadow._new_steps()
-            shadow._shadow = None
-            self._shadow = shadow
-        return self._shadow
-
-    def release_shadow(self) -> None:
-        """Free the shadow's cache and compiled wrappers (its graphs now serve this model)."""
-        self._shadow = None
-        _release_compile_garbage()
+    def _give_shadow_a_cache(self, shadow: 'FastCausalLM') -> None:
+        shadow.cache = self.lean.new_cache(self.cache.context_limit, self.max_query)
 
 
-class FastAssistant:
+class FastAssistant(_Shadowed):
     """
     The MTP assistant as one step function reading a FastCausalLM target's static cache.
 
@@ -743,19 +750,9 @@ class FastAssistant:
         self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu else None
         self.lean = LeanAssistant(assistant, target.lean)  # after the dtype change: it packs the weights as they are
         self._steps = self._new_steps()
-        self._shadow: FastAssistant | None = None  # what a background warm-up compiles on
 
     def _new_steps(self) -> _Steps:
         return _Steps(self.mode, self.target.lean.device, self.target.cache.context_limit, self.lean.inlines_layers)
-
-    @property
-    def steps(self) -> _Steps:
-        """The served steps (their graph and eager call counts, adopt_graphs)."""
-        return self._steps
-
-    def adopt_graphs(self) -> None:
-        """Take over graphs a background warm-up staged (call between rounds)."""
-        self._steps.adopt()
 
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int) -> StepOutput:
         """
@@ -893,17 +890,5 @@ class FastAssistant:
         cache.reset()
         return _stage_shadow_graphs(self._steps, shadow._steps, self.target.cache, cache)
 
-    def shadow(self) -> 'FastAssistant':
-        """Return this assistant reading its target's shadow, with steps of its own (FastCausalLM.shadow)."""
-        if self._shadow is None:
-            shadow = copy.copy(self)
-            shadow.target = self.target.shadow()
-            shadow._steps = shadow._new_steps()
-            shadow._shadow = None
-            self._shadow = shadow
-        return self._shadow
-
-    def release_shadow(self) -> None:
-        """Free the shadow's compiled wrappers, and its target's cache unless the target still compiles on it."""
-        self._shadow = None
-        _release_compile_garbage()
+    def _give_shadow_a_cache(self, shadow: 'FastAssistant') -> None:
+        shadow.target = self.target.shadow()  # the assistant reads its target's cache
