@@ -97,7 +97,7 @@ def run_goal(client, label, goal, stream):
 def compared_paths(speculative: str, plain: str) -> str:
     """Say what the two goals' decode steps ran on: a speedup across different paths is not like for like."""
     if speculative == plain:
-        return 'both on {} steps'.format(speculative)
+        return 'both decoded on: {}'.format(speculative)
     return 'not like for like while the node warms up: speculative on {}, plain on {}'.format(speculative, plain)
 
 
