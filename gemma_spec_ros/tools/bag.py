@@ -10,6 +10,7 @@ against the recording, and can write the replay as a new bag.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import rclpy
 from gemma_spec_msgs.msg import ChatMessage, GenerateRequest, GenerateResponse
-from rclpy.serialization import deserialize_message, serialize_message
+from rclpy.serialization import serialize_message
 from rclpy.signals import SignalHandlerOptions
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+from rosidl_runtime_py import set_message_fields
 
 from gemma_spec_ros.ros.conversions import stats_to_msg
 from gemma_spec_ros.tools.client import GenerateClient, make_goal
@@ -106,18 +108,67 @@ class BagWriter:
 
 
 def read_bag(path):
-    """Return (requests, responses by request_id) from a bag written by record."""
+    """
+    Return (requests, responses by request_id) from a bag written by record.
+
+    A bag outlives changes to the messages: each is read with the definitions stored in the bag and carried into
+    today's message by field name, so that a field added since keeps its default and a removed one is dropped.
+    """
     requests, responses = [], {}
     with Reader(path) as reader:
+        recorded_types = _recorded_typestore(reader)
         wanted = [c for c in reader.connections if c.topic in (REQUESTS_TOPIC, RESPONSES_TOPIC)]
         for connection, timestamp, data in reader.messages(connections=wanted):
+            recorded = recorded_types.deserialize_cdr(bytes(data), connection.msgtype)
             if connection.topic == REQUESTS_TOPIC:
-                requests.append((timestamp, deserialize_message(bytes(data), GenerateRequest)))
+                requests.append((timestamp, _as_current(recorded, GenerateRequest)))
             else:
-                response = deserialize_message(bytes(data), GenerateResponse)
+                response = _as_current(recorded, GenerateResponse)
                 responses[response.request_id] = response
     requests.sort(key=lambda pair: pair[0])
     return requests, responses
+
+
+def _recorded_typestore(reader):
+    """Return a typestore with the message definitions the bag was written with."""
+    store = get_typestore(Stores.ROS2_JAZZY)
+    for connection in reader.connections:
+        if connection.msgdef.data:
+            store.register(get_types_from_msg(connection.msgdef.data, connection.msgtype))
+    return store
+
+
+def _as_current(recorded, message_type):
+    """Return a message of today's message_type with the fields of a message read with the recorded definitions."""
+    message = message_type()
+    set_message_fields(message, _fields_of(recorded, message))
+    return message
+
+
+def _fields_of(recorded, current) -> dict:
+    """Return the recorded message's values as a dict, keeping only the fields current has (nested alike)."""
+    fields = {}
+    for name in current.get_fields_and_field_types():
+        if not hasattr(recorded, name):
+            continue
+        value, today = getattr(recorded, name), getattr(current, name)
+        if dataclasses.is_dataclass(value):
+            value = _fields_of(value, today)
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            element = _element_type(current, name)()
+            value = [_fields_of(item, element) for item in value]
+        elif hasattr(value, 'tolist'):  # a numeric array
+            value = value.tolist()
+        fields[name] = value
+    return fields
+
+
+def _element_type(message, field_name: str):
+    """Return the message class of a sequence field's elements (e.g. ChatMessage for GenerateRequest.messages)."""
+    from rosidl_runtime_py.utilities import get_message
+
+    field_type = message.get_fields_and_field_types()[field_name]  # e.g. 'sequence<gemma_spec_msgs/ChatMessage>'
+    return get_message(field_type.split('<', 1)[1].rstrip('>').replace('/', '/msg/', 1))
 
 
 def _session(args, prog):
