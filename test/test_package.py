@@ -27,6 +27,7 @@ ROSDEP_KEYS = {
     'launch': 'launch',
     'launch_ros': 'launch_ros',
     'ament_index_python': 'ament_index_python',
+    'rosidl_runtime_py': 'rosidl_runtime_py',
     'torch': 'python3-torch',
     'transformers': 'python3-transformers-pip',
     'safetensors': 'python3-safetensors-pip',

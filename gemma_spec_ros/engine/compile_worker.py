@@ -6,31 +6,41 @@ input into inductor's on-disk cache, from which the serving process then builds 
 """
 
 import ctypes
-import dataclasses
-import json
 import os
 import signal
 import sys
 
-from .engine import Engine
-from .types import EngineConfig
-from .warmup import BACKGROUND_NICE
-
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 
 
-def _end_with_parent() -> None:
-    """Have Linux kill this process when the thread that started it ends (PR_SET_PDEATHSIG), not after a compile."""
+def _end_with_parent(parent_pid: int) -> None:
+    """
+    End this process with the thread that started it (PR_SET_PDEATHSIG), not after a compile or a model load.
+
+    Set before the heavy imports; a parent already gone by then is not signalled, so the process checks.
+    Ctrl-C in a terminal reaches the whole process group: it ends this process too, even if the parent's parent
+    started it with SIGINT ignored.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the process ends when its standard input closes
         pass
+    if os.getppid() != parent_pid:
+        sys.exit(0)
 
 
-def serve_compile_requests(config: EngineConfig) -> None:
+def serve_compile_requests(config_json: str) -> None:
     """Answer the parent's requests on standard output: ready, then built NAME or failed NAME: why."""
+    import dataclasses
+    import json
+
+    from .engine import Engine
+    from .types import EngineConfig
+    from .warmup import BACKGROUND_NICE
+
     os.setpriority(os.PRIO_PROCESS, 0, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
-    _end_with_parent()
+    config = EngineConfig(**json.loads(config_json))
     answers = os.fdopen(os.dup(1), 'w', buffering=1)
     os.dup2(2, 1)  # whatever else torch or a library prints must not reach the protocol
 
@@ -48,4 +58,5 @@ def serve_compile_requests(config: EngineConfig) -> None:
 
 
 if __name__ == '__main__':
-    serve_compile_requests(EngineConfig(**json.loads(sys.argv[1])))
+    _end_with_parent(int(sys.argv[2]))
+    serve_compile_requests(sys.argv[1])

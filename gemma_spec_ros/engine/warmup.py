@@ -45,12 +45,18 @@ class CompileProcess:
     """
 
     def __init__(self, config: EngineConfig):
+        """Start the process; wait_ready() waits for its models."""
         self._process = subprocess.Popen(
-            [sys.executable, '-m', 'gemma_spec_ros.engine.compile_worker', json.dumps(dataclasses.asdict(config))],
+            [sys.executable, '-m', 'gemma_spec_ros.engine.compile_worker', json.dumps(dataclasses.asdict(config)),
+             str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
-        if self._answer() != 'ready':
-            self.close()
-            raise RuntimeError('the compile process did not load the models')
+
+    def wait_ready(self) -> bool:
+        """Wait until the process has loaded the models; False when it ended first."""
+        try:
+            return self._answer() == 'ready'
+        except (OSError, ValueError):  # closed by stop() from another thread
+            return False
 
     def request(self, name: str) -> bool:
         """Ask for one graph (answered by result); False when the process is gone."""
@@ -242,9 +248,15 @@ class Warmup:
 
     def _start_compiler(self) -> None:
         try:
-            self._compiler = CompileProcess(self._compile_process_config)
-        except (OSError, RuntimeError) as exc:
+            self._compiler = CompileProcess(self._compile_process_config)  # stop() can end it while it loads
+        except OSError as exc:
             self._say('warm-up: no compile process ({}); compiling in this process'.format(exc))
+            return
+        if self._stop.is_set() or not self._compiler.wait_ready():  # stopped before the process could be ended
+            self._compiler.close()
+            self._compiler = None
+            if not self._stop.is_set():
+                self._say('warm-up: the compile process did not load the models; compiling in this process')
 
     def _finish(self) -> None:
         self._finished = time.perf_counter()
