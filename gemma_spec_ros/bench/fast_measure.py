@@ -245,7 +245,7 @@ def memory_one(args) -> dict:
             'startup_peak_mib': startup_peak / mib, 'serving_peak_mib': serving_peak / mib, 'bound_mib': bound / mib,
             'serving_peak_over_bound': serving_peak / bound, 'compile_stack_mib': (mode_baseline - baseline) / mib,
             'mode_baseline_mib': mode_baseline / mib, 'mode_bound_mib': mode_bound / mib,
-            'serving_peak_over_mode_bound': serving_peak / mode_bound, 'warmup_seconds': status.warmup_seconds}
+            'serving_peak_over_mode_bound': serving_peak / mode_bound, 'warmup_seconds': status.warmup.seconds}
 
 
 def warmup(args) -> dict:

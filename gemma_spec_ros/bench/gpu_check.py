@@ -155,7 +155,7 @@ def _measure(name, target, assistant, tokenizer, mode, prompt_ids, read_bytes, a
                                                            args.repeats)
     fixed, fixed_tau, fixed_tokens = _decode_rate(engine, prompt_ids, 'mtp', 4, args.new_tokens, args.repeats)
     status = engine.status()
-    return {'model': name, 'compile': status.compile_mode, 'warmup_s': round(status.warmup_seconds, 1),
+    return {'model': name, 'compile': status.compile_mode, 'warmup_s': round(status.warmup.seconds, 1),
             'weights_mib': round(status.weights_bytes / MIB, 1), 'kv_cache_mib': round(status.kv_cache_bytes / MIB, 1),
             'plain_tok_s': round(plain, 1), 'roofline_fraction': round(read_bytes * plain / bandwidth, 3),
             'mtp_adaptive_tok_s': round(adaptive, 1), 'mtp_adaptive_tau': round(adaptive_tau, 2),

@@ -92,7 +92,7 @@ class Engine:
         """
         target_lm: the target with its KV cache (causal_lm.build_causal_lm), its drafters already loaded.
 
-        warmup: how the decode steps were warmed up before (blocking, off); start_background_warmup for background.
+        warmup: how the decode steps were warmed up before (blocking, off); from_config starts a background one.
         """
         self.config = config
         self._target = target_lm
@@ -229,7 +229,7 @@ class Engine:
             status = EngineStatus(
                 target_id=Path(self.config.target_path).name, drafter=name, drafter_id=Path(path).name if path else '',
                 device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
-                compile_mode=self._target.mode, warmup_seconds=warmup.seconds, warmup=warmup,
+                compile_mode=self._target.mode, warmup=warmup,
                 weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
                 tau_lifetime=lifetime['tokens'] / lifetime['passes'] if lifetime['passes'] else math.nan,
                 acceptance_rate_lifetime=(lifetime['accepted'] / lifetime['drafted'] if lifetime['drafted']

@@ -221,7 +221,6 @@ class EngineStatus:
     device: str = 'cpu'
     dtype: str = 'float32'
     compile_mode: str = 'off'          # how decode steps run (engine.compile resolved for this device and model)
-    warmup_seconds: float = 0.0        # compile / capture time at load (background: WarmupState.seconds)
     warmup: WarmupState = field(default_factory=WarmupState)
     weights_bytes: int = 0             # parameters of every loaded model
     kv_cache_bytes: int = 0            # static KV caches (preallocated for engine.context_limit; 0 when off)
