@@ -88,9 +88,9 @@ def test_server_backend_status_error_with_the_url_else_its_figures():
     assert stat.level == OK and url in stat.message and 'gemma' in stat.message
     assert (values(stat)['requests running'], values(stat)['requests waiting']) == ('2', '1')
     assert (values(stat)['KV-cache usage'], values(stat)['tau (lifetime)']) == ('0.250', '1.500')
-    unknown = VllmStatus(url=url, reachable=True, model='gemma', drafter='none')   # NaN figures: 'unknown'
+    unknown = VllmStatus(url=url, reachable=True, model='gemma', drafter='none')   # NaN figures read '-'
     assert values(diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', unknown, metrics))[
-        'KV-cache usage'] == 'unknown'
+        'KV-cache usage'] == '-'
 
 
 def test_unknown_server_figures_stay_out_of_the_window():
@@ -208,7 +208,7 @@ def test_tasks_pass_strings_as_diagnostic_updater_requires():
     assert (values(engine)['K'], values(engine)['drafter fallbacks']) == ('2', '1')
     assert values(engine)['disabled drafter ngram'] == 'n-gram table /models/ngram: missing'
     assert (values(engine_on_a_server)['K'], values(engine_on_a_server)['requests running']) == ('4', '2')
-    assert values(engine_on_a_server)['KV-cache usage'] == 'unknown'
+    assert values(engine_on_a_server)['KV-cache usage'] == '-'
     assert [values(generation)[key] for key in ('queue depth', 'queue limit', 'running', 'goals in window')] == [
         '1', '4', 'True', '1']
     assert values(memory_task)['CUDA reserved (MiB)'] == '3.0'

@@ -1,6 +1,5 @@
 """The engine: prefill -> draft -> verify -> accept / roll back -> stream, one verify round at a time."""
 
-import math
 import random
 import statistics
 import threading
@@ -17,7 +16,7 @@ from .drafters.base import DraftContext, Drafter, LoadContext, Proposal
 from .grammar import ConstraintCompiler, GrammarConstraint, mask_logits
 from .requests import RequestPlan, SamplingParams
 from .sampling import logits_to_probs, sample
-from .stats import RoundTally, generation_stats
+from .stats import RoundTally, acceptance_rate, generation_stats, mib, tau
 from .stream import IncrementalDetokenizer, StopStrings
 from .types import (
     CancelToken,
@@ -171,7 +170,7 @@ class Engine:
             '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, engine.status().warmup.serving,
                                  'in the background ({} graphs)'.format(len(engine._graph_jobs)) if background else
                                  '{:.1f} s'.format(engine._warmup_state.seconds),
-                                 engine._weights_bytes / 2 ** 20, engine._kv_cache_bytes / 2 ** 20,
+                                 mib(engine._weights_bytes), mib(engine._kv_cache_bytes),
                                  engine._context_limit))
         if engine._warmup is not None and start_warmup:
             engine._warmup.start()
@@ -231,9 +230,8 @@ class Engine:
                 device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
                 compile_mode=self._target.mode, warmup=warmup,
                 weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
-                tau_lifetime=lifetime['tokens'] / lifetime['passes'] if lifetime['passes'] else math.nan,
-                acceptance_rate_lifetime=(lifetime['accepted'] / lifetime['drafted'] if lifetime['drafted']
-                                          else math.nan),
+                tau_lifetime=tau(lifetime['tokens'], lifetime['passes']),
+                acceptance_rate_lifetime=acceptance_rate(lifetime['accepted'], lifetime['drafted']),
                 disabled_drafters=list(self.drafter_errors.values()))
             controller = self._controllers.get(name)
             if controller is not None:
@@ -460,7 +458,8 @@ class Engine:
     def _send(self, run: _Run, text: str, token_ids: list[int], on_delta: DeltaCallback | None) -> None:
         run.pieces.append(text)
         if on_delta is not None:
-            on_delta(StreamDelta(text, token_ids, len(run.generated), len(run.generated) / run.tally.target_passes))
+            on_delta(StreamDelta(text, token_ids, len(run.generated),
+                                 tau(len(run.generated), run.tally.target_passes)))
 
     def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         """Pick the first token from prefill logits [1, vocab] -> [1]."""

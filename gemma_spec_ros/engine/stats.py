@@ -1,24 +1,100 @@
 """
-One definition of each metric, used by the engine, /diagnostics, the tools and the benchmark. Imports no torch.
+One definition of each metric; the engine, the vLLM backend, /diagnostics, the tools, bench and train use these.
 
-- tau: tokens emitted per target pass, bonus token included (plain decoding has tau = 1);
+Imports no torch: the ROS tools import this module.
+
+- tau: tokens emitted per target pass, the prefill pass and each round's bonus token included (plain decoding has
+  tau = 1). This is GenerationStats.tau and what /diagnostics shows. decode_tau leaves the prefill pass and the
+  first token out: it is what a decode round yields, the figure Leviathan's prediction (expected_tokens) is about;
+- acceptance rate: accepted drafts / drafted tokens;
+- decode tokens per second: tokens that arrived after the first one / seconds from the first arrival to the last
+  (time to first token is a figure of its own);
 - inter-token latency: a round that emits n tokens g seconds after the previous one adds n gaps of g / n;
 - percentiles: linear interpolation between order statistics;
-- memory: process RSS and its high-water mark, and system MemAvailable, from /proc.
+- memory: bytes everywhere; MiB (2**20 bytes) only where a figure is shown, through mib;
+  process RSS and its high-water mark, and system MemAvailable, come from /proc.
+
+Undefined figures: a ratio without data (nothing drafted, no target pass, no decode time, no samples) is NaN,
+never 0.0, so that it cannot pass for a measurement. format_figure shows NaN as NO_DATA ('-'), which is how
+/diagnostics, the tools and the reports print it; a server backend's unknown figures are NaN too (counts -1).
 """
 
+import math
 import resource
 from dataclasses import dataclass, field
 
 from .types import GenerationStats
 
-MIB = 1024.0 * 1024.0
+MIB = float(2 ** 20)
+NO_DATA = '-'
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else math.nan
+
+
+def is_known(value) -> bool:
+    """Tell whether a figure is defined: NaN is no data (or unknown to a server backend), as is a count of -1."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value)) and value != -1
+
+
+def format_figure(value, spec: str = '{:.3f}') -> str:
+    """Show a figure with spec, or NO_DATA ('-') when it is undefined."""
+    return spec.format(value) if is_known(value) else NO_DATA
+
+
+def tau(new_tokens: float, target_passes: float) -> float:
+    """Tokens per target pass, prefill pass and bonus tokens included: new_tokens / target_passes (NaN: no pass)."""
+    return _ratio(new_tokens, target_passes)
+
+
+def decode_tau(new_tokens: float, target_passes: float) -> float:
+    """
+    Tokens per decode pass: (new_tokens - 1) / (target_passes - 1), NaN without a decode pass.
+
+    The prefill pass yields the first token alone; leaving it out gives what one decode round yields, which is
+    what expected_tokens predicts and what decode tokens per second is made of. Summed over generations, pass
+    the sums of max(0, n - 1).
+    """
+    return _ratio(new_tokens - 1, target_passes - 1)
+
+
+def acceptance_rate(accepted: float, drafted: float) -> float:
+    """Return accepted drafts / drafted tokens; NaN when nothing was drafted (plain decoding)."""
+    return _ratio(accepted, drafted)
+
+
+def tokens_per_second(tokens: float, seconds: float) -> float:
+    """Return tokens / seconds; NaN without time (one token, or nothing measured)."""
+    return _ratio(tokens, seconds)
+
+
+def decode_tokens_per_second(arrivals: list[tuple[float, int]], total_tokens: int | None = None) -> float:
+    """
+    Return the decode rate of (time, tokens) arrivals, the first arrival holding the first token(s).
+
+    That is the tokens that came after the first arrival over the time from the first arrival to the last; NaN
+    with fewer than two arrivals.
+
+    total_tokens: the tokens kept in all, when the output was cut inside the last arrival (a stop string or
+    max_new_tokens keeps part of a round); the first arrival's tokens are taken out of it.
+    """
+    if not arrivals:
+        return math.nan
+    if total_tokens is None:
+        total_tokens = sum(tokens for _, tokens in arrivals)
+    return tokens_per_second(max(0, total_tokens - arrivals[0][1]), arrivals[-1][0] - arrivals[0][0])
+
+
+def mib(num_bytes: float) -> float:
+    """Bytes in MiB (2**20 bytes)."""
+    return num_bytes / MIB
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Return the q-th percentile (0..100) by linear interpolation; 0.0 for no values."""
+    """Return the q-th percentile (0..100) by linear interpolation; NaN for no values."""
     if not values:
-        return 0.0
+        return math.nan
     ordered = sorted(values)
     position = (len(ordered) - 1) * q / 100.0
     low = int(position)
@@ -123,30 +199,31 @@ class RoundTally:
 def generation_stats(tally: RoundTally, prompt_tokens: int, new_tokens: int, started: float, finished: float,
                      drafter: str, draft_cost_ratio: float) -> GenerationStats:
     """GenerationStats of a finished generation (memory fields are filled by the caller)."""
-    first_token_time, last_token_time = tally.arrivals[0][0], tally.arrivals[-1][0]
-    decode_time = last_token_time - first_token_time
+    first_token_time = tally.arrivals[0][0]
     gaps = token_gaps(tally.arrivals)
     return GenerationStats(
         prompt_tokens=prompt_tokens, new_tokens=new_tokens, target_passes=tally.target_passes,
         drafted_tokens=tally.drafted, accepted_tokens=tally.accepted,
-        tau=new_tokens / tally.target_passes,
-        acceptance_rate=tally.accepted / tally.drafted if tally.drafted else 0.0,
+        tau=tau(new_tokens, tally.target_passes),
+        acceptance_rate=acceptance_rate(tally.accepted, tally.drafted),
         per_position_acceptance=[a / d for a, d in zip(tally.accepted_at, tally.drafted_at, strict=True)],
         mean_num_draft_tokens=tally.drafted / tally.rounds if tally.rounds else 0.0,
         rounds_by_draft_length=list(tally.by_draft_length),
         draft_cost_ratio=draft_cost_ratio, drafter=drafter, paused_rounds=tally.paused_rounds,
         time_to_first_token=first_token_time - started,
         inter_token_latency_p50=percentile(gaps, 50), inter_token_latency_p95=percentile(gaps, 95),
-        tokens_per_second=(new_tokens - 1) / decode_time if decode_time > 0 else 0.0,
+        tokens_per_second=decode_tokens_per_second(tally.arrivals, new_tokens),
         wall_time=finished - started, process_peak_rss_bytes=process_peak_rss_bytes())
 
 
 def format_stats(stats) -> str:
-    """Three lines about a GenerationStats (the engine's dataclass or the gemma_spec_msgs message)."""
-    return ('tokens {} (prompt {})  tau {:.2f}  acceptance {:.2f}  drafter {}  K {:.1f}  c {:.3f}\n'
-            'ttft {:.3f} s  itl p50 {:.4f} s  p95 {:.4f} s  decode {:.1f} tok/s  wall {:.2f} s  '
+    """Three lines about a GenerationStats (the engine's dataclass or the gemma_spec_msgs message); NaN shows '-'."""
+    figure = format_figure
+    return ('tokens {} (prompt {})  tau {}  acceptance {}  drafter {}  K {:.1f}  c {:.3f}\n'
+            'ttft {} s  itl p50 {} s  p95 {} s  decode {} tok/s  wall {:.2f} s  '
             'process peak RSS {:.0f} MiB\ndecode steps: {}').format(
-        stats.new_tokens, stats.prompt_tokens, stats.tau, stats.acceptance_rate, stats.drafter or '-',
-        stats.mean_num_draft_tokens, stats.draft_cost_ratio, stats.time_to_first_token,
-        stats.inter_token_latency_p50, stats.inter_token_latency_p95, stats.tokens_per_second, stats.wall_time,
-        stats.process_peak_rss_bytes / MIB, stats.decode_path or '-')
+        stats.new_tokens, stats.prompt_tokens, figure(stats.tau, '{:.2f}'), figure(stats.acceptance_rate, '{:.2f}'),
+        stats.drafter or '-', stats.mean_num_draft_tokens, stats.draft_cost_ratio,
+        figure(stats.time_to_first_token), figure(stats.inter_token_latency_p50, '{:.4f}'),
+        figure(stats.inter_token_latency_p95, '{:.4f}'), figure(stats.tokens_per_second, '{:.1f}'), stats.wall_time,
+        mib(stats.process_peak_rss_bytes), stats.decode_path or '-')

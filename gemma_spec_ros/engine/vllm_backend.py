@@ -10,14 +10,15 @@ Statistics. Client-side: TTFT, inter-token latency and tokens/s as this process 
 Server-side: tau and acceptance from the server's Prometheus counters, scraped before and after the request:
 
     target passes = generation tokens - accepted tokens     (each pass emits its accepted drafts + 1 token)
-    tau           = generation tokens / target passes       (the engine's definition: bonus token included)
-    acceptance    = accepted tokens / draft tokens
+    tau           = generation tokens / target passes       (stats.tau: the engine's definition)
+    acceptance    = accepted tokens / draft tokens          (stats.acceptance_rate: NaN without drafts)
 
 The counters are server-wide: when another request ran on the server meanwhile, the window covers it too.
 ``VllmResult.server_wide`` says so (and a warning), and the per-request counts are then unknown.
 
 Unknown values (the server cannot supply them): float fields are NaN (``UNKNOWN_FLOAT``), int fields -1
-(``UNKNOWN_INT``). A plain server (no speculative config, no spec_decode counters) has tau 1 exactly.
+(``UNKNOWN_INT``), the NaN that engine.stats uses for no data. A plain server (no speculative config, no
+spec_decode counters) has tau 1 exactly.
 
 Request rules are the engine's (requests.check_fields, check_max_new_tokens, check_prompt_size); what only the
 server can check (vocabulary, chat roles, the context of a text prompt) comes back from it as a ValueError.
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
 from .requests import check_fields, check_max_new_tokens, check_prompt_size
-from .stats import percentile, token_gaps
+from .stats import acceptance_rate, decode_tokens_per_second, percentile, tau, token_gaps
 from .types import (
     DRAFTERS,
     CancelToken,
@@ -98,7 +99,7 @@ def speculation_stats(before: ServerCounters | None, after: ServerCounters) -> S
     base = before or ServerCounters(drafts=0.0 if after.drafts is not None else None)
     generated = after.generation_tokens - base.generation_tokens
     if after.drafts is None:  # plain decoding: one token per target pass
-        return SpeculationStats(generated, 0.0, 0.0, 1.0, 0.0, [], 0.0)
+        return SpeculationStats(generated, 0.0, 0.0, tau(generated, generated), acceptance_rate(0.0, 0.0), [], 0.0)
     drafts = after.drafts - (base.drafts or 0.0)
     drafted = after.draft_tokens - base.draft_tokens
     accepted = after.accepted_tokens - base.accepted_tokens
@@ -107,10 +108,9 @@ def speculation_stats(before: ServerCounters | None, after: ServerCounters) -> S
     passes = generated - accepted
     return SpeculationStats(
         target_passes=passes, drafted_tokens=drafted, accepted_tokens=accepted,
-        tau=generated / passes if passes > 0 else UNKNOWN_FLOAT,
-        acceptance_rate=accepted / drafted if drafted > 0 else 0.0,
-        per_position_acceptance=[(now - then) / drafts if drafts > 0 else 0.0
-                                 for now, then in zip(after.accepted_per_position, earlier, strict=True)],
+        tau=tau(generated, passes), acceptance_rate=acceptance_rate(accepted, drafted),
+        per_position_acceptance=[acceptance_rate(now - then, drafts) for now, then in
+                                 zip(after.accepted_per_position, earlier, strict=True)] if drafts > 0 else [],
         mean_num_draft_tokens=drafted / drafts if drafts > 0 else 0.0)
 
 
@@ -552,16 +552,15 @@ class VllmBackend:
             gaps = token_gaps(arrivals)
             stats.inter_token_latency_p50 = percentile(gaps, 50)
             stats.inter_token_latency_p95 = percentile(gaps, 95)
-            decode_time = arrivals[-1][0] - arrivals[0][0]
-            streamed = sum(tokens for _, tokens in arrivals)
-            stats.tokens_per_second = (streamed - arrivals[0][1]) / decode_time if decode_time > 0 else 0.0
+            stats.tokens_per_second = decode_tokens_per_second(arrivals)
         return stats
 
     def _fill_speculation(self, result: VllmResult, before: ServerCounters | None, after: ServerCounters | None,
                           new_tokens: int, overlapped: bool) -> None:
         stats = result.stats
         if after is None or after.drafts is None:  # plain decoding is exact per request, whatever else ran
-            stats.tau, stats.acceptance_rate, stats.mean_num_draft_tokens = 1.0, 0.0, 0.0
+            stats.tau, stats.acceptance_rate = tau(new_tokens, new_tokens), acceptance_rate(0, 0)
+            stats.mean_num_draft_tokens = 0.0
             stats.target_passes, stats.drafted_tokens, stats.accepted_tokens = new_tokens, 0, 0
             stats.per_position_acceptance = []
             return
@@ -664,7 +663,7 @@ class VllmBackend:
         status.num_draft_tokens = len(counters.accepted_per_position)
         status.draft_cost_ratio = UNKNOWN_FLOAT
         status.break_even_tau = UNKNOWN_FLOAT
-        status.tau_lifetime = lifetime.tau if counters.generation_tokens else UNKNOWN_FLOAT
+        status.tau_lifetime = lifetime.tau
         status.acceptance_rate_lifetime = lifetime.acceptance_rate
         status.requests_running = int(counters.requests_running)
         status.requests_waiting = int(counters.requests_waiting)

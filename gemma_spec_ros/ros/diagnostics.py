@@ -4,6 +4,9 @@
 The node builds a ``diagnostic_updater.Updater`` (period from the parameter ``diagnostic_updater.period``), sets
 ``diagnostics.hardware_id`` and adds the tasks 'engine', 'generation', 'memory' (the fill_* functions below) and
 :class:`PeriodStatus`; the updater prefixes each status name with the node name ('gemma_spec: engine').
+
+Every figure comes from gemma_spec_ros.engine.stats, which defines it; a figure without data (tau and acceptance
+before a goal speculated, percentiles of an empty window) is NaN there and shows as '-' here.
 """
 
 import math
@@ -13,7 +16,17 @@ from collections import deque
 from diagnostic_msgs.msg import DiagnosticStatus
 from diagnostic_updater import FrequencyStatus, FrequencyStatusParam, Updater  # noqa: F401 (Updater: the node's)
 
-from gemma_spec_ros.engine.stats import MIB, percentile, read_process_memory, token_gaps
+from gemma_spec_ros.engine.stats import (
+    acceptance_rate,
+    format_figure,
+    is_known,
+    mib,
+    percentile,
+    read_process_memory,
+    tau,
+    token_gaps,
+    tokens_per_second,
+)
 from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING
 
 OK = DiagnosticStatus.OK
@@ -78,8 +91,8 @@ class GenerationMetrics:
         a round of n tokens that arrived g seconds after the previous one adds n gaps of g / n.
         accepted_at: monotonic time the goal was accepted; queue wait and time to first token are measured from it
         (else time to first token is the engine's, from the start of generation).
-        Unknown figures (NaN or -1, from a server backend) stay out of the window's tau and acceptance, and so do
-        goals that ran plain decoding (drafter none): their tau of 1 would hide what speculation achieves.
+        Unknown figures (NaN or -1, from a server backend) stay out of the window's figures, and goals that ran
+        plain decoding (drafter none) stay out of its tau: their tau of 1 would hide what speculation achieves.
         """
         gaps = token_gaps(feedback_times[1:])
         with self._lock:
@@ -92,18 +105,20 @@ class GenerationMetrics:
             stats = result.stats
             if stats.new_tokens > 0:
                 from_acceptance = accepted_at is not None and len(feedback_times) > 1
-                tau_known = stats.drafter != 'none' and _known(stats.tau) and _known(stats.target_passes)
-                acceptance_known = _known(stats.drafted_tokens) and _known(stats.accepted_tokens)
+                tau_known = stats.drafter != 'none' and is_known(stats.tau) and is_known(stats.target_passes)
+                acceptance_known = is_known(stats.drafted_tokens) and is_known(stats.accepted_tokens)
                 ttft = feedback_times[1][0] - accepted_at if from_acceptance else stats.time_to_first_token
                 self._window.append({
-                    'tau': stats.tau if tau_known else 0.0, 'target_passes': stats.target_passes if tau_known else 0,
+                    'tokens': stats.new_tokens if tau_known else 0,
+                    'target_passes': stats.target_passes if tau_known else 0,
                     'drafted': stats.drafted_tokens if acceptance_known else 0,
                     'accepted': stats.accepted_tokens if acceptance_known else 0,
-                    'ttft': ttft if _known(ttft) else 0.0,
-                    'queue_wait': feedback_times[0][0] - accepted_at if from_acceptance else 0.0,
+                    'ttft': ttft,   # NaN when unknown: left out of the percentiles
+                    'queue_wait': feedback_times[0][0] - accepted_at if from_acceptance else math.nan,
                     'decode_tokens': max(0, stats.new_tokens - 1),
-                    'decode_time': (stats.new_tokens - 1) / stats.tokens_per_second
-                    if stats.tokens_per_second > 0 else 0.0,
+                    # the goal's decode seconds back from its rate, so that the window pools tokens and seconds
+                    'decode_time': max(0, stats.new_tokens - 1) / stats.tokens_per_second
+                    if is_known(stats.tokens_per_second) and stats.tokens_per_second > 0 else 0.0,
                     'gaps': gaps})
 
     def snapshot(self) -> dict:
@@ -115,28 +130,21 @@ class GenerationMetrics:
         drafted = sum(g['drafted'] for g in window)
         decode_time = sum(g['decode_time'] for g in window)
         gaps = [gap for g in window for gap in g['gaps']]
-        ttfts = [g['ttft'] for g in window]
-        waits = [g['queue_wait'] for g in window]
+        ttfts = [g['ttft'] for g in window if is_known(g['ttft'])]
+        waits = [g['queue_wait'] for g in window if is_known(g['queue_wait'])]
         snap.update(
-            tau=sum(g['tau'] * g['target_passes'] for g in window) / passes if passes else math.nan,
-            acceptance_rate=sum(g['accepted'] for g in window) / drafted if drafted else math.nan,
-            tokens_per_second=sum(g['decode_tokens'] for g in window) / decode_time if decode_time else 0.0,
+            tau=tau(sum(g['tokens'] for g in window), passes),
+            acceptance_rate=acceptance_rate(sum(g['accepted'] for g in window), drafted),
+            tokens_per_second=tokens_per_second(sum(g['decode_tokens'] for g in window), decode_time),
             ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),
             queue_wait_p50=percentile(waits, 50), queue_wait_p95=percentile(waits, 95),
             itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
         return snap
 
 
-def _known(value) -> bool:
-    """Tell whether a figure is known: a server backend marks unknown floats NaN and unknown counts -1."""
-    return not (isinstance(value, float) and math.isnan(value)) and value != -1
-
-
-def _figure(value, digits=3, missing='unknown') -> str:
-    return '{:.{}f}'.format(value, digits) if _known(value) else missing
-
-
-NOT_SPECULATED = '-'  # tau and acceptance before any goal speculated: in the window, or since start
+def _figure(value, digits=3) -> str:
+    """Show a figure as /diagnostics does: '-' when undefined (NaN: no data yet, or unknown to a server backend)."""
+    return format_figure(value, '{{:.{}f}}'.format(digits))
 
 
 def fill_server_status(stat, status, snap):
@@ -153,9 +161,9 @@ def fill_server_status(stat, status, snap):
             ('requests running', status.requests_running), ('requests waiting', status.requests_waiting),
             ('KV-cache usage', _figure(status.kv_cache_usage)),
             ('requests in flight (this node)', status.requests_in_flight),
-            ('tau (window)', _figure(snap['tau'], missing=NOT_SPECULATED)),
+            ('tau (window)', _figure(snap['tau'])),
             ('tau (lifetime)', _figure(status.tau_lifetime)),
-            ('acceptance rate (window)', _figure(snap['acceptance_rate'], missing=NOT_SPECULATED)),
+            ('acceptance rate (window)', _figure(snap['acceptance_rate'])),
             ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime))):
         stat.add(key, str(value))
     if snap['last_warning']:
@@ -214,15 +222,15 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
             ('graphs ready', '{} of {}'.format(warmup.graphs_ready, warmup.graphs_total)),
             ('warm-up done', str(warmup.done).lower()),
             ('warm-up s', '{:.1f}'.format(warmup.seconds)),  # once done: the time to full speed
-            ('weights MiB', '{:.1f}'.format(status.weights_bytes / 2 ** 20)),
-            ('KV cache MiB', '{:.1f}'.format(status.kv_cache_bytes / 2 ** 20)),
+            ('weights MiB', '{:.1f}'.format(mib(status.weights_bytes))),
+            ('KV cache MiB', '{:.1f}'.format(mib(status.kv_cache_bytes))),
             ('speculation', speculation), ('K', status.num_draft_tokens),
             ('draft cost ratio c', '{:.3f}'.format(status.draft_cost_ratio)),
             ('break-even tau', '{:.3f}'.format(status.break_even_tau)),
-            ('tau (window)', _figure(snap['tau'], missing=NOT_SPECULATED)),
-            ('tau (lifetime)', _figure(status.tau_lifetime, missing=NOT_SPECULATED)),
-            ('acceptance rate (window)', _figure(snap['acceptance_rate'], missing=NOT_SPECULATED)),
-            ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime, missing=NOT_SPECULATED)),
+            ('tau (window)', _figure(snap['tau'])),
+            ('tau (lifetime)', _figure(status.tau_lifetime)),
+            ('acceptance rate (window)', _figure(snap['acceptance_rate'])),
+            ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime)),
             ('drafter fallbacks', snap['drafter_fallbacks'])):
         stat.add(key, str(value))
     for drafter in disabled.values():
@@ -251,13 +259,13 @@ def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inte
     for key, value in (
             ('queue depth', queued), ('queue limit', '-' if queue_limit is None else queue_limit),
             ('running', running),
-            ('decode tokens/s', '{:.2f}'.format(snap['tokens_per_second'])),
-            ('queue wait p50 (s)', '{:.4f}'.format(snap['queue_wait_p50'])),
-            ('queue wait p95 (s)', '{:.4f}'.format(snap['queue_wait_p95'])),
-            ('time to first token p50 (s)', '{:.4f}'.format(snap['ttft_p50'])),
-            ('time to first token p95 (s)', '{:.4f}'.format(snap['ttft_p95'])),
-            ('inter-token latency p50 (s)', '{:.4f}'.format(snap['itl_p50'])),
-            ('inter-token latency p95 (s)', '{:.4f}'.format(snap['itl_p95'])),
+            ('decode tokens/s', _figure(snap['tokens_per_second'], 2)),
+            ('queue wait p50 (s)', _figure(snap['queue_wait_p50'], 4)),
+            ('queue wait p95 (s)', _figure(snap['queue_wait_p95'], 4)),
+            ('time to first token p50 (s)', _figure(snap['ttft_p50'], 4)),
+            ('time to first token p95 (s)', _figure(snap['ttft_p95'], 4)),
+            ('inter-token latency p50 (s)', _figure(snap['itl_p50'], 4)),
+            ('inter-token latency p95 (s)', _figure(snap['itl_p95'], 4)),
             ('goals in window', snap['goals_in_window'])):
         stat.add(key, str(value))
     for outcome in GenerationMetrics.OUTCOMES:
@@ -279,22 +287,21 @@ def read_memory(device='cpu') -> dict:
 def fill_memory_status(stat, memory, rss_budget_mb=0.0, min_mem_available_mb=0.0,
                        cuda_reserved_budget_mb=0.0):
     """Fill the memory task: WARN over the RSS or CUDA budget, or when MemAvailable drops below its floor."""
-    mib = MIB
     stat.summary(OK, 'memory within budget')
-    rss = memory.get('VmRSS', 0) / mib
-    available = memory.get('MemAvailable', 0) / mib
+    rss = mib(memory.get('VmRSS', 0))
+    available = mib(memory.get('MemAvailable', 0))
     if rss_budget_mb > 0 and rss > rss_budget_mb:
         stat.mergeSummary(WARN, 'process RSS {:.0f} MiB over budget {:.0f} MiB'.format(rss, rss_budget_mb))
     if min_mem_available_mb > 0 and 'MemAvailable' in memory and available < min_mem_available_mb:
         stat.mergeSummary(WARN, 'MemAvailable {:.0f} MiB below {:.0f} MiB'.format(
             available, min_mem_available_mb))
     stat.add('process RSS (MiB)', '{:.1f}'.format(rss))
-    stat.add('process peak RSS (MiB)', '{:.1f}'.format(memory.get('VmHWM', 0) / mib))
+    stat.add('process peak RSS (MiB)', '{:.1f}'.format(mib(memory.get('VmHWM', 0))))
     stat.add('MemAvailable (MiB)', '{:.1f}'.format(available))
-    stat.add('MemTotal (MiB)', '{:.1f}'.format(memory.get('MemTotal', 0) / mib))
+    stat.add('MemTotal (MiB)', '{:.1f}'.format(mib(memory.get('MemTotal', 0))))
     if 'cuda_reserved' in memory:
-        reserved = memory['cuda_reserved'] / mib
-        stat.add('CUDA allocated (MiB)', '{:.1f}'.format(memory['cuda_allocated'] / mib))
+        reserved = mib(memory['cuda_reserved'])
+        stat.add('CUDA allocated (MiB)', '{:.1f}'.format(mib(memory['cuda_allocated'])))
         stat.add('CUDA reserved (MiB)', '{:.1f}'.format(reserved))
         if cuda_reserved_budget_mb > 0 and reserved > cuda_reserved_budget_mb:
             stat.mergeSummary(WARN, 'CUDA reserved {:.0f} MiB over budget {:.0f} MiB'.format(
