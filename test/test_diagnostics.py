@@ -271,3 +271,17 @@ def test_spinning_updater_publishes_tasks_at_the_configured_period(context):
         executor.shutdown(timeout_sec=1)
         node.destroy_node()
         listener.destroy_node()
+
+
+def test_an_empty_window_reads_a_dash_and_unknown_rates_stay_out():
+    metrics = diagnostics.GenerationMetrics()
+    empty = values(diagnostics.fill_generation_status(DiagnosticStatusWrapper(), metrics, 0, False,
+                                                      ttft_budget=0.1, inter_token_latency_budget=0.01))
+    assert [empty[key] for key in ('decode tokens/s', 'time to first token p95 (s)',
+                                   'inter-token latency p50 (s)', 'queue wait p50 (s)')] == ['-'] * 4
+    metrics.record('succeeded', result(new_tokens=11, passes=4, tps=50.0))
+    no_rate = unknown_stats()        # a server backend that streamed nothing measurable
+    no_rate.new_tokens = 30
+    metrics.record('succeeded', SimpleNamespace(stats=no_rate, warnings=[]))
+    snap = metrics.snapshot()
+    assert snap['tokens_per_second'] == pytest.approx(50.0) and snap['ttft_p50'] == pytest.approx(0.1)

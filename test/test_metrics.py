@@ -95,3 +95,26 @@ def test_format_stats_reads_the_message_fields():
 def test_the_module_imports_without_torch():
     code = 'import sys, gemma_spec_ros.engine.stats; sys.exit("torch" in sys.modules)'
     assert subprocess.run([sys.executable, '-c', code], check=False).returncode == 0
+
+
+def test_decode_tau_pools_generations_each_without_its_prefill_pass():
+    assert stats.decode_tau([10, 1], [4, 1]) == 3.0        # a one-token generation adds no decode pass
+    assert stats.decode_tau([10, 5], [4, 5]) == pytest.approx((9 + 4) / (3 + 4))
+    assert math.isnan(stats.decode_tau([], []))
+
+
+def test_drafter_evaluation_pools_with_the_same_definitions():
+    from gemma_spec_ros.train.evaluate import RunFigures, format_cell
+
+    figures = RunFigures()
+    for new_tokens, passes, drafted, accepted in ((11, 4, 12, 7), (5, 2, 4, 3)):
+        figures.add(GenerationStats(new_tokens=new_tokens, target_passes=passes, drafted_tokens=drafted,
+                                    accepted_tokens=accepted, tau=new_tokens / passes, wall_time=1.5,
+                                    time_to_first_token=0.5), True)
+    cell = figures.summary(plain_seconds=4.0)
+    assert cell['tau'] == round(stats.tau(16, 6), 3) and cell['acceptance'] == round(10 / 16, 3)
+    assert cell['tokens_per_s'] == stats.tokens_per_second(10 + 4, 2.0)   # the first tokens are not decode tokens
+    plain = RunFigures()
+    plain.add(GenerationStats(new_tokens=8, target_passes=8, tau=1.0, wall_time=1.0, time_to_first_token=0.2), True)
+    plain_cell = plain.summary(plain_seconds=0.8)
+    assert math.isnan(plain_cell['acceptance']) and format_cell(plain_cell) == '1.00 / - / 1.00x'

@@ -1,8 +1,9 @@
 """
 From measurements to per-system, per-category figures, the Leviathan prediction, the goals and the peer ratios.
 
-tau counts the bonus token and covers decode passes only: (new_tokens - 1) / (target_passes - 1), because the
-prefill pass yields the first token and decode tok/s starts after it.
+Figures are engine.stats' definitions. The bench reports decode_tau (tokens per decode pass: (new_tokens - 1) /
+(target_passes - 1)), not the tau of GenerationStats and /diagnostics: the prefill pass yields the first token, and
+both decode tok/s and the Leviathan prediction start after it.
 """
 
 import statistics
@@ -11,10 +12,9 @@ from dataclasses import dataclass, field
 from gemma_spec_ros.bench.harness import Measurement
 from gemma_spec_ros.bench.probe import CostProbe
 from gemma_spec_ros.bench.systems import System
-from gemma_spec_ros.engine.stats import iid_expected_tokens
+from gemma_spec_ros.engine.stats import acceptance_rate, decode_tau, iid_expected_tokens, mib, tokens_per_second
 
 ALL = 'all'
-MB = 1024 * 1024
 GOAL_PLAIN = 1.2        # our plain decoding vs transformers' plain generate
 GOAL_ASSISTED = 1.5     # our best system per drafter vs transformers' best with the same drafter
 GOAL_EFFICIENCY = 0.9   # measured / predicted speedup
@@ -36,22 +36,22 @@ class Cell:
     tokens_per_s_max: float
     speedup_vs_ours_plain: float     # ours: vs plain decoding in the same compile mode; peers: vs Summary.ours_plain
     speedup_vs_hf_plain: float
-    tau: float
-    acceptance_rate: float           # accepted / drafted
+    decode_tau: float                # tokens per decode pass (engine.stats.decode_tau); NaN: no decode pass
+    acceptance_rate: float           # accepted / drafted; NaN: nothing drafted
     mean_k: float                    # drafted tokens per decode round
     ttft_ms: float                   # median
-    peak_rss_mb: float               # max over samples
-    rss_growth_mb: float             # max over samples
+    peak_rss_mib: float              # max over samples
+    rss_growth_mib: float            # max over samples
     parity: bool
     mismatches: list[str]            # 'prompt_id#repeat@position'
     warnings: list[str]
     alpha: float | None = None       # i.i.d. acceptance fitted to per-position acceptance (our engine only)
     draft_cost_ratio: float | None = None
-    predicted_tau: float | None = None
+    predicted_decode_tau: float | None = None
     predicted_speedup: float | None = None
-    tau_cost_speedup: float | None = None  # measured tau / predicted round cost: the model without the i.i.d. part
+    tau_cost_speedup: float | None = None  # measured decode_tau / predicted round cost: without the i.i.d. part
     efficiency: float | None = None  # speedup_vs_ours_plain / predicted_speedup
-    loop_efficiency: float | None = None  # speedup_vs_ours_plain / (measured tau / predicted round cost)
+    loop_efficiency: float | None = None  # speedup_vs_ours_plain / tau_cost_speedup
 
 
 @dataclass
@@ -183,7 +183,7 @@ def round_cost(rounds_by_draft_length: list[int], cost_ratio: float, probe: Cost
 def predict_speedup(alpha: float, rounds_by_draft_length: list[int], cost_ratio: float, probe: CostProbe,
                     compile_mode: str = '') -> tuple[float, float]:
     """
-    Predict (tau, speedup) per decode round from the rounds' draft lengths (K varies: adaptive K, short n-grams).
+    Predict (decode tau, speedup) per decode round from the rounds' draft lengths (K varies: adaptive K, short n-grams).
 
     A round that drafted k yields E(alpha, k) tokens (a plain round 1); speedup = tokens per round / round_cost.
     Taking E at the mean K instead would over-predict: E is concave in k.
@@ -204,8 +204,7 @@ def _draft_lengths(samples: list[Measurement]) -> list[int]:
 
 
 def _rate(samples: list[Measurement]) -> float:
-    seconds = sum(s.decode_s for s in samples)
-    return sum(max(0, s.new_tokens - 1) for s in samples) / seconds if seconds > 0 else 0.0
+    return tokens_per_second(sum(max(0, s.new_tokens - 1) for s in samples), sum(s.decode_s for s in samples))
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -224,11 +223,11 @@ def _cell(system: System, category: str, samples: list[Measurement], probe: Cost
         system=system.name, family=system.family, drafter=system.drafter, k=system.k, category=category,
         samples=len(samples), tokens_per_s=statistics.median(rates), tokens_per_s_min=min(rates),
         tokens_per_s_max=max(rates), speedup_vs_ours_plain=0.0, speedup_vs_hf_plain=0.0,
-        tau=_ratio(sum(max(0, s.new_tokens - 1) for s in samples), decode_passes),
-        acceptance_rate=_ratio(sum(s.accepted_tokens for s in samples), drafted),
+        decode_tau=decode_tau([s.new_tokens for s in samples], [s.target_passes for s in samples]),
+        acceptance_rate=acceptance_rate(sum(s.accepted_tokens for s in samples), drafted),
         mean_k=_ratio(drafted, decode_passes), ttft_ms=statistics.median(s.ttft_s for s in samples) * 1000.0,
-        peak_rss_mb=max(s.peak_rss_bytes for s in samples) / MB,
-        rss_growth_mb=max(s.rss_growth_bytes for s in samples) / MB,
+        peak_rss_mib=mib(max(s.peak_rss_bytes for s in samples)),
+        rss_growth_mib=mib(max(s.rss_growth_bytes for s in samples)),
         parity=all(s.parity for s in samples),
         mismatches=['{}#{}@{}'.format(s.prompt_id, s.repeat, s.first_mismatch) for s in samples if not s.parity],
         warnings=warnings)
@@ -244,9 +243,9 @@ def _cell(system: System, category: str, samples: list[Measurement], probe: Cost
     draft_lengths = _draft_lengths(samples)
     if cell.alpha is not None and sum(draft_lengths):
         mode = system.compile or 'auto'  # our verify passes cost what our decode steps cost
-        cell.predicted_tau, cell.predicted_speedup = predict_speedup(cell.alpha, draft_lengths,
+        cell.predicted_decode_tau, cell.predicted_speedup = predict_speedup(cell.alpha, draft_lengths,
                                                                      cell.draft_cost_ratio, probe, mode)
-        cell.tau_cost_speedup = cell.tau / round_cost(draft_lengths, cell.draft_cost_ratio, probe, mode)
+        cell.tau_cost_speedup = cell.decode_tau / round_cost(draft_lengths, cell.draft_cost_ratio, probe, mode)
     return cell
 
 

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from gemma_spec_ros.engine.stats import mib
+
 TARGET = 'models/gemma4-spec-target'
 ASSISTANT = 'models/gemma4-spec-assistant'
 DRAFT = 'models/gemma4-spec-draft'
@@ -237,14 +239,13 @@ def memory_one(args) -> dict:
         engine.generate(GenerationRequest(prompt=prompt.text, max_new_tokens=args.new_tokens, drafter=drafter))
     status = engine.status()
     serving_peak = _rss()[1]
-    mib = 2 ** 20
     bound = 1.15 * (status.weights_bytes + status.kv_cache_bytes) + baseline
     mode_bound = bound - baseline + mode_baseline
-    return {'compile': status.compile_mode, 'baseline_mib': baseline / mib, 'weights_mib': status.weights_bytes / mib,
-            'kv_cache_mib': status.kv_cache_bytes / mib, 'after_load_mib': loaded / mib,
-            'startup_peak_mib': startup_peak / mib, 'serving_peak_mib': serving_peak / mib, 'bound_mib': bound / mib,
-            'serving_peak_over_bound': serving_peak / bound, 'compile_stack_mib': (mode_baseline - baseline) / mib,
-            'mode_baseline_mib': mode_baseline / mib, 'mode_bound_mib': mode_bound / mib,
+    return {'compile': status.compile_mode, 'baseline_mib': mib(baseline), 'weights_mib': mib(status.weights_bytes),
+            'kv_cache_mib': mib(status.kv_cache_bytes), 'after_load_mib': mib(loaded),
+            'startup_peak_mib': mib(startup_peak), 'serving_peak_mib': mib(serving_peak), 'bound_mib': mib(bound),
+            'serving_peak_over_bound': serving_peak / bound, 'compile_stack_mib': mib(mode_baseline - baseline),
+            'mode_baseline_mib': mib(mode_baseline), 'mode_bound_mib': mib(mode_bound),
             'serving_peak_over_mode_bound': serving_peak / mode_bound, 'warmup_seconds': status.warmup.seconds}
 
 
@@ -305,7 +306,7 @@ def warmup(args) -> dict:
 def _compiles(args) -> bool:
     """Whether args.compile runs torch.compile graphs on args.device (inductor, or auto resolving to it)."""
     from gemma_spec_ros.engine import models
-    from gemma_spec_ros.engine.fast.runner import INDUCTOR_MODES, resolve_compile_mode
+    from gemma_spec_ros.engine.fast.steps import INDUCTOR_MODES, resolve_compile_mode
 
     if args.compile == 'off':
         return False

@@ -28,8 +28,8 @@ import traceback
 from pathlib import Path
 
 from gemma_spec_ros.bench.cli import BUNDLED
+from gemma_spec_ros.engine.stats import MIB, mib
 
-MIB = 2 ** 20
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
@@ -41,7 +41,7 @@ def copy_bandwidth(device, seconds: float = 1.0) -> float:
     """Bytes per second a large device-to-device copy moves (read + write), the roofline's denominator."""
     import torch
 
-    source = torch.empty(256 * MIB, dtype=torch.uint8, device=device)
+    source = torch.empty(int(256 * MIB), dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     target.copy_(source)
     rounds, started = 0, time.perf_counter()
@@ -156,7 +156,7 @@ def _measure(name, target, assistant, tokenizer, mode, prompt_ids, read_bytes, a
     fixed, fixed_tau, fixed_tokens = _decode_rate(engine, prompt_ids, 'mtp', 4, args.new_tokens, args.repeats)
     status = engine.status()
     return {'model': name, 'compile': status.compile_mode, 'warmup_s': round(status.warmup.seconds, 1),
-            'weights_mib': round(status.weights_bytes / MIB, 1), 'kv_cache_mib': round(status.kv_cache_bytes / MIB, 1),
+            'weights_mib': round(mib(status.weights_bytes), 1), 'kv_cache_mib': round(mib(status.kv_cache_bytes), 1),
             'plain_tok_s': round(plain, 1), 'roofline_fraction': round(read_bytes * plain / bandwidth, 3),
             'mtp_adaptive_tok_s': round(adaptive, 1), 'mtp_adaptive_tau': round(adaptive_tau, 2),
             'mtp_adaptive_speedup': round(adaptive / plain, 2), 'mtp_k4_tok_s': round(fixed, 1),

@@ -22,6 +22,7 @@ from gemma_spec_ros.bench.systems import (
     TransformersRunner,
 )
 from gemma_spec_ros.engine.drafters import DRAFTERS
+from gemma_spec_ros.engine.stats import read_process_memory
 from gemma_spec_ros.engine.types import COMPILE_MODES
 
 WARM_UP_TOKENS = 8
@@ -119,17 +120,6 @@ class Calibration:
 
     tokens_per_s: dict[str, dict[int, float]]
     chosen_k: dict[str, int]
-
-
-def _read_status_kb(key: str) -> int:
-    try:
-        with open('/proc/self/status') as status:
-            for line in status:
-                if line.startswith(key + ':'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _reset_peak_rss() -> None:
@@ -267,9 +257,9 @@ class Bench:
 def measure_once(runner: Runner, prompt_ids: list[int], max_new_tokens: int) -> tuple[Outcome, int, int]:
     """One generation with its peak RSS and RSS growth."""
     _reset_peak_rss()
-    before = _read_status_kb('VmRSS')
+    before = read_process_memory().get('VmRSS', 0)
     outcome = runner(prompt_ids, max_new_tokens)
-    peak = _read_status_kb('VmHWM')
+    peak = read_process_memory().get('VmHWM', 0)
     return outcome, peak, max(0, peak - before)
 
 

@@ -21,6 +21,7 @@ never 0.0, so that it cannot pass for a measurement. format_figure shows NaN as 
 
 import math
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .types import GenerationStats
@@ -48,15 +49,17 @@ def tau(new_tokens: float, target_passes: float) -> float:
     return _ratio(new_tokens, target_passes)
 
 
-def decode_tau(new_tokens: float, target_passes: float) -> float:
+def decode_tau(new_tokens: int | Sequence[int], target_passes: int | Sequence[int]) -> float:
     """
-    Tokens per decode pass: (new_tokens - 1) / (target_passes - 1), NaN without a decode pass.
+    Return tokens per decode pass: (new_tokens - 1) / (target_passes - 1), NaN without a decode pass.
 
     The prefill pass yields the first token alone; leaving it out gives what one decode round yields, which is
-    what expected_tokens predicts and what decode tokens per second is made of. Summed over generations, pass
-    the sums of max(0, n - 1).
+    what expected_tokens predicts and what decode tokens per second is made of. For several generations pass
+    their counts as sequences: each leaves its own prefill pass out, and the ratio pools what remains.
     """
-    return _ratio(new_tokens - 1, target_passes - 1)
+    tokens = [new_tokens] if isinstance(new_tokens, int) else new_tokens
+    passes = [target_passes] if isinstance(target_passes, int) else target_passes
+    return _ratio(sum(max(0, n - 1) for n in tokens), sum(max(0, p - 1) for p in passes))
 
 
 def acceptance_rate(accepted: float, drafted: float) -> float:

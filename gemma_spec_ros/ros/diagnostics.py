@@ -108,6 +108,8 @@ class GenerationMetrics:
                 tau_known = stats.drafter != 'none' and is_known(stats.tau) and is_known(stats.target_passes)
                 acceptance_known = is_known(stats.drafted_tokens) and is_known(stats.accepted_tokens)
                 ttft = feedback_times[1][0] - accepted_at if from_acceptance else stats.time_to_first_token
+                rate_known = is_known(stats.tokens_per_second) and stats.tokens_per_second > 0
+                decode_tokens = max(0, stats.new_tokens - 1) if rate_known else 0
                 self._window.append({
                     'tokens': stats.new_tokens if tau_known else 0,
                     'target_passes': stats.target_passes if tau_known else 0,
@@ -115,10 +117,9 @@ class GenerationMetrics:
                     'accepted': stats.accepted_tokens if acceptance_known else 0,
                     'ttft': ttft,   # NaN when unknown: left out of the percentiles
                     'queue_wait': feedback_times[0][0] - accepted_at if from_acceptance else math.nan,
-                    'decode_tokens': max(0, stats.new_tokens - 1),
                     # the goal's decode seconds back from its rate, so that the window pools tokens and seconds
-                    'decode_time': max(0, stats.new_tokens - 1) / stats.tokens_per_second
-                    if is_known(stats.tokens_per_second) and stats.tokens_per_second > 0 else 0.0,
+                    'decode_tokens': decode_tokens,
+                    'decode_time': decode_tokens / stats.tokens_per_second if rate_known else 0.0,
                     'gaps': gaps})
 
     def snapshot(self) -> dict:

@@ -26,6 +26,7 @@ from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosidl_runtime_py import set_message_fields
 
+from gemma_spec_ros.engine.stats import format_figure
 from gemma_spec_ros.ros.conversions import stats_to_msg
 from gemma_spec_ros.tools.client import GenerateClient, make_goal
 
@@ -208,8 +209,9 @@ def record_main(argv=None) -> int:
             writer.write(REQUESTS_TOPIC, request)
             response = run_request(client, request)
             writer.write(RESPONSES_TOPIC, response)
-            print('{:<12} {:<9} {:>4} tokens  tau {:.2f}  {}'.format(
-                request.request_id, response.status, response.stats.new_tokens, response.stats.tau,
+            print('{:<12} {:<9} {:>4} tokens  tau {}  {}'.format(
+                request.request_id, response.status, response.stats.new_tokens,
+                format_figure(response.stats.tau, '{:.2f}'),
                 response.error or repr(response.text[:40])), flush=True)
     except RuntimeError as error:
         print('record: {}'.format(error), file=sys.stderr)
@@ -249,7 +251,7 @@ def compare(request, recorded, replayed, tau_tolerance):
 
 def _mean(values):
     values = [v for v in values if v > 0 and math.isfinite(v)]
-    return sum(values) / len(values) if values else 0.0
+    return sum(values) / len(values) if values else math.nan
 
 
 def replay_main(argv=None) -> int:
@@ -288,12 +290,12 @@ def replay_main(argv=None) -> int:
             ok, verdict = compare(request, old, response, args.tau_tolerance)
             failures += not ok
             rows.append((request, old, response))
-            print('{:<4} {:<12} {:<9} tau {:5.2f} -> {:5.2f}  ttft {:6.3f} -> {:6.3f} s  '
-                  '{:7.1f} -> {:7.1f} tok/s  {}'.format(
-                'ok' if ok else 'FAIL', request.request_id, response.status,
-                old.stats.tau if old else 0.0, response.stats.tau,
-                old.stats.time_to_first_token if old else 0.0, response.stats.time_to_first_token,
-                old.stats.tokens_per_second if old else 0.0, response.stats.tokens_per_second, verdict), flush=True)
+            figures = [format_figure(getattr(stats, key) if stats is not None else math.nan, spec)   # '-': no data
+                       for key, spec in (('tau', '{:5.2f}'), ('time_to_first_token', '{:6.3f}'),
+                                         ('tokens_per_second', '{:7.1f}'))
+                       for stats in (old.stats if old else None, response.stats)]
+            print('{:<4} {:<12} {:<9} tau {} -> {}  ttft {} -> {} s  {} -> {} tok/s  {}'.format(
+                'ok' if ok else 'FAIL', request.request_id, response.status, *figures, verdict), flush=True)
     except RuntimeError as error:
         print('replay: {}'.format(error), file=sys.stderr)
         return 1
@@ -307,8 +309,8 @@ def replay_main(argv=None) -> int:
     for label, key in (('tau', 'tau'), ('time to first token (s)', 'time_to_first_token'),
                        ('decode tokens/s', 'tokens_per_second'), ('inter-token latency p95 (s)',
                                                                  'inter_token_latency_p95')):
-        print('{:<28} recorded {:8.3f}   replay {:8.3f}'.format(
-            label, _mean([getattr(o.stats, key) for o, _ in done]), _mean([getattr(n.stats, key) for _, n in done])))
+        print('{:<28} recorded {:>8}   replay {:>8}'.format(
+            label, *(format_figure(_mean([getattr(pair[side].stats, key) for pair in done])) for side in (0, 1))))
     greedy = [(r, o, n) for r, o, n in rows if r.temperature == 0 and o is not None and o.status == 'succeeded']
     print('greedy parity: {}/{} identical; {} of {} requests failed'.format(
         sum(list(o.token_ids) == list(n.token_ids) for _, o, n in greedy), len(greedy), failures, len(rows)))

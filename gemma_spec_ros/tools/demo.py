@@ -12,6 +12,7 @@ prints tau / latency / memory from the results and one /diagnostics sample, then
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from pathlib import Path
 import rclpy
 from rclpy.signals import SignalHandlerOptions
 
-from gemma_spec_ros.engine.stats import format_stats
+from gemma_spec_ros.engine.stats import format_figure, format_stats
 from gemma_spec_ros.tools.client import GenerateClient, make_goal
 
 NODE_NAME = 'gemma_spec'
@@ -171,9 +172,11 @@ def main(argv=None) -> int:
             plain = run_goal(client, 'plain decoding (drafter none), same goal', make_goal(drafter='none', **goal),
                              stream=False)
             same = list(plain.result.token_ids) == list(spec.result.token_ids)
-            ratio = spec.result.stats.tokens_per_second / max(plain.result.stats.tokens_per_second, 1e-9)
-            print('\nspeculative vs plain: {:.2f}x decode tokens/s ({}), identical tokens: {}'.format(
-                ratio, compared_paths(spec.result.stats.decode_path, plain.result.stats.decode_path), same))
+            plain_rate = plain.result.stats.tokens_per_second
+            ratio = spec.result.stats.tokens_per_second / plain_rate if plain_rate > 0 else math.nan  # NaN: no rate
+            print('\nspeculative vs plain: {}x decode tokens/s ({}), identical tokens: {}'.format(
+                format_figure(ratio, '{:.2f}'),
+                compared_paths(spec.result.stats.decode_path, plain.result.stats.decode_path), same))
         latest = client.diagnostics_sample(NODE_NAME, timeout=10.0)
         if latest:
             print_diagnostics(latest)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import rclpy
 from rclpy.signals import SignalHandlerOptions
 
-from gemma_spec_ros.engine.stats import percentile
+from gemma_spec_ros.engine.stats import format_figure, percentile
 from gemma_spec_ros.tools.client import BackgroundSpinner, DiagnosticsListener, GenerateClient, make_goal
 from gemma_spec_ros.tools.demo import NodeProcess, default_params_file
 
@@ -117,7 +117,7 @@ class RssTrend:
 
 
 def p50_p95(values) -> str:
-    return '{:.3f} / {:.3f} s'.format(percentile(values, 50), percentile(values, 95)) if values else '-'
+    return '{} / {} s'.format(*(format_figure(percentile(values, q)) for q in (50, 95)))
 
 
 def report(tallies, rss: RssTrend, latest, node_name, elapsed) -> bool:

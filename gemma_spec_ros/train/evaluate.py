@@ -6,6 +6,7 @@ import re
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from gemma_spec_ros.engine.stats import acceptance_rate, format_figure, tau, tokens_per_second
 from gemma_spec_ros.train import corpus
 
 CATEGORIES = ('code', 'docstring', 'extraction', 'free_text')
@@ -20,9 +21,10 @@ class Prompt:
 
 @dataclass
 class RunFigures:
-    """Totals over a category's prompts for one (drafter, K); tau is pooled (all new tokens / all target passes)."""
+    """Totals over a category's prompts for one (drafter, K); the figures pool them (engine.stats definitions)."""
 
     new_tokens: int = 0
+    decode_tokens: int = 0            # after each prompt's first token, as decode tokens per second counts them
     target_passes: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -33,6 +35,7 @@ class RunFigures:
 
     def add(self, stats, identical: bool) -> None:
         self.new_tokens += stats.new_tokens
+        self.decode_tokens += max(0, stats.new_tokens - 1)
         self.target_passes += stats.target_passes
         self.drafted += stats.drafted_tokens
         self.accepted += stats.accepted_tokens
@@ -42,10 +45,10 @@ class RunFigures:
         self.cost_ratios.append(stats.draft_cost_ratio)
 
     def summary(self, plain_seconds: float) -> dict:
-        return {'tau': round(self.new_tokens / self.target_passes, 3),     # pooled over prompts
-                'tau_per_prompt': [round(tau, 2) for tau in self.taus],
-                'acceptance': round(self.accepted / self.drafted, 3) if self.drafted else 0.0,
-                'tokens_per_s': round(self.new_tokens / self.decode_seconds, 1) if self.decode_seconds else 0.0,
+        return {'tau': round(tau(self.new_tokens, self.target_passes), 3),
+                'tau_per_prompt': [round(value, 2) for value in self.taus],
+                'acceptance': round(acceptance_rate(self.accepted, self.drafted), 3),   # NaN: plain decoding
+                'tokens_per_s': round(tokens_per_second(self.decode_tokens, self.decode_seconds), 1),
                 'speedup': round(plain_seconds / self.decode_seconds, 3) if self.decode_seconds else 0.0,
                 'draft_cost_ratio': round(statistics.fmean(self.cost_ratios), 3),
                 'identical_to_plain': self.identical}
@@ -114,7 +117,8 @@ def evaluate_drafters(engine, prompts: list[Prompt], drafters: list[str], ks: li
 
 def format_cell(cell: dict) -> str:
     mark = '' if cell['identical_to_plain'] else ' (differs from plain!)'
-    return f"{cell['tau']:.2f} / {cell['acceptance']:.2f} / {cell['speedup']:.2f}x{mark}"
+    figures = (format_figure(cell[key], '{:.2f}') for key in ('tau', 'acceptance'))
+    return '{} / {} / {:.2f}x{}'.format(*figures, cell['speedup'], mark)
 
 
 def markdown_table(table: dict, drafters: list[str], ks: list[int]) -> str:
