@@ -10,18 +10,12 @@ import pytest
 import torch
 
 from gemma_spec_ros.engine.fast import model as fast_model
+from gemma_spec_ros.engine.fast.assistant import GREEDY_STEPS, FastAssistant
 from gemma_spec_ros.engine.fast.cache import StaticKvCache
-from gemma_spec_ros.engine.fast.runner import (
-    GREEDY_STEPS,
-    FastAssistant,
-    FastCausalLM,
-    _DirectGraph,
-    _Steps,
-    compile_cache_dir,
-    query_variant,
-    resolve_compile_mode,
-    stores_blocked,
-)
+from gemma_spec_ros.engine.fast.compile_cache import compile_cache_dir
+from gemma_spec_ros.engine.fast.direct_graph import _DirectGraph
+from gemma_spec_ros.engine.fast.runner import FastCausalLM
+from gemma_spec_ros.engine.fast.steps import _Steps, query_variant, resolve_compile_mode, stores_blocked
 from gemma_spec_ros.engine.verify import verify
 
 WINDOW = 8
@@ -522,7 +516,7 @@ def test_greedy_drafts_are_the_argmax_of_each_step(models, mode):
 
 
 def test_exact_half_dtype_keeps_every_value():
-    from gemma_spec_ros.engine.fast.model import exact_half_dtype
+    from gemma_spec_ros.engine.fast.weights import exact_half_dtype
 
     bfloat16_values = torch.tensor([1.0, -0.15625, 3.0 * 2 ** -20, 2.0 ** 100])  # 8-bit mantissas, wide range
     float16_values = torch.tensor([1.0 + 2 ** -10, -65504.0])                       # 11-bit mantissas

@@ -11,17 +11,35 @@ Covered (each tested for parity against transformers): sliding and full layers w
 q/k/v norms, rope per layer type (default and proportional / partial rotary), per-layer embeddings (PLE), KV sharing,
 attention_k_eq_v, final logit softcapping, Gemma4ForConditionalGeneration's text model, and the MTP assistant
 (Gemma4AssistantForCausalLM, including its ordered-embedding head). Not covered: MoE blocks (ValueError).
+
+This module holds the lean models (LeanGemma4, LeanAssistant) and the pass that runs their layers (_Decoder);
+layers.py the arithmetic of one layer, weights.py the loading of the weights into flat buffers. The names imported
+as themselves (``import x as x``) are re-exported: test_fast_forward reads them here, where they were defined.
 """
 
-import ctypes
-import os
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .cache import EMPTY_POSITION, FULL, SLIDING, KvLayerSpec, StaticKvCache
+from .layers import BLOCKED_BATCH_MAX_ROWS as BLOCKED_BATCH_MAX_ROWS
+from .layers import (
+    ROW_PRODUCT_MAX_ROWS,
+    _attend,
+    _compiling_for_cpu,
+    _finish,
+    _linear,
+    _project,
+    _rms_norm,
+    _step_layer,
+)
+from .layers import ROW_PRODUCT_MAX_ROWS_ENV as ROW_PRODUCT_MAX_ROWS_ENV
+from .layers import _mkl_runs_tuned_code as _mkl_runs_tuned_code
+from .layers import _row_product_max_rows as _row_product_max_rows
+from .weights import BLOCK_WIDTH as BLOCK_WIDTH
+from .weights import FlatTensors, _Layer, _layer_parts, _stored, _text_parts
+from .weights import block_matrix as block_matrix
 
 
 @dataclass
@@ -34,308 +52,6 @@ class StepOutput:
     greedy_row: torch.Tensor | None = None  # [n + 2] a fast verify pass's greedy verify() of its tokens after the
     #                                         first as drafts: accepted count, the n - 1 drafts, -1, next token
 
-
-# Outputs per block of a blocked matrix: one AVX-512 vector of float32.
-BLOCK_WIDTH = 16
-
-
-def blocked_shape(shape: torch.Size) -> torch.Size:
-    """[out, in] -> [out / BLOCK_WIDTH, in, BLOCK_WIDTH]."""
-    out_features, in_features = shape
-    return torch.Size((out_features // BLOCK_WIDTH, in_features, BLOCK_WIDTH))
-
-
-def block_matrix(weight: torch.Tensor) -> torch.Tensor:
-    """
-    Return weight [out, in] blocked, [out / BLOCK_WIDTH, in, BLOCK_WIDTH]: each block of outputs input-major.
-
-    A compiled CPU product then reads each block as one contiguous run and keeps BLOCK_WIDTH outputs in one vector
-    register across the whole input (_linear), instead of ending every output in a horizontal sum.
-    """
-    return weight.reshape(blocked_shape(weight.shape)[0], BLOCK_WIDTH, weight.shape[1]).transpose(1, 2).contiguous()
-
-
-class FlatTensors:
-    """
-    The tensors a lean forward reads, packed into one flat buffer per dtype once they are all added.
-
-    Added parameters and buffers are re-pointed into the flat buffers, so the transformers model shares them. A step
-    compiled by torch.compile reads each tensor as a slice of its buffer: the graph then takes one input per dtype
-    instead of one per tensor. Every input of a compiled call costs Python and C++ work (~2 us each, measured on 200
-    inputs), and the bundled target's step read 170 tensors. Only for graphs without nested compile regions (CPU,
-    layers inlined: _Decoder._packs_weights): a region's inputs must not alias each other.
-
-    A matrix added with blocked=True is stored blocked (block_matrix) and its parameter becomes that 3-D tensor, so
-    the transformers model's own forward, which would need the 2-D layout, fails instead of reading it wrong. A
-    parameter that arrives blocked (another lean model on the same transformers model blocked it) stays blocked.
-    """
-
-    ALIGN = 16  # elements: each tensor starts on a 64-byte boundary in float32
-
-    def __init__(self):
-        self._tensors: list[torch.Tensor] = []
-        self._handles: dict[int, int] = {}                   # id(tensor) -> handle (a tied weight is added once)
-        self._blocked: set[int] = set()                      # handles of matrices to store blocked
-        self._places: list[tuple[int, int, torch.Size]] = []  # per handle: buffer index, offset, shape
-        self.buffers: list[torch.Tensor] = []
-
-    def add(self, tensor: torch.Tensor | None, blocked: bool = False) -> int | None:
-        """Return the handle of tensor (None for None); only before pack(). blocked: store a matrix blocked."""
-        if tensor is None:
-            return None
-        assert not self.buffers, 'FlatTensors.add after pack'
-        handle = self._handles.get(id(tensor))
-        if handle is None:
-            handle = self._handles[id(tensor)] = len(self._tensors)
-            self._tensors.append(tensor)
-        if blocked and tensor.dim() == 2 and tensor.shape[0] % BLOCK_WIDTH == 0:
-            self._blocked.add(handle)
-        return handle
-
-    def add_each(self, tensors: NamedTuple, blocked: tuple[str, ...] = ()) -> NamedTuple:
-        """Return the same named tuple with each tensor replaced by its handle; the named fields stored blocked."""
-        return type(tensors)(*[self.add(tensor, name in blocked) for name, tensor in zip(tensors._fields, tensors,
-                                                                                          strict=True)])
-
-    def pack(self) -> None:
-        """Copy every added tensor into the flat buffers and point it there."""
-        dtypes = list(dict.fromkeys(tensor.dtype for tensor in self._tensors))
-        ends = [0] * len(dtypes)
-        for handle, tensor in enumerate(self._tensors):
-            index = dtypes.index(tensor.dtype)
-            shape = blocked_shape(tensor.shape) if handle in self._blocked else tensor.shape
-            self._places.append((index, ends[index], shape))
-            ends[index] += -(-tensor.numel() // self.ALIGN) * self.ALIGN
-        devices = {tensor.device for tensor in self._tensors}
-        assert len(devices) == 1, 'a lean model on several devices: {}'.format(devices)
-        device = devices.pop()
-        self.buffers = [torch.empty(end, dtype=dtype, device=device) for dtype, end in zip(dtypes, ends, strict=True)]
-        for handle, tensor in enumerate(self._tensors):
-            view = self._slice(handle)
-            view.copy_(block_matrix(tensor.detach()) if handle in self._blocked else tensor)
-            tensor.data = view
-        return_freed_memory()
-
-    def __getitem__(self, handle: int | None) -> torch.Tensor | None:
-        return self._lookup()(handle)
-
-    def each(self, handles: NamedTuple) -> NamedTuple:
-        """Return the same named tuple with each handle replaced by its tensor."""
-        lookup = self._lookup()
-        return type(handles)(*[lookup(handle) for handle in handles])
-
-    def _lookup(self):
-        """Return handle -> tensor: a slice of the flat buffers while compiling packed tensors, else the tensor."""
-        read = self._slice if self.buffers and torch.compiler.is_compiling() else self._tensors.__getitem__
-        return lambda handle: None if handle is None else read(handle)
-
-    def _slice(self, handle: int) -> torch.Tensor:
-        index, offset, shape = self._places[handle]
-        return self.buffers[index][offset:offset + shape.numel()].view(shape)
-
-
-def return_freed_memory() -> None:
-    """
-    Return the memory glibc's heap keeps after frees to the OS (malloc_trim; a no-op without glibc).
-
-    After the weights moved into FlatTensors, the bundled target's old storages (34 MB) otherwise stayed resident.
-    """
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
-
-
-def _stored(name: str) -> property:
-    """Return a lean model's tensor attribute, read from its FlatTensors by the handle in _name."""
-    handle = '_' + name
-    return property(lambda self: self.tensors[getattr(self, handle)], doc='a tensor in self.tensors')
-
-
-class _Weights(NamedTuple):
-    """One decoder layer's parameters (tensors of the transformers model); None where the layer has none."""
-
-    q_proj: torch.Tensor
-    q_bias: torch.Tensor | None
-    q_norm: torch.Tensor
-    k_proj: torch.Tensor | None          # None: KV-shared layer (reads its producer's K/V, writes nothing)
-    k_bias: torch.Tensor | None
-    v_proj: torch.Tensor | None          # None with attention_k_eq_v: values are the raw key projection
-    v_bias: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
-    input_norm: torch.Tensor
-    post_attention_norm: torch.Tensor
-    pre_feedforward_norm: torch.Tensor
-    post_feedforward_norm: torch.Tensor
-    gate_proj: torch.Tensor
-    up_proj: torch.Tensor
-    down_proj: torch.Tensor
-    layer_scalar: torch.Tensor
-    per_layer_gate: torch.Tensor | None        # per-layer embeddings (PLE)
-    per_layer_projection: torch.Tensor | None
-    per_layer_norm: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """The Python constants of one decoder layer."""
-
-    layer_type: str
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    row_product_max_rows: int  # _linear's
-
-
-@dataclass
-class _Layer:
-    shape: _Shape
-    kv_index: int        # the cache buffer it reads: its own, or its producer's when KV-shared
-    weights: _Weights    # handles into the model's FlatTensors
-
-
-def _text_parts(model):
-    """(text model, lm_head, text config, multimodal config or None) of a Gemma 4 causal LM of either class."""
-    inner = model.model
-    if hasattr(inner, 'language_model'):    # Gemma4ForConditionalGeneration
-        return inner.language_model, model.lm_head, model.config.get_text_config(), model.config
-    return inner, model.lm_head, model.config, None
-
-
-HALF_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit storage of drafter weights, in order of preference
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    # as Gemma4RMSNorm: in float32, weight applied directly (no 1 + weight)
-    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).type_as(x)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [q, heads, head_dim], cos/sin [q, 1, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attend query [q, heads, d] to keys/values [kv_heads, L, d] where mask [q, L] -> [q, heads * d] (scale 1)."""
-    out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                         scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
-    return out[0].transpose(0, 1).reshape(query.shape[0], -1)
-
-
-def _compiling_for_cpu(x: torch.Tensor) -> bool:
-    return x.device.type == 'cpu' and torch.compiler.is_compiling()
-
-
-def _mkl_runs_tuned_code() -> bool:
-    """Whether aten's CPU matrix product runs MKL's tuned code: MKL takes it on Intel CPUs only (elsewhere generic)."""
-    if not torch.backends.mkl.is_available():
-        return False
-    try:
-        with open('/proc/cpuinfo') as cpuinfo:
-            return 'GenuineIntel' in cpuinfo.read()
-    except OSError:
-        return False
-
-
-# A lower value than the CPU's shortens the first compile (a graph per pass length up to it), at some speed cost.
-ROW_PRODUCT_MAX_ROWS_ENV = 'GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS'
-
-
-def _row_product_max_rows() -> int:
-    """
-    Return the longest pass whose products a compiled CPU step computes as multiply-reduces (_linear).
-
-    ROW_PRODUCT_MAX_ROWS_ENV sets it where set. Otherwise up to there each is faster than aten's product, as
-    measured on the bundled target (compiled passes, 1 thread). On an Intel Xeon, where MKL runs its tuned code, the
-    multiply-reduce made a one-row step 1.16x faster than aten's matrix-vector product, but aten's product of 2 rows
-    cost about what one row did. Where MKL runs its generic code, inductor's vectorised loops win: with AVX2 (AMD
-    EPYC) through 4 rows (passes of 2 / 3 / 4 tokens 10.0 / 12.2 / 13.5 -> 8.1 / 9.7 / 12.4 ms; equal at 5, slower
-    from 6), with AVX-512 (AMD EPYC) through 9 (passes of 5 / 9 tokens 10.2 / 11.4 -> 6.3 / 8.4 ms; equal at 12,
-    slower at 17).
-    """
-    override = os.environ.get(ROW_PRODUCT_MAX_ROWS_ENV, '')
-    if override:
-        if not override.isdigit() or int(override) < 1:
-            raise ValueError('{} must be a whole number of rows >= 1, got {!r}'.format(ROW_PRODUCT_MAX_ROWS_ENV,
-                                                                                      override))
-        return int(override)
-    if _mkl_runs_tuned_code():
-        return 1
-    return 9 if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 4
-
-
-# Read before any step is traced: dynamo sees a constant.
-ROW_PRODUCT_MAX_ROWS = _row_product_max_rows()
-
-
-# Longest eager pass (prefill) whose products with a blocked matrix run block by block, which beats one product on an
-# unblocked copy up to about here (the bundled target's 768 x 192 matrices, 1 thread: 20 rows 102 against 191 us,
-# 60 rows equal, 200 rows 773 against 725 us, 400 rows 3.5 against 1.3 ms).
-BLOCKED_BATCH_MAX_ROWS = 128
-
-
-def _row_product(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Return row [in] times weight [out, in] (or blocked) transposed: [out], as a multiply-reduce."""
-    if weight.dim() == 3:
-        return (weight * row[:, None]).sum(1).flatten()   # [blocks, in, width] summed over in
-    return (weight * row).sum(-1)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> torch.Tensor:
-    """
-    Return x [q, in] times weight [out, in] (or blocked: block_matrix) transposed, plus bias: [q, out].
-
-    Compiled for CPU, a pass of up to row_product_max_rows rows is a multiply-reduce per row, which inductor fuses into
-    one loop per output (per block of outputs, one vector wide, for a blocked weight): it reads the weight once for
-    all rows and converts a 16-bit weight (store_exact_half) on the fly; only the summation order changes. Longer
-    passes and eager runs keep aten's product (a 16-bit weight is converted, a blocked one multiplied block by block
-    or unblocked, so a step that dynamo runs eager after all, say past its recompile limit, stays correct), which
-    inductor's C++ GEMM template generates in graphs compiled on frozen weights (runner: engine.compile
-    inductor-gemm).
-    """
-    blocked = weight.dim() == 3
-    if _compiling_for_cpu(x) and x.shape[0] <= row_product_max_rows:  # q is static here (runner.query_variant)
-        rows = x.as_strided(x.shape, x.stride()).unbind(0)  # a view inductor keeps: x is computed once, not per output
-        out = torch.stack([_row_product(row, weight) for row in rows])  # inductor fuses the rows into one loop
-        return out if bias is None else out + bias
-    if blocked and x.shape[0] > BLOCKED_BATCH_MAX_ROWS:  # a long prefill: one product on an unblocked copy
-        weight, blocked = weight.transpose(1, 2).flatten(0, 1), False
-    if not blocked:
-        return F.linear(x, weight.to(x.dtype), bias)
-    out = torch.matmul(x, weight.to(x.dtype)).transpose(0, 1).flatten(1)  # a product per block: [blocks, q, width]
-    return out if bias is None else out + bias
-
-
-def exact_half_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
-    """Return bfloat16 or float16 when it holds every one of these float32 tensors exactly, else None."""
-    for dtype in HALF_DTYPES:
-        if all(torch.equal(tensor.to(dtype).float(), tensor) for tensor in tensors):
-            return dtype
-    return None
-
-
-def store_exact_half(model) -> torch.dtype | None:
-    """
-    Store a float32 model's matrices (2-D parameters) in 16 bits where that loses nothing; returns the dtype.
-
-    For the MTP assistant when inductor compiles its steps for CPU: they are memory-bound, and _linear converts each
-    weight row to float32 as it reads it, so a step reads half the bytes and computes what float32 weights compute
-    (checkpoints stored as bfloat16 or float16 load as exactly such values). The model's own forward no longer
-    runs afterwards; only the lean forward does. None (nothing changed) when some matrix needs float32.
-    """
-    matrices = [p for p in model.parameters() if p.dim() == 2 and p.dtype == torch.float32]
-    dtype = exact_half_dtype([p.detach() for p in matrices]) if matrices else None
-    if dtype is not None:
-        for parameter in matrices:
-            parameter.data = parameter.data.to(dtype)
-    return dtype
 
 
 class _Rope:
@@ -359,90 +75,13 @@ class _Rope:
         return rope
 
 
-# A layer's matrices, which a lean model may store blocked (block_matrix).
-_LAYER_MATRICES = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
-
-
-def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: FlatTensors,
-                 row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS, blocked: bool = False) -> _Layer:
-    if getattr(layer, 'enable_moe_block', False):
-        raise ValueError('the fast path does not cover Gemma 4 MoE layers (enable_moe_block); use compile=off '
-                         'with the transformers forward')
-    attn = layer.self_attn
-    shared = attn.is_kv_shared_layer
-    ple = bool(layer.hidden_size_per_layer_input)
-    v_proj = None if shared else attn.v_proj
-    weights = _Weights(
-        q_proj=attn.q_proj.weight, q_bias=attn.q_proj.bias, q_norm=attn.q_norm.weight,
-        k_proj=None if shared else attn.k_proj.weight, k_bias=None if shared else attn.k_proj.bias,
-        v_proj=None if v_proj is None else v_proj.weight, v_bias=None if v_proj is None else v_proj.bias,
-        k_norm=None if shared else attn.k_norm.weight, o_proj=attn.o_proj.weight, o_bias=attn.o_proj.bias,
-        input_norm=layer.input_layernorm.weight, post_attention_norm=layer.post_attention_layernorm.weight,
-        pre_feedforward_norm=layer.pre_feedforward_layernorm.weight,
-        post_feedforward_norm=layer.post_feedforward_layernorm.weight,
-        gate_proj=layer.mlp.gate_proj.weight, up_proj=layer.mlp.up_proj.weight, down_proj=layer.mlp.down_proj.weight,
-        layer_scalar=layer.layer_scalar,
-        per_layer_gate=layer.per_layer_input_gate.weight if ple else None,
-        per_layer_projection=layer.per_layer_projection.weight if ple else None,
-        per_layer_norm=layer.post_per_layer_input_norm.weight if ple else None)
-    shape = _Shape(attn.layer_type, num_heads, num_heads // attn.num_key_value_groups, attn.head_dim, eps,
-                   row_product_max_rows)
-    return _Layer(shape, kv_index, tensors.add_each(weights, _LAYER_MATRICES if blocked else ()))
-
-
-def _project(shape: _Shape, w: _Weights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Input norm, query and (producing layers) new keys and values: [q, heads, d], [kv_heads, q, d] x 2."""
-    q, rows = hidden.shape[0], shape.row_product_max_rows
-    x = _rms_norm(hidden, w.input_norm, shape.eps)
-    query = _linear(x, w.q_proj, w.q_bias, rows).view(q, shape.num_heads, shape.head_dim)
-    query = _rotate(_rms_norm(query, w.q_norm, shape.eps), cos, sin)
-    if w.k_proj is None:
-        return query, None, None
-    raw_keys = _linear(x, w.k_proj, w.k_bias, rows).view(q, shape.num_kv_heads, shape.head_dim)
-    values = raw_keys if w.v_proj is None else _linear(x, w.v_proj, w.v_bias, rows).view(
-        q, shape.num_kv_heads, shape.head_dim)
-    keys = _rotate(_rms_norm(raw_keys, w.k_norm, shape.eps), cos, sin).transpose(0, 1)
-    return query, keys, _rms_norm(values, None, shape.eps).transpose(0, 1)
-
-
-def _finish(shape: _Shape, w: _Weights, hidden: torch.Tensor, attended: torch.Tensor,
-            per_layer_input: torch.Tensor | None) -> torch.Tensor:
-    """Output projection, feed-forward and per-layer input of a decoder layer, given the attention output."""
-    eps, rows = shape.eps, shape.row_product_max_rows
-    hidden = hidden + _rms_norm(_linear(attended, w.o_proj, w.o_bias, rows), w.post_attention_norm, eps)
-    x = _rms_norm(hidden, w.pre_feedforward_norm, eps)
-    gated = F.gelu(_linear(x, w.gate_proj, None, rows), approximate='tanh') * _linear(x, w.up_proj, None, rows)
-    hidden = hidden + _rms_norm(_linear(gated, w.down_proj, None, rows), w.post_feedforward_norm, eps)
-    if per_layer_input is not None:
-        x = F.gelu(_linear(hidden, w.per_layer_gate, None, rows), approximate='tanh') * per_layer_input
-        hidden = hidden + _rms_norm(_linear(x, w.per_layer_projection, None, rows), w.per_layer_norm, eps)
-    return hidden * w.layer_scalar
-
-
-def _step_layer(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_input: torch.Tensor | None,
-                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
-    """
-    Run one decoder layer of a step.
-
-    New K/V are written at slots, then the query attends to keys/values [kv_heads, slots, d] where mask [q, L]
-    (full layers read the first L slots).
-    """
-    query, new_keys, new_values = _project(shape, w, hidden, cos, sin)
-    if new_keys is not None:
-        keys.index_copy_(1, slots, new_keys)
-        values.index_copy_(1, slots, new_values)
-    if shape.layer_type == FULL:
-        keys, values = keys[:, :mask.shape[-1]], values[:, :mask.shape[-1]]
-    return _finish(shape, w, hidden, _attend(query, keys, values, mask), per_layer_input)
-
 
 # A layer is compiled once per layer shape and reused (hierarchical compilation), which keeps the compile time
 # independent of the depth. Compiled for CPU, a model of at most INLINE_MAX_LAYERS layers inlines them into one graph
-# instead: inductor then writes the graph's wrapper in C++ (runner: cpp_wrapper, which cannot call a nested region),
-# and a step runs its kernels without Python between them (bundled 12-layer target: plain step 8.8 -> 7.7 ms in an
-# A/B, its cold compile 1.8x longer). Deeper models (Gemma-4-E2B: 35 layers) keep the regions: their compile time
-# would grow with the depth.
+# instead: inductor then writes the graph's wrapper in C++ (steps.py: cpp_wrapper, which cannot call a nested region),
+# and a step runs its kernels without Python between them, which makes a step faster (the bundled 12-layer target's
+# plain step by about an eighth) at the price of a longer cold compile (about 1.8x). Deeper models (Gemma-4-E2B: 35
+# layers) keep the regions: their compile time would grow with the depth.
 _step_layer_region = torch.compiler.nested_compile_region(_step_layer)
 INLINE_MAX_LAYERS = 16
 
@@ -762,3 +401,4 @@ class LeanAssistant(_Decoder):
         selected_logits = _linear(x, self.lm_head[selected[0]])                                  # [1, top_k * per]
         floor = selected_logits.min() - 1.0
         return floor.expand(1, self.lm_head.shape[0]).clone().scatter_(-1, selected, selected_logits)
+

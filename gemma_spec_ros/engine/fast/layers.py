@@ -1,0 +1,207 @@
+"""
+The arithmetic of one decoder layer of the lean forward.
+
+Norms, rope rotation, attention, the matrix products (_linear, with its CPU multiply-reduce form) and the
+feed-forward, over one layer's weights (_Weights) and constants (_Shape). model.py runs these layer by layer;
+weights.py loads what they read.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .cache import FULL
+
+
+class _Weights(NamedTuple):
+    """One decoder layer's parameters (tensors of the transformers model); None where the layer has none."""
+
+    q_proj: torch.Tensor
+    q_bias: torch.Tensor | None
+    q_norm: torch.Tensor
+    k_proj: torch.Tensor | None          # None: KV-shared layer (reads its producer's K/V, writes nothing)
+    k_bias: torch.Tensor | None
+    v_proj: torch.Tensor | None          # None with attention_k_eq_v: values are the raw key projection
+    v_bias: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    post_feedforward_norm: torch.Tensor
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    layer_scalar: torch.Tensor
+    per_layer_gate: torch.Tensor | None        # per-layer embeddings (PLE)
+    per_layer_projection: torch.Tensor | None
+    per_layer_norm: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The Python constants of one decoder layer."""
+
+    layer_type: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    row_product_max_rows: int  # _linear's
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # as Gemma4RMSNorm: in float32, weight applied directly (no 1 + weight)
+    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).type_as(x)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [q, heads, head_dim], cos/sin [q, 1, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attend query [q, heads, d] to keys/values [kv_heads, L, d] where mask [q, L] -> [q, heads * d] (scale 1)."""
+    out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                         scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
+    return out[0].transpose(0, 1).reshape(query.shape[0], -1)
+
+
+def _compiling_for_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == 'cpu' and torch.compiler.is_compiling()
+
+
+def _mkl_runs_tuned_code() -> bool:
+    """Whether aten's CPU matrix product runs MKL's tuned code: MKL takes it on Intel CPUs only (elsewhere generic)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        with open('/proc/cpuinfo') as cpuinfo:
+            return 'GenuineIntel' in cpuinfo.read()
+    except OSError:
+        return False
+
+
+# A lower value than the CPU's shortens the first compile (a graph per pass length up to it), at some speed cost.
+ROW_PRODUCT_MAX_ROWS_ENV = 'GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS'
+
+
+def _row_product_max_rows() -> int:
+    """
+    Return the longest pass whose products a compiled CPU step computes as multiply-reduces (_linear).
+
+    ROW_PRODUCT_MAX_ROWS_ENV sets it where set. Otherwise up to there each is faster than aten's product, as
+    measured on the bundled target (compiled passes, 1 thread). On an Intel Xeon, where MKL runs its tuned code, the
+    multiply-reduce made a one-row step 1.16x faster than aten's matrix-vector product, but aten's product of 2 rows
+    cost about what one row did. Where MKL runs its generic code, inductor's vectorised loops win: with AVX2 (AMD
+    EPYC) through 4 rows (passes of 2-4 tokens took 8-20 % less time; equal at 5, slower from 6), with AVX-512 (AMD
+    EPYC) through 9 (passes of 5 and 9 tokens took 38 and 26 % less; equal at 12, slower at 17).
+    """
+    override = os.environ.get(ROW_PRODUCT_MAX_ROWS_ENV, '')
+    if override:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError('{} must be a whole number of rows >= 1, got {!r}'.format(ROW_PRODUCT_MAX_ROWS_ENV,
+                                                                                      override))
+        return int(override)
+    if _mkl_runs_tuned_code():
+        return 1
+    return 9 if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 4
+
+
+# Read before any step is traced: dynamo sees a constant.
+ROW_PRODUCT_MAX_ROWS = _row_product_max_rows()
+
+
+# Longest eager pass (prefill) whose products with a blocked matrix run block by block, which beats one product on an
+# unblocked copy up to about here (the bundled target's 768 x 192 matrices, 1 thread: 20 rows 102 against 191 us,
+# 60 rows equal, 200 rows 773 against 725 us, 400 rows 3.5 against 1.3 ms).
+BLOCKED_BATCH_MAX_ROWS = 128
+
+
+def _row_product(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Return row [in] times weight [out, in] (or blocked) transposed: [out], as a multiply-reduce."""
+    if weight.dim() == 3:
+        return (weight * row[:, None]).sum(1).flatten()   # [blocks, in, width] summed over in
+    return (weight * row).sum(-1)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> torch.Tensor:
+    """
+    Return x [q, in] times weight [out, in] (or blocked: block_matrix) transposed, plus bias: [q, out].
+
+    Compiled for CPU, a pass of up to row_product_max_rows rows is a multiply-reduce per row, which inductor fuses into
+    one loop per output (per block of outputs, one vector wide, for a blocked weight): it reads the weight once for
+    all rows and converts a 16-bit weight (store_exact_half) on the fly; only the summation order changes. Longer
+    passes and eager runs keep aten's product (a 16-bit weight is converted, a blocked one multiplied block by block
+    or unblocked, so a step that dynamo runs eager after all, say past its recompile limit, stays correct), which
+    inductor's C++ GEMM template generates in graphs compiled on frozen weights (runner: engine.compile
+    inductor-gemm).
+    """
+    blocked = weight.dim() == 3
+    if _compiling_for_cpu(x) and x.shape[0] <= row_product_max_rows:  # q is static here (steps.query_variant)
+        rows = x.as_strided(x.shape, x.stride()).unbind(0)  # a view inductor keeps: x is computed once, not per output
+        out = torch.stack([_row_product(row, weight) for row in rows])  # inductor fuses the rows into one loop
+        return out if bias is None else out + bias
+    if blocked and x.shape[0] > BLOCKED_BATCH_MAX_ROWS:  # a long prefill: one product on an unblocked copy
+        weight, blocked = weight.transpose(1, 2).flatten(0, 1), False
+    if not blocked:
+        return F.linear(x, weight.to(x.dtype), bias)
+    out = torch.matmul(x, weight.to(x.dtype)).transpose(0, 1).flatten(1)  # a product per block: [blocks, q, width]
+    return out if bias is None else out + bias
+
+
+
+def _project(shape: _Shape, w: _Weights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Input norm, query and (producing layers) new keys and values: [q, heads, d], [kv_heads, q, d] x 2."""
+    q, rows = hidden.shape[0], shape.row_product_max_rows
+    x = _rms_norm(hidden, w.input_norm, shape.eps)
+    query = _linear(x, w.q_proj, w.q_bias, rows).view(q, shape.num_heads, shape.head_dim)
+    query = _rotate(_rms_norm(query, w.q_norm, shape.eps), cos, sin)
+    if w.k_proj is None:
+        return query, None, None
+    raw_keys = _linear(x, w.k_proj, w.k_bias, rows).view(q, shape.num_kv_heads, shape.head_dim)
+    values = raw_keys if w.v_proj is None else _linear(x, w.v_proj, w.v_bias, rows).view(
+        q, shape.num_kv_heads, shape.head_dim)
+    keys = _rotate(_rms_norm(raw_keys, w.k_norm, shape.eps), cos, sin).transpose(0, 1)
+    return query, keys, _rms_norm(values, None, shape.eps).transpose(0, 1)
+
+
+def _finish(shape: _Shape, w: _Weights, hidden: torch.Tensor, attended: torch.Tensor,
+            per_layer_input: torch.Tensor | None) -> torch.Tensor:
+    """Output projection, feed-forward and per-layer input of a decoder layer, given the attention output."""
+    eps, rows = shape.eps, shape.row_product_max_rows
+    hidden = hidden + _rms_norm(_linear(attended, w.o_proj, w.o_bias, rows), w.post_attention_norm, eps)
+    x = _rms_norm(hidden, w.pre_feedforward_norm, eps)
+    gated = F.gelu(_linear(x, w.gate_proj, None, rows), approximate='tanh') * _linear(x, w.up_proj, None, rows)
+    hidden = hidden + _rms_norm(_linear(gated, w.down_proj, None, rows), w.post_feedforward_norm, eps)
+    if per_layer_input is not None:
+        x = F.gelu(_linear(hidden, w.per_layer_gate, None, rows), approximate='tanh') * per_layer_input
+        hidden = hidden + _rms_norm(_linear(x, w.per_layer_projection, None, rows), w.per_layer_norm, eps)
+    return hidden * w.layer_scalar
+
+
+def _step_layer(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_input: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+    """
+    Run one decoder layer of a step.
+
+    New K/V are written at slots, then the query attends to keys/values [kv_heads, slots, d] where mask [q, L]
+    (full layers read the first L slots).
+    """
+    query, new_keys, new_values = _project(shape, w, hidden, cos, sin)
+    if new_keys is not None:
+        keys.index_copy_(1, slots, new_keys)
+        values.index_copy_(1, slots, new_values)
+    if shape.layer_type == FULL:
+        keys, values = keys[:, :mask.shape[-1]], values[:, :mask.shape[-1]]
+    return _finish(shape, w, hidden, _attend(query, keys, values, mask), per_layer_input)
+
+
