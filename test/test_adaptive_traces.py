@@ -23,7 +23,7 @@ from gemma_spec_ros.engine.adaptive import (
     TargetCost,
     drafts_under_cutoff,
 )
-from gemma_spec_ros.engine.fast.runner import greedy_calls
+from gemma_spec_ros.engine.fast.assistant import greedy_calls
 
 DATA = json.loads((Path(__file__).parent / 'data' / 'acceptance_traces.json').read_text())
 VERIFY = DATA['verify_cost']  # [9] seconds of a pass over 1..9 tokens

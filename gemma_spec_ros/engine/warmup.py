@@ -29,7 +29,8 @@ from collections.abc import Callable
 import torch
 
 from .fast import GraphJob
-from .fast.runner import INDUCTOR_MODES, compile_cache_dir
+from .fast.compile_cache import compile_cache_dir
+from .fast.steps import INDUCTOR_MODES
 from .types import EngineConfig, WarmupState
 
 BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priority below the serving thread's

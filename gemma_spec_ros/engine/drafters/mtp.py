@@ -8,7 +8,7 @@ import torch
 from .. import causal_lm, models
 from ..adaptive import one_call_per_draft
 from ..fast import FastAssistant, FastCausalLM
-from ..fast.runner import greedy_calls
+from ..fast.assistant import greedy_calls
 from ..sampling import SamplingParams
 from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
 
