@@ -386,7 +386,7 @@ def test_mtp_partial_acceptance_cuts_rejected_kv(tiny_engine_off, reference):
 @pytest.mark.parametrize('temperature', [0.0, 0.9])
 def test_model_drafters_report_the_confidence_of_each_draft(tiny_engine, drafter, temperature):
     # greedy: the drafter's top probability; sampled: its probability of the drawn token
-    from gemma_spec_ros.engine.adaptive import CUTOFFS
+    from gemma_spec_ros.engine.control.cutoff import CUTOFFS
     from gemma_spec_ros.engine.drafters.base import DraftContext
     from gemma_spec_ros.engine.requests import SamplingParams
 
@@ -414,5 +414,6 @@ def test_model_drafters_report_the_confidence_of_each_draft(tiny_engine, drafter
             assert torch.allclose(confidences, drawn)
     assert (seen[0].draft_probs is None) == (SamplingParams(temperature).greedy)
     controller = tiny_engine._controllers[drafter]
-    assert controller._uncut and all(len(r.drafted_under) == len(CUTOFFS) and 1 <= min(r.drafted_under)
-                                     and max(r.drafted_under) <= r.num_drafted for r in controller._uncut)
+    uncut = controller.cutoffs.uncut
+    assert uncut and all(len(r.drafted_under) == len(CUTOFFS) and 1 <= min(r.drafted_under)
+                         and max(r.drafted_under) <= r.num_drafted for r in uncut)

@@ -2,7 +2,9 @@
 
 import pytest
 
-from gemma_spec_ros.engine.adaptive import PROBE_ROUNDS, AdaptiveK, TargetCost, expected_tokens
+from gemma_spec_ros.engine.control import SpeculationController, TargetCost
+from gemma_spec_ros.engine.control.gate import PROBE_ROUNDS
+from gemma_spec_ros.engine.stats import expected_tokens
 
 
 def simulate(controller, cost, alpha_of_round, rounds, step_seconds, verify_seconds):
@@ -73,7 +75,7 @@ def test_target_cost_measures_a_size_again_after_its_first_pass():
 
 def test_a_drafting_or_loop_stall_leaves_the_controller_s_costs_alone():
     cost = TargetCost(9)
-    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=4)
+    controller = SpeculationController(8, cost, profit_gate=True, probe_interval=4)
 
     def speculative_round(draft_seconds, round_seconds):
         cost.record(5, 2.0)
@@ -96,14 +98,14 @@ def test_noisy_costs_keep_break_even_tau_at_least_one():
     cost.record(4, 1.0)   # a longer verify pass measured when the machine was idle
     assert cost.seconds(4) == pytest.approx(2.0)
     assert cost.curve()[1:] == sorted(cost.curve()[1:])
-    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=4)
+    controller = SpeculationController(8, cost, profit_gate=True, probe_interval=4)
     controller.record(3, 3, 0.0)
     assert controller.break_even_tau(3) >= 1.0
 
 
 def test_cheap_accurate_drafter_gets_long_drafts():
     cost = TargetCost(9)
-    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=8)
+    controller = SpeculationController(8, cost, profit_gate=True, probe_interval=8)
     decisions = simulate(controller, cost, lambda _: 0.95, 60, step_seconds=0.01,
                          verify_seconds=lambda n: 1.0 + 0.02 * n)
     assert decisions[0].num_draft_tokens == 0  # one plain round measures plain decoding first
@@ -112,14 +114,14 @@ def test_cheap_accurate_drafter_gets_long_drafts():
 
 def test_expensive_drafter_gets_short_drafts():
     cost = TargetCost(9)
-    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=8)
+    controller = SpeculationController(8, cost, profit_gate=True, probe_interval=8)
     decisions = simulate(controller, cost, lambda _: 0.7, 60, step_seconds=0.3, verify_seconds=lambda n: 1.0)
     assert controller.speculating and 1 <= decisions[-1].num_draft_tokens <= 3
 
 
 def test_gate_pauses_probes_and_resumes():
     cost = TargetCost(9)
-    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=10)
+    controller = SpeculationController(8, cost, profit_gate=True, probe_interval=10)
     bad_until = 60
     decisions = simulate(controller, cost, lambda i: 0.0 if i < bad_until else 0.9, 120, step_seconds=0.2,
                          verify_seconds=lambda n: 1.0 + 0.1 * n)
@@ -133,7 +135,7 @@ def test_gate_pauses_probes_and_resumes():
 
 def test_gate_off_always_speculates():
     cost = TargetCost(9)
-    controller = AdaptiveK(4, cost, profit_gate=False, probe_interval=10)
+    controller = SpeculationController(4, cost, profit_gate=False, probe_interval=10)
     decisions = simulate(controller, cost, lambda _: 0.0, 30, step_seconds=0.5, verify_seconds=lambda n: 1.0)
     assert all(d.num_draft_tokens >= 1 for d in decisions[1:])
 
@@ -141,7 +143,7 @@ def test_gate_off_always_speculates():
 def test_per_position_acceptance_limits_k():
     # the first draft is always right, later ones never: K = 1 is best even though mean acceptance is high
     cost = TargetCost(9)
-    controller = AdaptiveK(8, cost, profit_gate=True, probe_interval=8)
+    controller = SpeculationController(8, cost, profit_gate=True, probe_interval=8)
     for _ in range(3):
         simulate(controller, cost, lambda _: 0.0, 1, 0.01, lambda n: 1.0 + 0.05 * n)
     for _ in range(60):
@@ -155,7 +157,7 @@ def test_per_position_acceptance_limits_k():
 
 
 def test_positions_learned_from_counts():
-    controller = AdaptiveK(6, TargetCost(7), profit_gate=True, probe_interval=8)
+    controller = SpeculationController(6, TargetCost(7), profit_gate=True, probe_interval=8)
     for _ in range(200):
         controller.record(6, 3, 0.1)  # geometric-looking: judged 4, accepted 3 per round
     alpha = controller.alpha

@@ -120,7 +120,7 @@ def measure_costs(engine, prompt_ids: list[int], drafters: list[str], max_k: int
                 engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=48,
                                                   drafter='none' if k == 0 else drafter, num_draft_tokens=k))
     plain = engine._target_cost.relative()[1]  # noqa: SLF001 (the drafting fits' load-free unit)
-    fits = {d: engine._controllers[d]._draft_cost for d in drafters}  # noqa: SLF001
+    fits = {d: engine._controllers[d].costs.draft_cost for d in drafters}  # noqa: SLF001
     calls = {d: engine._drafters[d].draft_calls(SamplingParams(), False) for d in drafters}  # noqa: SLF001
     return {'verify_cost': [round(s / verify[0], 4) for s in verify],
             'plain_step_ms': round(verify[0] * 1000, 3),

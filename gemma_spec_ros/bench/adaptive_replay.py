@@ -23,7 +23,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gemma_spec_ros.engine.adaptive import AdaptiveK, Decision, TargetCost, drafts_under_cutoff, one_call_per_draft
+from gemma_spec_ros.engine.control import Decision, SpeculationController, TargetCost, drafts_under_cutoff
+from gemma_spec_ros.engine.types import one_call_per_draft
 
 ADAPTIVE = 0  # the system key of adaptive K (fixed systems are keyed by their K)
 
@@ -85,11 +86,9 @@ class Simulation:
         self.costs = costs
         self.target_cost = TargetCost(max_k + 1)
         self.target_cost.calibrate({n: seconds for n, seconds in enumerate(costs.verify_cost, start=1)})  # at load
-        self.controllers = {d: AdaptiveK(max_k, self.target_cost, profit_gate=True, probe_interval=32,
-                                         cut_saves_drafting=costs.cut_saves_drafting.get(d, True))
+        self.controllers = {d: SpeculationController(max_k, self.target_cost, profit_gate=True, probe_interval=32,
+                                                     cut_saves_drafting=costs.cut_saves_drafting.get(d, True))
                             for d in drafters}
-        for drafter, controller in self.controllers.items():
-            controller.draft_calls = costs.calls(drafter)
         self._noise, self._rng = noise, random.Random(seed)
 
     def _observed(self, seconds: float) -> float:
@@ -100,8 +99,8 @@ class Simulation:
         run_lengths, confidences = mapping['run_lengths'], mapping['confidences']
         total = mapping['output_tokens']
         controller = self.controllers.get(drafter)
-        if controller is not None and k == ADAPTIVE:
-            controller.start()
+        if controller is not None:  # as the engine: a pinned K is only measured
+            controller.start(self.costs.calls(drafter), pinned_k=k != ADAPTIVE)
         emitted = 1  # the prefill's token
         while emitted < total:
             if controller is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import causal_lm, models, requests
-from .adaptive import AdaptiveK, Decision, TargetCost
+from .control import Decision, SpeculationController, TargetCost
 from .drafters import REGISTRY, drafter_class
 from .drafters.base import DraftContext, Drafter, LoadContext, Proposal
 from .grammar import ConstraintCompiler, GrammarConstraint, mask_logits
@@ -62,7 +62,7 @@ class _Run:
 
     plan: RequestPlan
     drafter: Drafter
-    controller: AdaptiveK | None       # None: plain decoding (drafter 'none' or after a fallback)
+    controller: SpeculationController | None  # None: plain decoding (drafter 'none' or after a fallback)
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
     stops: StopStrings
@@ -118,8 +118,9 @@ class Engine:
         self._kv_cache_bytes = target_lm.nbytes + sum(drafter.kv_cache_bytes for drafter in drafters.values())
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos_ids)  # EOS ends a grammar
         self._target_cost = TargetCost(config.max_draft_tokens + 1)
-        self._controllers = {name: AdaptiveK(config.max_draft_tokens, self._target_cost, config.profit_gate,
-                                             config.probe_interval, drafter.cut_saves_drafting)
+        self._controllers = {name: SpeculationController(config.max_draft_tokens, self._target_cost,
+                                                         config.profit_gate, config.probe_interval,
+                                                         drafter.cut_saves_drafting)
                              for name, drafter in drafters.items() if name != 'none'}
         self._lifetime = {'tokens': 0, 'passes': 0, 'drafted': 0, 'accepted': 0}
         self.set_default_drafter(config.drafter)
@@ -242,7 +243,7 @@ class Engine:
                 status.speculating = self._default_k > 0 or controller.speculating
         return status
 
-    def _cost_ratio(self, controller: AdaptiveK) -> float:
+    def _cost_ratio(self, controller: SpeculationController) -> float:
         plain = self._target_cost.seconds(1)
         per_token = controller.draft_token_seconds
         return per_token / plain if per_token is not None and plain else 0.0
@@ -349,9 +350,9 @@ class Engine:
         self._guard(run, lambda: run.drafter.start(run.tokens))
         if run.controller is not None:
             with self._measure_lock:
-                run.controller.draft_calls = run.drafter.draft_calls(run.plan.sampling, run.constraint is not None)
-                if not run.plan.pinned_k:
-                    run.controller.start()  # a new text: a gate paused on the previous one probes at once
+                # a new text: a gate paused on the previous one probes at once (unless the request pins K)
+                run.controller.start(run.drafter.draft_calls(run.plan.sampling, run.constraint is not None),
+                                     pinned_k=bool(run.plan.pinned_k))
         prompt = torch.tensor([run.tokens], device=self._device)
         out = self._target.prefill(prompt, logits_to_keep=1, want_states=run.drafter.needs_target_states)
         logits = out.logits[0, -1:]  # [1, vocab]
@@ -467,7 +468,7 @@ class Engine:
             return logits.argmax(dim=-1)
         return sample(logits_to_probs(logits, sampling), generator)
 
-    def _decide(self, plan: RequestPlan, controller: AdaptiveK | None) -> Decision:
+    def _decide(self, plan: RequestPlan, controller: SpeculationController | None) -> Decision:
         """K (and the drafter's confidence cut-off) for the next round; a pinned K is drafted in full."""
         if controller is None:
             return Decision(0, False)

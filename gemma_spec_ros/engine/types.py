@@ -27,6 +27,11 @@ FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
 INT32_MAX = 2 ** 31 - 1
 
 
+def one_call_per_draft(num_drafts: int) -> int:
+    """Drafter calls of a round of num_drafts drafts for a drafter that runs one step per call (Drafter.draft_calls)."""
+    return num_drafts
+
+
 def _parameter(default, description: str, limits: tuple | None = None, choices: tuple | None = None,
                runtime: bool = False, group: str = 'engine'):
     """Make a config field with its parameter metadata: limits (min, max) for numbers, or choices for strings."""

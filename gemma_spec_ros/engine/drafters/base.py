@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import models
-from ..adaptive import one_call_per_draft
 from ..grammar import GrammarConstraint, Lookahead, mask_logits
 from ..sampling import SamplingParams, greedy_pick, logits_to_probs, sample
+from ..types import one_call_per_draft
 
 
 @dataclass
