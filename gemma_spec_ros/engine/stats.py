@@ -49,7 +49,7 @@ def tau(new_tokens: float, target_passes: float) -> float:
     return _ratio(new_tokens, target_passes)
 
 
-def decode_tau(new_tokens: int | Sequence[int], target_passes: int | Sequence[int]) -> float:
+def decode_tau(new_tokens: float | Sequence[float], target_passes: float | Sequence[float]) -> float:
     """
     Return tokens per decode pass: (new_tokens - 1) / (target_passes - 1), NaN without a decode pass.
 
@@ -57,8 +57,8 @@ def decode_tau(new_tokens: int | Sequence[int], target_passes: int | Sequence[in
     what expected_tokens predicts and what decode tokens per second is made of. For several generations pass
     their counts as sequences: each leaves its own prefill pass out, and the ratio pools what remains.
     """
-    tokens = [new_tokens] if isinstance(new_tokens, int) else new_tokens
-    passes = [target_passes] if isinstance(target_passes, int) else target_passes
+    tokens = [new_tokens] if isinstance(new_tokens, int | float) else new_tokens
+    passes = [target_passes] if isinstance(target_passes, int | float) else target_passes
     return _ratio(sum(max(0, n - 1) for n in tokens), sum(max(0, p - 1) for p in passes))
 
 
