@@ -14,15 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.engine.adaptive import (
-    CUSUM_ALARM,
-    DECAY,
-    PROBE_ROUNDS,
-    AdaptiveK,
-    DraftCost,
-    TargetCost,
-    drafts_under_cutoff,
-)
+from gemma_spec_ros.engine.control import SpeculationController, TargetCost, drafts_under_cutoff
+from gemma_spec_ros.engine.control.estimator import CUSUM_ALARM
+from gemma_spec_ros.engine.control.gate import PROBE_ROUNDS
+from gemma_spec_ros.engine.control.round_cost import COST_DECAY, DraftCost
 from gemma_spec_ros.engine.fast.assistant import greedy_calls
 
 DATA = json.loads((Path(__file__).parent / 'data' / 'acceptance_traces.json').read_text())
@@ -47,7 +42,7 @@ class Replay:
         return sum(a != b for a, b in zip(states, states[1:], strict=False))
 
 
-def replay(controller: AdaptiveK, cost: TargetCost, run_lengths: list[int], c: float,
+def replay(controller: SpeculationController, cost: TargetCost, run_lengths: list[int], c: float,
            confidences: list[list[float]] | None = None, load=lambda index: 1.0, record: Replay | None = None,
            with_confidences: bool = True) -> Replay:
     """Feed the controller one round per run length, drafting what it decides (cut-off included)."""
@@ -70,9 +65,9 @@ def replay(controller: AdaptiveK, cost: TargetCost, run_lengths: list[int], c: f
     return result
 
 
-def new_controller(probe_interval: int = 32, gate: bool = True) -> tuple[AdaptiveK, TargetCost]:
+def new_controller(probe_interval: int = 32, gate: bool = True) -> tuple[SpeculationController, TargetCost]:
     cost = TargetCost(MAX_K + 1)
-    return AdaptiveK(MAX_K, cost, profit_gate=gate, probe_interval=probe_interval), cost
+    return SpeculationController(MAX_K, cost, profit_gate=gate, probe_interval=probe_interval), cost
 
 
 def fixed_k_rates(run_lengths: list[int], c: float) -> dict[int, float]:
@@ -269,8 +264,8 @@ def test_a_cutoff_that_saves_only_drafting_pays_only_where_a_cut_ends_drafting(c
     # verify passes cost the same for every size, so a cut saves drafting or nothing; the confidences are exact
     # (high on each accepted draft, low on the first rejected one)
     rng = random.Random(4)
-    controller = AdaptiveK(MAX_K, TargetCost(MAX_K + 1), profit_gate=False, probe_interval=32,
-                           cut_saves_drafting=cut_saves_drafting)
+    controller = SpeculationController(MAX_K, TargetCost(MAX_K + 1), profit_gate=False, probe_interval=32,
+                                       cut_saves_drafting=cut_saves_drafting)
     cost = controller.target_cost
     chosen = []
     for _ in range(300):
@@ -320,7 +315,7 @@ def test_draft_cost_fits_a_fixed_part_per_round_besides_the_steps():
         cost.record(k + 1, VERIFY[k])
         controller.record(k, min(k, 2), 0.1 + 0.2 * k)
     # c prices the fixed part too: the recent rounds' drafting seconds per drafted token
-    weights = [DECAY ** age for age in range(len(ks))][::-1]
+    weights = [COST_DECAY ** age for age in range(len(ks))][::-1]
     pairs = list(zip(weights, ks, strict=True))
     per_token = sum(w * (0.1 + 0.2 * k) for w, k in pairs) / sum(w * k for w, k in pairs)
     assert 0.21 < per_token < 0.25 and controller.draft_token_seconds == pytest.approx(per_token, rel=0.01)
@@ -362,7 +357,7 @@ def test_the_controller_prices_a_round_by_its_drafter_calls():
     break_even = {}
     for name, calls in (('greedy', greedy_calls), ('one per draft', lambda k: k)):
         controller, cost = new_controller(gate=False)
-        controller.draft_calls = calls
+        controller.start(calls)
         replay(controller, cost, [2] * 10, c=0.1)
         for k in [rng.randint(1, MAX_K) for _ in range(200)]:
             cost.record(k + 1, VERIFY[k])
@@ -375,11 +370,11 @@ def test_the_controller_prices_a_round_by_its_drafter_calls():
 def test_a_request_with_other_drafter_calls_reprices_rounds_at_once():
     # a greedy MTP request (K = 5 is two calls) then a sampled one (a call per draft): no round in between
     controller, cost = new_controller(gate=False)
-    controller.draft_calls = greedy_calls
+    controller.start(greedy_calls)
     rng = random.Random(5)
     for k in [rng.randint(1, MAX_K) for _ in range(200)]:
         cost.record(k + 1, VERIFY[k])
         controller.record(k, min(k, 3), 0.02 + 0.25 * greedy_calls(k) + 0.02 * k)
     two_calls = controller.break_even_tau(5)
-    controller.draft_calls = lambda k: k
+    controller.start(lambda k: k)  # the next request
     assert controller.break_even_tau(5) > two_calls + 1.5 * 0.25 / VERIFY[0]  # three more calls, priced at once

@@ -6,10 +6,10 @@ from contextlib import contextmanager
 import torch
 
 from .. import causal_lm, models
-from ..adaptive import one_call_per_draft
 from ..fast import FastAssistant, FastCausalLM
 from ..fast.assistant import greedy_calls
 from ..sampling import SamplingParams
+from ..types import one_call_per_draft
 from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
 
 
