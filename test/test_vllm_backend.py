@@ -132,8 +132,10 @@ def engine():
     from gemma_spec_ros.engine import Engine, EngineConfig
 
     torch.set_num_threads(1)
-    return Engine.from_config(EngineConfig(target_path=str(DEFAULT_TARGET), drafter='none', device='cpu',
-                                           dtype='float32', num_threads=1))
+    engine = Engine.from_config(EngineConfig(target_path=str(DEFAULT_TARGET), drafter='none', device='cpu',
+                                             dtype='float32', num_threads=1))
+    yield engine
+    engine.close()
 
 
 def test_a_goal_streams_and_succeeds(backend):

@@ -158,3 +158,35 @@ def test_a_node_on_an_empty_compile_cache_answers_at_once_then_on_its_first_grap
         if node.poll() is None:
             node.kill()
         client.close()
+
+
+EXIT_WHILE_WARMING_UP = '''
+import sys, threading
+from gemma_spec_ros.engine import Engine, EngineConfig
+first_graph = threading.Event()
+
+def say(message):
+    print(message, flush=True)
+    if ' ready (' in message:
+        first_graph.set()
+
+target, draft, threads = sys.argv[1:]
+engine = Engine.from_config(EngineConfig(
+    target_path=target, drafter='draft', draft_model_path=draft, compile='inductor', warmup='background',
+    device='cpu', dtype='float32', num_threads=int(threads)), progress=say)
+assert first_graph.wait(600), 'no graph built'
+print('exiting while the warm-up builds the next graph', flush=True)
+'''
+
+
+def test_a_process_that_exits_while_warming_up_exits_cleanly(tiny_models):
+    # The worker thread is joined before the interpreter finalizes: one still inside torch's C++ then aborts the
+    # process ("terminate called without an active exception", exit status 134).
+    done = subprocess.run([sys.executable, '-c', EXIT_WHILE_WARMING_UP, tiny_models.target, tiny_models.draft,
+                           str(TEST_THREADS)], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert 'exiting while the warm-up builds the next graph' in done.stdout
+    assert 'warm-up: stopping before exit' in done.stdout, done.stdout[-3000:]
+    assert 'terminate called' not in output

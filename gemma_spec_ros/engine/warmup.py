@@ -17,6 +17,7 @@ Only CPU inductor graphs build in the background. CUDA graphs are captured in se
 bind the cache they were compiled on, so on CUDA background warms up as blocking does.
 """
 
+import atexit
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,6 +36,10 @@ from .fast.steps import INDUCTOR_MODES
 from .types import EngineConfig, WarmupState
 
 BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priority below the serving thread's
+# At interpreter exit the worker is stopped and joined: a daemon thread still inside torch's C++ when the interpreter
+# finalizes aborts the process ('terminate called without an active exception'). A graph built from the compile
+# cache takes seconds; one compiled in this process (no compile process) up to a minute.
+EXIT_WAIT_SECONDS = 90.0
 
 
 class CompileProcess:
@@ -128,6 +134,7 @@ class Warmup:
         threads = torch.get_num_threads()  # compiled CPU kernels keep the thread count they were compiled for
         self._thread = threading.Thread(target=self._work, args=(threads,), name='gemma_spec_warmup', daemon=True)
         self._thread.start()
+        atexit.register(_stop_before_exit, weakref.ref(self))
 
     def stop(self, timeout: float = 0.0) -> None:
         """Build no further graph and end the compile process; wait up to timeout seconds for the worker."""
@@ -264,6 +271,14 @@ class Warmup:
         self._say('warm-up: full speed after {:.1f} s ({} graphs{})'.format(
             self._finished - self._started, self._ready,
             ', {} failed'.format(len(self._failed)) if self._failed else ''))
+
+
+def _stop_before_exit(warmup_ref: 'weakref.ref[Warmup]') -> None:
+    warmup = warmup_ref()
+    if warmup is None or warmup._thread is None or not warmup._thread.is_alive():
+        return
+    warmup._say('warm-up: stopping before exit (the graph being built ends first)')
+    warmup.stop(timeout=EXIT_WAIT_SECONDS)
 
 
 def order_jobs(target_jobs: list[GraphJob], drafter_jobs: dict[str, list[GraphJob]], default_drafter: str
