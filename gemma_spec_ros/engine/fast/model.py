@@ -53,7 +53,6 @@ class StepOutput:
     #                                         first as drafts: accepted count, the n - 1 drafts, -1, next token
 
 
-
 class _Rope:
     """cos/sin per layer type from the model's inverse frequencies, computed as transformers computes them."""
 
@@ -73,7 +72,6 @@ class _Rope:
             scaling = self.scaling[kind]
             rope[kind] = ((angles.cos() * scaling).to(self.dtype), (angles.sin() * scaling).to(self.dtype))
         return rope
-
 
 
 # A layer is compiled once per layer shape and reused (hierarchical compilation), which keeps the compile time

@@ -79,7 +79,6 @@ class GraphJob:
         return sum(self.steps.demand[key] for key in self.variant_keys)
 
 
-
 def _stage_shadow_graphs(served: _Steps, shadow: _Steps, served_cache: StaticKvCache,
                          shadow_cache: StaticKvCache) -> int:
     """Stage on the served steps the graphs a shadow confirmed, reading the served cache; returns how many."""

@@ -82,7 +82,6 @@ def _buckets(context_limit: int) -> list[int]:
     return sizes + [context_limit]
 
 
-
 class _Graph:
     """One captured CUDA graph over static input buffers; returns clones of its outputs."""
 
@@ -103,7 +102,6 @@ class _Graph:
             static.copy_(value, non_blocking=True)
         self.graph.replay()
         return tuple(output.clone() for output in self.outputs)
-
 
 
 class _Steps:

@@ -131,7 +131,6 @@ def _stored(name: str) -> property:
     return property(lambda self: self.tensors[getattr(self, handle)], doc='a tensor in self.tensors')
 
 
-
 @dataclass
 class _Layer:
     shape: _Shape
@@ -148,7 +147,6 @@ def _text_parts(model):
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit storage of drafter weights, in order of preference
-
 
 
 def exact_half_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
@@ -174,7 +172,6 @@ def store_exact_half(model) -> torch.dtype | None:
         for parameter in matrices:
             parameter.data = parameter.data.to(dtype)
     return dtype
-
 
 
 # A layer's matrices, which a lean model may store blocked (block_matrix).
