@@ -22,7 +22,7 @@ from gemma_spec_ros.bench.systems import (
     TransformersRunner,
 )
 from gemma_spec_ros.engine.drafters import DRAFTERS
-from gemma_spec_ros.engine.stats import read_process_memory
+from gemma_spec_ros.engine.stats import is_known, read_process_memory, tokens_per_second
 from gemma_spec_ros.engine.types import COMPILE_MODES
 
 WARM_UP_TOKENS = 8
@@ -242,11 +242,12 @@ class Bench:
                 tokens = seconds = 0.0
                 for prompt in prompts:
                     outcome = runner(self.encode(prompt), self.settings.max_new_tokens)
-                    tokens += len(outcome.token_ids) - 1
+                    tokens += max(0, len(outcome.token_ids) - 1)   # decode tokens: after the first
                     seconds += outcome.decode_s
                     on_step(system.name)
-                rates[drafter][k] = tokens / seconds if seconds > 0 else 0.0
-        chosen = {drafter: max(by_k, key=by_k.get) for drafter, by_k in rates.items()}
+                rates[drafter][k] = tokens_per_second(tokens, seconds)
+        chosen = {drafter: max(by_k, key=lambda k, by_k=by_k: by_k[k] if is_known(by_k[k]) else -1.0)
+                  for drafter, by_k in rates.items()}
         return Calibration(rates, chosen)
 
     def cost_sampler(self, prompt: Prompt) -> CostSampler:

@@ -189,7 +189,7 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
         if calibration['tokens_per_s']:
             lines += ['', 'K chosen for {} on the calibration prompts (decode tok/s per K): '.format(label) + '; '.join(
                 '{} K={} ({})'.format(drafter, calibration['chosen_k'][drafter], ', '.join(
-                    'K{} {:.1f}'.format(k, rate) for k, rate in by_k.items()))
+                    'K{} {}'.format(k, _num(rate, '{:.1f}')) for k, rate in by_k.items()))
                 for drafter, by_k in calibration['tokens_per_s'].items()) + '.']
     defaults = [s for s in document['systems'] if s['hf_settings']]
     if defaults:
