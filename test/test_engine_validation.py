@@ -27,7 +27,7 @@ BAD_REQUESTS = [
     (dict(prompt='hi', drafter='eagle'), "unknown drafter 'eagle'"),
     (dict(prompt='hi', num_draft_tokens=99), 'num_draft_tokens must be between 0'),
     (dict(prompt_ids=[1, 10**9]), 'prompt_ids must be token ids'),
-    (dict(messages=[{'content': 'no role'}]), 'needs "role" and "content"'),
+    (dict(messages=[{'content': 'no role'}]), 'messages[0] needs string "role" and "content"'),
 ]
 
 

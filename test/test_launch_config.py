@@ -104,13 +104,17 @@ def test_default_params_file_is_installed():
     assert 'launch/orin.launch.py' in data_files['share/gemma_spec_ros/launch']
 
 
+def _no_engine(config):
+    raise RuntimeError('this test loads no engine')
+
+
 def test_every_yaml_key_is_a_declared_parameter_of_the_right_type():
     params = yaml_parameters()
     context = Context()
     rclpy.init(context=context, domain_id=DOMAIN_ID)
     try:
         # declaring with the YAML values as overrides checks names, types and ranges; no model is loaded
-        node = GemmaSpecNode('gemma_spec_yaml', engine_factory=lambda config: None, context=context,
+        node = GemmaSpecNode('gemma_spec_yaml', engine_factory=_no_engine, context=context,
                              parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
         try:
             undeclared = sorted(k for k in params if not node.has_parameter(k))

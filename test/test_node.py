@@ -265,13 +265,13 @@ def test_parameters_at_run_time(served):
     set_param = lambda name, value: _set_parameter_service(client.node, 'gemma_spec_t', name, value)  # noqa: E731
     try:
         assert set_param('engine.drafter', 'draft').successful
-        assert node.engine.status().drafter == 'draft'
+        assert node.backend.status().drafter == 'draft'
         outcome = client.send(make_goal('use the default drafter', max_new_tokens=6, num_draft_tokens=2))
         assert outcome.status == 'succeeded' and outcome.result.stats.drafter == 'draft'
         rejected = set_param('engine.drafter', 'eagle')
         assert not rejected.successful and 'must be one of none|mtp|draft|ngram' in rejected.reason
         assert set_param('engine.num_draft_tokens', 3).successful
-        assert node.engine.status().num_draft_tokens == 3
+        assert node.backend.status().num_draft_tokens == 3
         too_big = set_param('engine.num_draft_tokens', 20)
         assert not too_big.successful and 'max_draft_tokens=8' in too_big.reason
         assert not set_param('engine.target_path', '/elsewhere').successful  # read-only after start
@@ -280,7 +280,7 @@ def test_parameters_at_run_time(served):
     finally:
         node.set_parameters([Parameter('engine.drafter', value='ngram'),
                              Parameter('engine.num_draft_tokens', value=0)])
-    assert node.engine.status().drafter == 'ngram'
+    assert node.backend.status().drafter == 'ngram'
 
 
 def test_diagnostics_content(served):
@@ -368,7 +368,7 @@ def test_drafter_failure_falls_back_and_engine_failure_aborts(context, tiny_mode
         assert any('injected drafter failure' in warning for warning in outcome.result.warnings)
         assert outcome.streamed_text == outcome.result.text
 
-        node.engine.fail_next = True
+        node.backend.fail_next = True
         failed = client.send(make_goal('boom', max_new_tokens=4))
         assert failed.status == 'aborted'
         assert 'engine error: RuntimeError: injected engine failure' in failed.result.error

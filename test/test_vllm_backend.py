@@ -13,8 +13,10 @@ import threading
 import time
 
 import pytest
+from backend_conformance import BackendConformance
 from conftest import VLLM_NGRAM_K
 
+from gemma_spec_ros.engine.grammar import JSON_SCHEMA, constraint_grammar
 from gemma_spec_ros.engine.types import CancelToken, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.vllm_backend import (
     ServerCounters,
@@ -81,8 +83,8 @@ def test_validate_refuses_what_the_server_cannot_honour():
                            (GenerationRequest(prompt='x' * 40000), 'max_prompt_chars'),
                            (GenerationRequest(prompt_ids=[1, -2]), 'prompt_ids'),
                            (GenerationRequest(messages=[{'role': 'user'}]), 'messages[0]'),
-                           (GenerationRequest(prompt='hi', json_schema='{}'), 'json_schema'),
-                           (GenerationRequest(prompt='hi', grammar='root ::= "a"'), 'grammar'),
+                           (GenerationRequest(prompt='hi', json_schema='{"not": {}}'), 'json_schema'),
+                           (GenerationRequest(prompt='hi', grammar='root ::= ('), 'grammar'),
                            (GenerationRequest(prompt='hi', json_free_whitespace=True), 'json_free_whitespace')):
         with pytest.raises(ValueError, match=re.escape(field)):
             backend.validate(request)
@@ -108,6 +110,13 @@ def test_request_fields_map_to_the_openai_api():
     path, body = backend.request_body(backend.validate(GenerationRequest(messages=[{'role': 'user',
                                                                                    'content': 'hi'}])))
     assert path == '/v1/chat/completions' and body['messages'] == [{'role': 'user', 'content': 'hi'}]
+    assert 'structured_outputs' not in body
+    # json_schema and grammar reach the server as the EBNF the local engine enforces (compact JSON by default)
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+    _, body = backend.request_body(backend.validate(GenerationRequest(prompt='hi', json_schema=schema)))
+    assert str(constraint_grammar(JSON_SCHEMA, schema)) == body['structured_outputs']['grammar']
+    _, body = backend.request_body(backend.validate(GenerationRequest(prompt='hi', grammar='root ::= "a" | "b"')))
+    assert 'root ::=' in body['structured_outputs']['grammar']
 
 
 def test_unreachable_server_gives_an_error_result_naming_the_url():
@@ -136,6 +145,17 @@ def engine():
                                              dtype='float32', num_threads=1))
     yield engine
     engine.close()
+
+
+class TestVllmBackendConformance(BackendConformance):
+    """The Backend conformance suite on the real server (n-gram speculation, speculative sampling allowed)."""
+
+    @pytest.fixture(scope='class')
+    def conforming(self, server):
+        return _backend(server.url, drafter='ngram')
+
+    def prompt_ids(self, conforming, text):
+        return _post(conforming.url + '/tokenize', {'model': 'target', 'prompt': text})['tokens']
 
 
 def test_a_goal_streams_and_succeeds(backend):
@@ -308,6 +328,15 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(('127.0.0.1', 0))
         return probe.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), {'Content-Type': 'application/json'})
+    with urllib.request.urlopen(request, timeout=10.0) as response:
+        return json.loads(response.read())
 
 
 def _get_metrics(url: str) -> str:

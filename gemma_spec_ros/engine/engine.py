@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from . import causal_lm, models, requests
+from .backend import Backend, Capabilities
 from .control import Decision, SpeculationController, TargetCost
 from .drafters import REGISTRY, drafter_class
 from .drafters.base import DraftContext, Drafter, LoadContext, Proposal
@@ -83,8 +84,8 @@ class _Run:
         self.drafter, self.controller = plain, None
 
 
-class Engine:
-    """A loaded target plus drafters serving many generate calls, one at a time (thread-safe)."""
+class Engine(Backend):
+    """The local backend: a loaded target plus drafters serving many generate calls, one at a time (thread-safe)."""
 
     def __init__(self, config: EngineConfig, target_lm, tokenizer, drafters: dict[str, Drafter], device, dtype,
                  drafter_errors: dict[str, DisabledDrafter] | None = None, warmup: WarmupState | None = None):
@@ -216,6 +217,23 @@ class Engine:
         requests.check_num_draft_tokens(k, self.config)
         self._default_k = k
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities('local', tuple(sorted(self._usable_drafters())), num_draft_tokens_per_goal=True)
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    def describe(self) -> str:
+        return 'target {} on {}, drafters {}'.format(Path(self.config.target_path).name, self._device,
+                                                     ', '.join(sorted(self._drafters)))
+
+    @property
+    def warnings(self) -> list[str]:
+        return ['{}; goals asking for it run plain decoding'.format(disabled.describe())
+                for disabled in self.drafter_errors.values()]
+
     def _usable_drafters(self):
         return set(self._drafters) | set(self.drafter_errors)  # a broken drafter runs plain, with a warning
 
@@ -331,6 +349,9 @@ class Engine:
             run.warnings.append('{}; ran plain decoding'.format(self.drafter_errors[plan.drafter].describe()))
         else:
             run.drafter, run.controller = self._drafters[plan.drafter], self._controllers.get(plan.drafter)
+        if cancel is not None and cancel.cancelled:  # cancelled while it waited for the engine: nothing runs
+            run.finish = 'cancelled'
+            return self._result(run, started, steps_before)
         new_tokens = self._prefill(run)
         while True:
             self._emit(run, new_tokens, on_delta)

@@ -105,29 +105,11 @@ class ConstraintCompiler:
 
     def compile_request(self, json_schema: str = '', grammar: str = '',
                         json_free_whitespace: bool = False) -> xgrammar.CompiledGrammar | None:
-        """
-        Compile a request's constraint fields (json_schema or grammar), or None when both are empty; cached.
-
-        json_free_whitespace without a json_schema is refused: a grammar spells out its own whitespace and
-        unconstrained output has no limit, so the planner would not get what it asked for.
-        """
-        for name, value in ((JSON_SCHEMA, json_schema), (GRAMMAR, grammar)):
-            if not isinstance(value, str):
-                raise ValueError('{} must be a string (the document as text), got {}'.format(
-                    name, type(value).__name__))
-        if not isinstance(json_free_whitespace, bool):
-            raise ValueError('{} must be a bool, got {}'.format(JSON_FREE_WHITESPACE,
-                                                                type(json_free_whitespace).__name__))
-        if json_schema and grammar:
-            raise ValueError('set at most one of json_schema and grammar')
-        if json_free_whitespace and not json_schema:
-            raise ValueError('{} applies to json_schema only (a grammar spells out its own whitespace); set a '
-                             'json_schema or leave it false'.format(JSON_FREE_WHITESPACE))
-        if not (json_schema or grammar):
+        """Compile a request's constraint fields (json_schema or grammar), or None when both are empty; cached."""
+        kind = constraint_kind(json_schema, grammar, json_free_whitespace)
+        if kind is None:
             return None
-        if json_schema:
-            return self.compile(JSON_SCHEMA, json_schema, json_free_whitespace)
-        return self.compile(GRAMMAR, grammar)
+        return self.compile(kind, json_schema or grammar, json_free_whitespace)
 
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> 'GrammarConstraint':
         """Return a fresh per-request constraint at the start of a compiled grammar."""
@@ -156,18 +138,55 @@ class ConstraintCompiler:
         return compiled
 
     def _compile(self, kind: str, text: str, json_free_whitespace: bool) -> xgrammar.CompiledGrammar:
-        if kind == JSON_SCHEMA:
-            _check_json_schema(text)
-            compile_text = lambda: self._compiler.compile_grammar(  # noqa: E731
-                _json_schema_grammar(text, json_free_whitespace))
-        elif kind == GRAMMAR:
-            compile_text = lambda: self._compiler.compile_grammar(text)  # noqa: E731
-        else:
-            raise ValueError('unknown constraint kind {!r}; use {!r} or {!r}'.format(kind, JSON_SCHEMA, GRAMMAR))
+        grammar = constraint_grammar(kind, text, json_free_whitespace)
         try:
-            return compile_text()
+            return self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as exc:
             raise ValueError('{}: {}'.format(kind, _library_message(exc))) from exc
+
+
+def constraint_kind(json_schema: str = '', grammar: str = '', json_free_whitespace: bool = False) -> str | None:
+    """
+    Return the kind of a request's constraint (JSON_SCHEMA, GRAMMAR, or None); ValueError names a bad field.
+
+    json_free_whitespace without a json_schema is refused: a grammar spells out its own whitespace and
+    unconstrained output has no limit, so the planner would not get what it asked for.
+    """
+    for name, value in ((JSON_SCHEMA, json_schema), (GRAMMAR, grammar)):
+        if not isinstance(value, str):
+            raise ValueError('{} must be a string (the document as text), got {}'.format(name, type(value).__name__))
+    if not isinstance(json_free_whitespace, bool):
+        raise ValueError('{} must be a bool, got {}'.format(JSON_FREE_WHITESPACE, type(json_free_whitespace).__name__))
+    if json_schema and grammar:
+        raise ValueError('set at most one of json_schema and grammar')
+    if json_free_whitespace and not json_schema:
+        raise ValueError('{} applies to json_schema only (a grammar spells out its own whitespace); set a '
+                         'json_schema or leave it false'.format(JSON_FREE_WHITESPACE))
+    if json_schema:
+        return JSON_SCHEMA
+    return GRAMMAR if grammar else None
+
+
+def constraint_grammar(kind: str, text: str, json_free_whitespace: bool = False) -> xgrammar.Grammar:
+    """
+    Return the EBNF grammar (xgrammar) of a json_schema or grammar field; ValueError names the field.
+
+    Both backends enforce this grammar: the local engine compiles it into token masks, the vLLM backend sends its
+    text to the server's structured outputs, so a schema means the same output on either.
+    """
+    if json_free_whitespace and kind != JSON_SCHEMA:
+        raise ValueError('{} applies to json_schema only'.format(JSON_FREE_WHITESPACE))
+    if kind == JSON_SCHEMA:
+        _check_json_schema(text)
+        build = lambda: _json_schema_grammar(text, json_free_whitespace)  # noqa: E731
+    elif kind == GRAMMAR:
+        build = lambda: xgrammar.Grammar.from_ebnf(text)  # noqa: E731
+    else:
+        raise ValueError('unknown constraint kind {!r}; use {!r} or {!r}'.format(kind, JSON_SCHEMA, GRAMMAR))
+    try:
+        return build()
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError('{}: {}'.format(kind, _library_message(exc))) from exc
 
 
 class GrammarConstraint:

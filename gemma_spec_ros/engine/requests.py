@@ -122,9 +122,7 @@ def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     template is rendered around placeholders, its own pieces are tokenized with special tokens and each content
     piece with split_special_tokens.
     """
-    for message in messages:
-        if not isinstance(message, dict) or 'role' not in message or 'content' not in message:
-            raise ValueError('each chat message needs "role" and "content", got {!r}'.format(message))
+    check_messages(messages)
     if not getattr(tokenizer, 'chat_template', None):
         raise ValueError('the target tokenizer has no chat template; send a prompt instead of messages')
     roles = chat_roles(tokenizer)
@@ -132,8 +130,6 @@ def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
         if message['role'] not in roles:
             raise ValueError('messages[{}].role must be one of {}, got {!r}'.format(
                 index, ', '.join(roles), message['role']))
-        if not str(message['content']).strip():
-            raise ValueError('messages[{}].content must not be empty'.format(index))
 
     def render(chat):
         return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -176,6 +172,16 @@ def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: E
     if request.prompt:
         return tokenizer(request.prompt).input_ids
     raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
+
+
+def check_messages(messages: list) -> None:
+    """Check chat turns as every backend does: string role and content, content not empty (roles: the template)."""
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get('role'), str) \
+                or not isinstance(message.get('content'), str):
+            raise ValueError('messages[{}] needs string "role" and "content", got {!r}'.format(index, message))
+        if not message['content'].strip():
+            raise ValueError('messages[{}].content must not be empty'.format(index))
 
 
 def check_fields(request: GenerationRequest, config: EngineConfig) -> SamplingParams:

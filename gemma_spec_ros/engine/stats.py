@@ -202,7 +202,7 @@ class RoundTally:
 def generation_stats(tally: RoundTally, prompt_tokens: int, new_tokens: int, started: float, finished: float,
                      drafter: str, draft_cost_ratio: float) -> GenerationStats:
     """GenerationStats of a finished generation (memory fields are filled by the caller)."""
-    first_token_time = tally.arrivals[0][0]
+    first_token_time = tally.arrivals[0][0] if tally.arrivals else math.nan  # NaN: cancelled before its prefill
     gaps = token_gaps(tally.arrivals)
     return GenerationStats(
         prompt_tokens=prompt_tokens, new_tokens=new_tokens, target_passes=tally.target_passes,

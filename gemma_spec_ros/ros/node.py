@@ -28,7 +28,8 @@ from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
-from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING, VllmBackend
+from gemma_spec_ros.engine.backend import open_backend
+from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING
 from gemma_spec_ros.ros import diagnostics, parameters
 from gemma_spec_ros.ros.conversions import delta_to_feedback, goal_to_request, result_to_msg
 from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
@@ -54,7 +55,7 @@ class GemmaSpecNode(Node):
         parameters.declare(self)
         self._queue = GoalQueue(self._param('queue.max_length'), self._param('queue.policy'),
                                 self._param('queue.fair_claim'))
-        self._engine = None
+        self._backend = None
         self._metrics = diagnostics.GenerationMetrics(self._param('diagnostics.window'))
         self._load_started = time.monotonic()
         self._load_progress = ''  # the latest loading step the engine reported
@@ -80,7 +81,7 @@ class GemmaSpecNode(Node):
         self.create_timer(SUPERVISE_PERIOD, self._supervise, callback_group=MutuallyExclusiveCallbackGroup())
         self._worker = threading.Thread(target=self._work, name='gemma_spec_worker', daemon=True)
         self._worker.start()
-        threading.Thread(target=self._load_engine, name='gemma_spec_loader', daemon=True).start()
+        threading.Thread(target=self._open_backend, name='gemma_spec_loader', daemon=True).start()
 
     @property
     def state(self):
@@ -88,8 +89,9 @@ class GemmaSpecNode(Node):
         return self._queue.state
 
     @property
-    def engine(self):
-        return self._engine
+    def backend(self):
+        """The Backend serving the goals (engine.backend); None until it is open."""
+        return self._backend
 
     def resolve_action_name(self):
         return '{}/{}/generate'.format(self.get_namespace().rstrip('/'), self.get_name())
@@ -104,14 +106,14 @@ class GemmaSpecNode(Node):
             for parameter in changed:
                 parameters.check(parameter.name, parameter.value)
             engine_changes = [p for p in changed if p.name in parameters.RUNTIME_ENGINE_PARAMETERS]
-            if engine_changes and self._engine is None:
+            if engine_changes and self._backend is None:
                 raise ValueError('engine is not loaded ({}); cannot change {}'.format(
                     self.state, ', '.join(p.name for p in engine_changes)))
             for parameter in engine_changes:
                 if parameter.name == 'engine.drafter':
-                    self._engine.set_default_drafter(parameter.value)
+                    self._backend.set_default_drafter(parameter.value)
                 else:
-                    self._engine.set_default_num_draft_tokens(parameter.value)
+                    self._backend.set_default_num_draft_tokens(parameter.value)
                 self.get_logger().info('{} set to {!r}'.format(parameter.name, parameter.value))
         except ValueError as error:
             return SetParametersResult(successful=False, reason=str(error))
@@ -134,34 +136,28 @@ class GemmaSpecNode(Node):
 
     # ---- engine loading ----------------------------------------------------------------------
 
-    def _load_engine(self):
+    def _open_backend(self):
         logger = self.get_logger()
         try:
             config = self.engine_config()
-            if config.backend == 'vllm' and self._engine_factory is None:
-                self._engine = VllmBackend(config, parameters.vllm_config(self))
-                if self._queue.set_ready():
-                    logger.info('ready: action {} served by the vLLM server at {}'.format(
-                        self.resolve_action_name(), self._engine.url))
-                return
-            logger.info('loading engine: target {} drafter {} device {}'.format(
-                config.target_path, config.drafter, config.device))
+            if config.backend == 'local':
+                logger.info('loading engine: target {} drafter {} device {}'.format(
+                    config.target_path, config.drafter, config.device))
             if self._engine_factory is not None:
-                engine = self._engine_factory(config)
+                backend = self._engine_factory(config)
             else:
-                from gemma_spec_ros.engine import Engine
-                engine = Engine.from_config(config, progress=self._report_progress, tolerate_drafter_errors=True)
+                backend = open_backend(config, parameters.vllm_config(self), progress=self._report_progress)
         except Exception as error:  # noqa: BLE001 (any load failure is reported, the node stays up)
             reason = 'engine failed to load: {}'.format(error)
             logger.error(reason)
             self._queue.set_failed(reason)
             return
-        for disabled in getattr(engine, 'drafter_errors', {}).values():
-            logger.error('{}; goals asking for it run plain decoding'.format(disabled.describe()))
-        self._engine = engine
+        for warning in backend.warnings:
+            logger.error(warning)
+        self._backend = backend
         if self._queue.set_ready():
-            logger.info('ready in {:.1f} s: action {}'.format(
-                time.monotonic() - self._load_started, self.resolve_action_name()))
+            logger.info('ready in {:.1f} s: action {} served by {}'.format(
+                time.monotonic() - self._load_started, self.resolve_action_name(), backend.describe()))
 
     def _report_progress(self, message):
         """Log a loading or warm-up step; while loading it also goes to /diagnostics."""
@@ -200,7 +196,7 @@ class GemmaSpecNode(Node):
         """(request, plan, error): validated now when the engine is ready, so that a bad goal never waits."""
         try:
             request = goal_to_request(goal)
-            return request, self._engine.validate(request) if self._engine is not None else None, ''
+            return request, self._backend.validate(request) if self._backend is not None else None, ''
         except ValueError as error:
             return None, None, str(error)
 
@@ -264,8 +260,8 @@ class GemmaSpecNode(Node):
 
         job.feedback_times.append((time.monotonic(), 0))
         try:
-            plan = job.plan if job.plan is not None else self._engine.validate(job.request)
-            job.result = self._engine.generate(plan, on_delta=on_delta, cancel=job.cancel)
+            plan = job.plan if job.plan is not None else self._backend.validate(job.request)
+            job.result = self._backend.generate(plan, on_delta=on_delta, cancel=job.cancel)
             if job.result.finish_reason == 'error':  # a server backend's fault: abort with the partial text
                 job.error = job.result.error
         except ValueError as error:
@@ -277,9 +273,9 @@ class GemmaSpecNode(Node):
     # ---- diagnostics -------------------------------------------------------------------------
 
     def _engine_task(self, stat):
-        engine = self._engine  # status() of a VllmBackend asks the server over HTTP: never under a lock
+        backend = self._backend  # status() of a server backend asks the server over HTTP: never under a lock
         return diagnostics.fill_engine_status(
-            stat, self.state, self._queue.reason, engine.status() if engine is not None else None, self._metrics,
+            stat, self.state, self._queue.reason, backend.status() if backend is not None else None, self._metrics,
             loading_seconds=time.monotonic() - self._load_started, progress=self._load_progress)
 
     def _generation_task(self, stat):
@@ -290,8 +286,7 @@ class GemmaSpecNode(Node):
             inter_token_latency_budget=self._param('diagnostics.inter_token_latency_budget'))
 
     def _memory_task(self, stat):
-        engine = self._engine
-        device = engine.status().device if engine is not None and not isinstance(engine, VllmBackend) else 'cpu'
+        device = self._backend.device if self._backend is not None else 'cpu'
         return diagnostics.fill_memory_status(
             stat, diagnostics.read_memory(device),
             rss_budget_mb=self._param('diagnostics.rss_budget_mb'),
@@ -303,8 +298,8 @@ class GemmaSpecNode(Node):
     def shutdown(self, timeout=5.0):
         """Stop serving: abort waiting goals, cancel the running one, wait for their results; end the warm-up."""
         self._queue.shutdown()
-        if self._engine is not None:
-            self._engine.close()
+        if self._backend is not None:
+            self._backend.close()
         deadline = time.monotonic() + timeout
         self._queue.wait_until_released(timeout)
         self._worker.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,94 @@
+"""
+The backend interface: what serves a goal, whether the local speculative engine or a vLLM server.
+
+The ROS node and its diagnostics see only this interface (open_backend picks the implementation from
+engine.backend). Every backend takes the same GenerationRequest and either honours each field or refuses it in
+validate() with a ValueError that names the field; its results carry the same GenerationStats, with tau and
+acceptance as engine.stats defines them.
+"""
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .types import CancelToken, DeltaCallback, EngineConfig, EngineStatus, GenerationRequest, GenerationResult
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a goal may ask of a backend; fields a backend cannot honour are refused by its validate()."""
+
+    backend: str                        # 'local' or 'vllm'
+    drafters: tuple[str, ...]           # drafters a goal may name (besides '', the default)
+    num_draft_tokens_per_goal: bool     # a goal may pin K (num_draft_tokens); else only 0 (the backend's K)
+    structured_output: bool = True      # json_schema, grammar and json_free_whitespace
+    loads_models: bool = True           # opening it loads models into this process (seconds to minutes)
+
+
+class Backend(abc.ABC):
+    """Serves GenerationRequests: validate, generate (streaming, cancellable), status; thread-safe."""
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What goals may ask of this backend."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> str:
+        """The device whose memory this process's models use ('cpu' when the models live in another process)."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """One line for the node's log: what serves the goals."""
+
+    @abc.abstractmethod
+    def validate(self, request: GenerationRequest):
+        """Check a request without generating: the plan generate() takes, or ValueError naming the field."""
+
+    @abc.abstractmethod
+    def generate(self, request, on_delta: DeltaCallback | None = None,
+                 cancel: CancelToken | None = None) -> GenerationResult:
+        """
+        Run a request (or a plan from validate): on_delta gets the text as it is decoded, cancel ends it.
+
+        Returns finish_reason 'cancelled' with the partial text when cancelled, and 'error' with the reason in
+        result.error when the backend failed mid-goal (a server gone); raises ValueError for an invalid request.
+        """
+
+    @abc.abstractmethod
+    def status(self) -> EngineStatus:
+        """Return a snapshot for diagnostics; may take a network timeout (a server backend asks its server)."""
+
+    @abc.abstractmethod
+    def set_default_drafter(self, name: str) -> None:
+        """Set the drafter of goals that leave drafter empty; ValueError when this backend cannot run it."""
+
+    @abc.abstractmethod
+    def set_default_num_draft_tokens(self, k: int) -> None:
+        """Set K of goals that leave num_draft_tokens 0 (0: adaptive, or the server's); ValueError if not allowed."""
+
+    @property
+    def warnings(self) -> list[str]:
+        """Problems found while opening that leave the backend serving (a drafter that failed to load)."""
+        return []
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop background work (a warm-up); goals already running finish."""
+
+
+def open_backend(config: EngineConfig, vllm=None, progress: Callable[[str], None] | None = None) -> Backend:
+    """
+    Open the backend config.backend names.
+
+    'local' loads the models here (minutes with a cold compile cache); 'vllm' connects lazily to the server vllm
+    (a VllmConfig) names and is ready at once.
+    """
+    if config.backend == 'vllm':
+        from .vllm_backend import VllmBackend, VllmConfig
+
+        return VllmBackend(config, vllm if vllm is not None else VllmConfig())
+    from .engine import Engine
+
+    return Engine.from_config(config, progress=progress, tolerate_drafter_errors=True)
