@@ -7,7 +7,7 @@ import sys
 # command -> (module with main(argv) -> int, one-line summary)
 COMMANDS = {
     'generate': ('gemma_spec_ros.engine.cli', 'generate text with the speculative engine (no ROS)'),
-    'node': ('gemma_spec_ros.ros.node', 'run the ROS 2 node (action ~/generate, /diagnostics)'),
+    'node': ('gemma_spec_ros.ros.main', 'run the ROS 2 node (action ~/generate, /diagnostics)'),
     'client': ('gemma_spec_ros.tools.client', 'send a Generate goal and stream the feedback'),
     'diag': ('gemma_spec_ros.tools.diag_monitor', "show the node's /diagnostics live"),
     'record': ('gemma_spec_ros.tools.bag', 'record planner requests and responses to a rosbag2 bag'),

@@ -1,49 +1,30 @@
 """
-ROS 2 node ``gemma_spec``: the action ``~/generate`` and /diagnostics around the speculative engine.
+ROS 2 node ``gemma_spec``: the action ``~/generate`` and /diagnostics around a backend (engine.backend).
 
-The node only adapts ROS to the engine: parameters come from the engine config (parameters.py), goals go through
-a ROS-free queue (goal_queue.py) to one worker thread, messages are converted in conversions.py, and failures end
-goals with the reason in ``result.error``. Every goal is accepted: a full queue ends it at once as busy. A timer
-ends goals past queue.goal_timeout and goals whose every possible receiver (the action's feedback and status
-subscribers at acceptance) left the ROS graph.
+The node only adapts ROS to the Backend interface: parameters come from the engine config (parameters.py), the
+action and its worker live in goal_server.py (goals pass a ROS-free queue, goal_queue.py), messages are converted
+in conversions.py, and failures end goals with the reason in ``result.error``.
 
 With engine.backend vllm the engine is a VllmBackend: the vLLM server at vllm.url serves the goals, nothing loads
 here (ready at once, even while the server is down), and a server fault aborts the goal with its partial text.
 """
 
-import signal
-import sys
 import threading
 import time
-import traceback
 
-import rclpy
-from gemma_spec_msgs.action import Generate
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.action import ActionServer, CancelResponse
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
-from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
-from rclpy.qos import QoSProfile
-from rclpy.signals import SignalHandlerOptions
-from rclpy.utilities import remove_ros_args
 
 from gemma_spec_ros.engine.backend import open_backend
-from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING
 from gemma_spec_ros.ros import diagnostics, parameters
-from gemma_spec_ros.ros.conversions import delta_to_feedback, goal_to_request, result_to_msg
-from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
+from gemma_spec_ros.ros.goal_queue import GoalQueue
+from gemma_spec_ros.ros.goal_server import GoalServer
 from gemma_spec_ros.ros.parameters import QUEUE_MAX_LENGTH_LIMIT
 
 NODE_NAME = 'gemma_spec'
-FEEDBACK_QUEUE_DEPTH = 1000  # KEEP_LAST depth for feedback: one message per round; a slower reader loses the oldest
-CANCEL_STATE_TIMEOUT = 2.0   # seconds to wait for rclpy to mark a cancelled goal CANCELING
 EXECUTOR_THREADS = QUEUE_MAX_LENGTH_LIMIT + 6  # every admitted goal's execute callback holds a thread
-RESULT_TIMEOUT = 60.0  # seconds a finished goal's result is kept (rclpy: 900); bounds what busy goals hold
-SUPERVISE_PERIOD = 0.25  # seconds between checks for goals past queue.goal_timeout or without a receiver
-ABORT_OUTCOMES = {'busy': 'busy', 'timeout': 'timed out'}  # finish_reason -> diagnostics outcome
 
-__all__ = ['GemmaSpecNode', 'QUEUE_MAX_LENGTH_LIMIT', 'main']
+__all__ = ['GemmaSpecNode', 'QUEUE_MAX_LENGTH_LIMIT']
 
 
 class GemmaSpecNode(Node):
@@ -68,19 +49,7 @@ class GemmaSpecNode(Node):
         self._updater.add(diagnostics.PeriodStatus(self._updater.period))
         self.add_on_set_parameters_callback(self._on_set_parameters)
 
-        self._action_server = ActionServer(
-            self, Generate, '~/generate',
-            execute_callback=self.execute_callback,
-            cancel_callback=self.cancel_callback,
-            handle_accepted_callback=self.handle_accepted_callback,
-            callback_group=ReentrantCallbackGroup(),
-            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH),
-            result_timeout=RESULT_TIMEOUT)
-        action = self.resolve_action_name()
-        self._receiver_topics = (action + '/_action/feedback', action + '/_action/status')
-        self.create_timer(SUPERVISE_PERIOD, self._supervise, callback_group=MutuallyExclusiveCallbackGroup())
-        self._worker = threading.Thread(target=self._work, name='gemma_spec_worker', daemon=True)
-        self._worker.start()
+        self._goals = GoalServer(self, self._queue, self._metrics, lambda: self._backend)
         threading.Thread(target=self._open_backend, name='gemma_spec_loader', daemon=True).start()
 
     @property
@@ -164,112 +133,6 @@ class GemmaSpecNode(Node):
         self._load_progress = str(message)
         self.get_logger().info(self._load_progress)
 
-    # ---- action callbacks --------------------------------------------------------------------
-
-    def handle_accepted_callback(self, goal_handle):
-        """Validate the goal (when the engine is ready) and admit it; an invalid or busy goal ends at once."""
-        request, plan, invalid = self._plan(goal_handle.request)
-        job = self._queue.register(_key(goal_handle), goal_handle, goal_handle.request.client_id,
-                                   self._receivers(), invalid=invalid)
-        job.request, job.plan = request, plan
-        if job.finish_reason == 'busy':
-            self.get_logger().info('goal {} of client {!r}: {}'.format(
-                _short_id(goal_handle), job.client, job.error))
-        goal_handle.execute()
-
-    def cancel_callback(self, goal_handle):
-        """Accept every cancel: a waiting goal leaves the queue, the running one stops within a round."""
-        self._queue.cancel(_key(goal_handle))
-        return CancelResponse.ACCEPT
-
-    def execute_callback(self, goal_handle):
-        key = _key(goal_handle)
-        job = self._queue.job(key)
-        try:
-            self._queue.enqueue(job)
-            job.done.wait()
-            return self._complete(job, goal_handle)
-        finally:
-            self._queue.release(key)
-
-    def _plan(self, goal):
-        """(request, plan, error): validated now when the engine is ready, so that a bad goal never waits."""
-        try:
-            request = goal_to_request(goal)
-            return request, self._backend.validate(request) if self._backend is not None else None, ''
-        except ValueError as error:
-            return None, None, str(error)
-
-    def _receivers(self) -> set:
-        """Graph endpoints that may receive goal results now: the action's feedback and status subscribers."""
-        if not self._param('queue.abort_orphaned_goals'):
-            return set()
-        return {bytes(info.endpoint_gid) for topic in self._receiver_topics
-                for info in self.get_subscriptions_info_by_topic(topic)}
-
-    def _supervise(self):
-        """End goals past queue.goal_timeout and goals nobody can receive any more (they end within a round)."""
-        timeout = self._param('queue.goal_timeout')
-        if timeout > 0:
-            self._queue.expire(timeout)
-        if self._param('queue.abort_orphaned_goals'):
-            self._queue.drop_orphans(self._receivers())
-
-    def _complete(self, job: Job, goal_handle) -> Generate.Result:
-        """Set the goal's terminal state and build its result."""
-        engine_finish = job.result.finish_reason if job.result is not None else ''
-        if job.result is not None:
-            for warning in job.result.warnings:  # a vLLM server's overlapping requests are normal: debug
-                log = self.get_logger().debug if warning == SERVER_WIDE_WARNING else self.get_logger().warning
-                log('goal {}: {}'.format(_short_id(goal_handle), warning))
-        if job.client_cancelled and engine_finish in ('cancelled', ''):
-            result = result_to_msg(job.result, finish_reason='cancelled')
-            deadline = time.monotonic() + CANCEL_STATE_TIMEOUT
-            while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
-                time.sleep(0.001)
-            goal_handle.canceled()
-            outcome = 'cancelled'
-        elif job.error:
-            finish_reason = job.finish_reason or (
-                'cancelled' if job.preempted or engine_finish == 'cancelled' else 'error')
-            result = result_to_msg(job.result, error=job.error, finish_reason=finish_reason)
-            goal_handle.abort()
-            outcome = 'orphaned' if job.error == ORPHANED_REASON else ABORT_OUTCOMES.get(finish_reason, 'aborted')
-            if outcome != 'busy':
-                self.get_logger().warning('goal {} aborted: {}'.format(_short_id(goal_handle), job.error))
-        else:
-            result = result_to_msg(job.result)
-            goal_handle.succeed()
-            outcome = 'succeeded'
-        self._metrics.record(outcome, job.result, job.feedback_times, job.accepted_at)
-        return result
-
-    # ---- worker ------------------------------------------------------------------------------
-
-    def _work(self):
-        while (job := self._queue.take()) is not None:
-            try:
-                self._generate(job)
-            finally:
-                self._queue.finished(job)
-
-    def _generate(self, job: Job):
-        def on_delta(delta):
-            job.feedback_times.append((time.monotonic(), len(delta.token_ids)))
-            job.handle.publish_feedback(delta_to_feedback(delta))
-
-        job.feedback_times.append((time.monotonic(), 0))
-        try:
-            plan = job.plan if job.plan is not None else self._backend.validate(job.request)
-            job.result = self._backend.generate(plan, on_delta=on_delta, cancel=job.cancel)
-            if job.result.finish_reason == 'error':  # a server backend's fault: abort with the partial text
-                job.error = job.result.error
-        except ValueError as error:
-            job.error = str(error)
-        except Exception as error:  # noqa: BLE001 (the goal is aborted, the node keeps serving)
-            job.error = 'engine error: {}: {}'.format(type(error).__name__, error)
-            self.get_logger().error('goal {}: {}\n{}'.format(job.key.hex()[:8], job.error, traceback.format_exc()))
-
     # ---- diagnostics -------------------------------------------------------------------------
 
     def _engine_task(self, stat):
@@ -297,64 +160,11 @@ class GemmaSpecNode(Node):
 
     def shutdown(self, timeout=5.0):
         """Stop serving: abort waiting goals, cancel the running one, wait for their results; end the warm-up."""
-        self._queue.shutdown()
         if self._backend is not None:
             self._backend.close()
-        deadline = time.monotonic() + timeout
-        self._queue.wait_until_released(timeout)
-        self._worker.join(max(0.0, deadline - time.monotonic()))
+        self._goals.shutdown(timeout)
 
     def destroy_node(self):
         self.shutdown()
-        self._action_server.destroy()
+        self._goals.destroy()
         return super().destroy_node()
-
-
-def _key(goal_handle) -> bytes:
-    return bytes(goal_handle.goal_id.uuid)
-
-
-def _short_id(goal_handle) -> str:
-    return _key(goal_handle).hex()[:8]
-
-
-def main(argv=None) -> int:
-    """Run the node until SIGINT/SIGTERM: ``python -m gemma_spec_ros node --ros-args ...``."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(arg in ('-h', '--help') for arg in remove_ros_args(['gemma_spec_node'] + argv)[1:]):
-        print('usage: python -m gemma_spec_ros node [--ros-args --params-file config/orin.yaml '
-              '-p engine.device:=cpu ...]\n\nParameters:')
-        print('\n'.join(parameters.usage_lines()))
-        print('  {:<41} {}'.format(diagnostics.PERIOD_PARAMETER, 'seconds between /diagnostics updates'))
-        return 0
-    rclpy.init(args=['gemma_spec_node'] + argv, signal_handler_options=SignalHandlerOptions.NO)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    try:
-        node = GemmaSpecNode()
-    except Exception as error:  # noqa: BLE001 (bad parameters: a clear message, exit code 2)
-        print('gemma_spec_node: invalid parameters: {}'.format(error), file=sys.stderr)
-        rclpy.try_shutdown()
-        return 2
-    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
-    executor.add_node(node)
-    stopper, stopped_at = None, None
-    while rclpy.ok():
-        executor.spin_once(timeout_sec=0.1)
-        if stop.is_set() and stopper is None:
-            node.get_logger().info('shutting down')
-            stopper = threading.Thread(target=node.shutdown)  # keeps spinning so the last results go out
-            stopper.start()
-        if stopper is not None and not stopper.is_alive():
-            stopped_at = stopped_at or time.monotonic()
-            if time.monotonic() - stopped_at > 0.3:
-                break
-    executor.shutdown(timeout_sec=1.0)
-    node.destroy_node()
-    rclpy.try_shutdown()
-    return 0
-
-
-if __name__ == '__main__':
-    sys.exit(main())

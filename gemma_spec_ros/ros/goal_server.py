@@ -1,0 +1,178 @@
+"""
+The action ``~/generate`` of the node: goals in, through the goal queue and one worker thread, to the backend.
+
+Every goal is accepted: an invalid one ends at once with the reason, a full queue ends it as busy. The worker runs
+one goal at a time on the backend and streams its text as feedback. A timer ends goals past queue.goal_timeout and
+goals whose every possible receiver (the action's feedback and status subscribers at acceptance) left the ROS graph.
+"""
+
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from gemma_spec_msgs.action import Generate
+from rclpy.action import ActionServer, CancelResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.qos import QoSProfile
+
+from gemma_spec_ros.engine.backend import Backend
+from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING
+from gemma_spec_ros.ros.conversions import delta_to_feedback, goal_to_request, result_to_msg
+from gemma_spec_ros.ros.diagnostics import GenerationMetrics
+from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
+
+FEEDBACK_QUEUE_DEPTH = 1000  # KEEP_LAST depth for feedback: one message per round; a slower reader loses the oldest
+CANCEL_STATE_TIMEOUT = 2.0   # seconds to wait for rclpy to mark a cancelled goal CANCELING
+RESULT_TIMEOUT = 60.0  # seconds a finished goal's result is kept (rclpy: 900); bounds what busy goals hold
+SUPERVISE_PERIOD = 0.25  # seconds between checks for goals past queue.goal_timeout or without a receiver
+ABORT_OUTCOMES = {'busy': 'busy', 'timeout': 'timed out'}  # finish_reason -> diagnostics outcome
+
+
+class GoalServer:
+    """The Generate action server of a node, serving goals with the backend backend() returns."""
+
+    def __init__(self, node, queue: GoalQueue, metrics: GenerationMetrics, backend: Callable[[], Backend | None]):
+        self._node = node
+        self._queue = queue
+        self._metrics = metrics
+        self._backend = backend
+        self._logger = node.get_logger()
+        self._action_server = ActionServer(
+            node, Generate, '~/generate',
+            execute_callback=self.execute_callback,
+            cancel_callback=self.cancel_callback,
+            handle_accepted_callback=self.handle_accepted_callback,
+            callback_group=ReentrantCallbackGroup(),
+            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH),
+            result_timeout=RESULT_TIMEOUT)
+        action = node.resolve_action_name()
+        self._receiver_topics = (action + '/_action/feedback', action + '/_action/status')
+        node.create_timer(SUPERVISE_PERIOD, self._supervise, callback_group=MutuallyExclusiveCallbackGroup())
+        self._worker = threading.Thread(target=self._work, name='gemma_spec_worker', daemon=True)
+        self._worker.start()
+
+    def _param(self, name):
+        return self._node.get_parameter(name).value
+
+    def handle_accepted_callback(self, goal_handle):
+        """Validate the goal (when the engine is ready) and admit it; an invalid or busy goal ends at once."""
+        request, plan, invalid = self._plan(goal_handle.request)
+        job = self._queue.register(_key(goal_handle), goal_handle, goal_handle.request.client_id,
+                                   self._receivers(), invalid=invalid)
+        job.request, job.plan = request, plan
+        if job.finish_reason == 'busy':
+            self._logger.info('goal {} of client {!r}: {}'.format(
+                _short_id(goal_handle), job.client, job.error))
+        goal_handle.execute()
+
+    def cancel_callback(self, goal_handle):
+        """Accept every cancel: a waiting goal leaves the queue, the running one stops within a round."""
+        self._queue.cancel(_key(goal_handle))
+        return CancelResponse.ACCEPT
+
+    def execute_callback(self, goal_handle):
+        key = _key(goal_handle)
+        job = self._queue.job(key)
+        try:
+            self._queue.enqueue(job)
+            job.done.wait()
+            return self._complete(job, goal_handle)
+        finally:
+            self._queue.release(key)
+
+    def _plan(self, goal):
+        """(request, plan, error): validated now when the engine is ready, so that a bad goal never waits."""
+        backend = self._backend()
+        try:
+            request = goal_to_request(goal)
+            return request, backend.validate(request) if backend is not None else None, ''
+        except ValueError as error:
+            return None, None, str(error)
+
+    def _receivers(self) -> set:
+        """Graph endpoints that may receive goal results now: the action's feedback and status subscribers."""
+        if not self._param('queue.abort_orphaned_goals'):
+            return set()
+        return {bytes(info.endpoint_gid) for topic in self._receiver_topics
+                for info in self._node.get_subscriptions_info_by_topic(topic)}
+
+    def _supervise(self):
+        """End goals past queue.goal_timeout and goals nobody can receive any more (they end within a round)."""
+        timeout = self._param('queue.goal_timeout')
+        if timeout > 0:
+            self._queue.expire(timeout)
+        if self._param('queue.abort_orphaned_goals'):
+            self._queue.drop_orphans(self._receivers())
+
+    def _complete(self, job: Job, goal_handle) -> Generate.Result:
+        """Set the goal's terminal state and build its result."""
+        engine_finish = job.result.finish_reason if job.result is not None else ''
+        if job.result is not None:
+            for warning in job.result.warnings:  # a vLLM server's overlapping requests are normal: debug
+                log = self._logger.debug if warning == SERVER_WIDE_WARNING else self._logger.warning
+                log('goal {}: {}'.format(_short_id(goal_handle), warning))
+        if job.client_cancelled and engine_finish in ('cancelled', ''):
+            result = result_to_msg(job.result, finish_reason='cancelled')
+            deadline = time.monotonic() + CANCEL_STATE_TIMEOUT
+            while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
+                time.sleep(0.001)
+            goal_handle.canceled()
+            outcome = 'cancelled'
+        elif job.error:
+            finish_reason = job.finish_reason or (
+                'cancelled' if job.preempted or engine_finish == 'cancelled' else 'error')
+            result = result_to_msg(job.result, error=job.error, finish_reason=finish_reason)
+            goal_handle.abort()
+            outcome = 'orphaned' if job.error == ORPHANED_REASON else ABORT_OUTCOMES.get(finish_reason, 'aborted')
+            if outcome != 'busy':
+                self._logger.warning('goal {} aborted: {}'.format(_short_id(goal_handle), job.error))
+        else:
+            result = result_to_msg(job.result)
+            goal_handle.succeed()
+            outcome = 'succeeded'
+        self._metrics.record(outcome, job.result, job.feedback_times, job.accepted_at)
+        return result
+
+    def _work(self):
+        while (job := self._queue.take()) is not None:
+            try:
+                self._generate(job)
+            finally:
+                self._queue.finished(job)
+
+    def _generate(self, job: Job):
+        def on_delta(delta):
+            job.feedback_times.append((time.monotonic(), len(delta.token_ids)))
+            job.handle.publish_feedback(delta_to_feedback(delta))
+
+        job.feedback_times.append((time.monotonic(), 0))
+        try:
+            backend = self._backend()
+            plan = job.plan if job.plan is not None else backend.validate(job.request)
+            job.result = backend.generate(plan, on_delta=on_delta, cancel=job.cancel)
+            if job.result.finish_reason == 'error':  # a server backend's fault: abort with the partial text
+                job.error = job.result.error
+        except ValueError as error:
+            job.error = str(error)
+        except Exception as error:  # noqa: BLE001 (the goal is aborted, the node keeps serving)
+            job.error = 'engine error: {}: {}'.format(type(error).__name__, error)
+            self._logger.error('goal {}: {}\n{}'.format(job.key.hex()[:8], job.error, traceback.format_exc()))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Abort waiting goals, cancel the running one and wait until every goal has its result."""
+        self._queue.shutdown()
+        deadline = time.monotonic() + timeout
+        self._queue.wait_until_released(timeout)
+        self._worker.join(max(0.0, deadline - time.monotonic()))
+
+    def destroy(self) -> None:
+        self._action_server.destroy()
+
+
+def _key(goal_handle) -> bytes:
+    return bytes(goal_handle.goal_id.uuid)
+
+
+def _short_id(goal_handle) -> str:
+    return _key(goal_handle).hex()[:8]
