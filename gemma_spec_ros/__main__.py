@@ -13,7 +13,7 @@ COMMANDS = {
     'record': ('gemma_spec_ros.tools.bag', 'record planner requests and responses to a rosbag2 bag'),
     'replay': ('gemma_spec_ros.tools.bag', 'replay a recorded bag against the node and compare'),
     'train': ('gemma_spec_ros.train.cli', 'train the tokenizer, target, draft model or MTP assistant'),
-    'bench': ('gemma_spec_ros.bench', 'benchmark against transformers generate / assisted generation'),
+    'bench': ('gemma_spec_ros.benchmarks', 'benchmark against transformers generate / assisted generation'),
     'demo': ('gemma_spec_ros.tools.demo', 'start the node and stream a planner-style goal (make run)'),
     'stress': ('gemma_spec_ros.tools.stress', 'load and soak the node with concurrent planners and cancels'),
 }

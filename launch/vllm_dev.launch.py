@@ -17,7 +17,7 @@ from launch.actions import DeclareLaunchArgument, ExecuteProcess, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
 
-from gemma_spec_ros.engine.vllm_server import DEFAULT_VENV, REPO_ROOT
+from gemma_spec_ros.engine.backends.vllm_server import DEFAULT_VENV, REPO_ROOT
 from launch import LaunchDescription
 
 SETUP_SCRIPT = REPO_ROOT / 'scripts' / 'setup_vllm.sh'
@@ -26,7 +26,7 @@ SETUP_SCRIPT = REPO_ROOT / 'scripts' / 'setup_vllm.sh'
 def _server_and_node(context):
     port, ngram, venv = (LaunchConfiguration(name).perform(context) for name in ('port', 'ngram', 'venv'))
     speculating = int(ngram) > 0
-    serve = [sys.executable, '-m', 'gemma_spec_ros.engine.vllm_server', '--port', port, '--ngram', ngram,
+    serve = [sys.executable, '-m', 'gemma_spec_ros.engine.backends.vllm_server', '--port', port, '--ngram', ngram,
              '--venv', venv]
     if LaunchConfiguration('setup').perform(context).lower() == 'true':
         serve = ['bash', '-c', 'bash "$0" && exec "$@"', str(SETUP_SCRIPT)] + serve

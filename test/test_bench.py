@@ -2,13 +2,13 @@ import json
 
 import pytest
 
-from gemma_spec_ros.bench import main, vllm_peers
-from gemma_spec_ros.bench.analysis import fit_alpha, predict_speedup, summarize
-from gemma_spec_ros.bench.cli import build_parser
-from gemma_spec_ros.bench.harness import Measurement, check_compile_modes, first_mismatch
-from gemma_spec_ros.bench.probe import CostProbe
-from gemma_spec_ros.bench.prompts import load_prompts, take_per_category
-from gemma_spec_ros.bench.systems import System
+from gemma_spec_ros.benchmarks import main, vllm_peers
+from gemma_spec_ros.benchmarks.analysis import fit_alpha, predict_speedup, summarize
+from gemma_spec_ros.benchmarks.cli import build_parser
+from gemma_spec_ros.benchmarks.harness import Measurement, check_compile_modes, first_mismatch
+from gemma_spec_ros.benchmarks.probe import CostProbe
+from gemma_spec_ros.benchmarks.prompts import load_prompts, take_per_category
+from gemma_spec_ros.benchmarks.systems import System
 from gemma_spec_ros.engine.stats import iid_expected_tokens as expected_tokens
 
 EXPECTED_SYSTEMS = {'ours/none', 'ours/ngram/K2', 'ours/ngram/adaptive', 'ours/draft/K2', 'ours/draft/adaptive',
@@ -298,8 +298,8 @@ def test_adaptive_rows_give_the_ratio_within_each_repeat():
 def test_random_models_for_memory_scaling_load_and_fit_together(tmp_path):
     import torch
 
-    from gemma_spec_ros.bench.fast_measure import _write_random_models
-    from gemma_spec_ros.engine import models
+    from gemma_spec_ros.benchmarks.fast_measure import _write_random_models
+    from gemma_spec_ros.engine.runtime import models
 
     target_path, assistant_path = _write_random_models('3x64x256', str(tmp_path))
     target = models.load_causal_lm(target_path, 'target', torch.device('cpu'), torch.float32)
@@ -312,7 +312,7 @@ def test_random_models_for_memory_scaling_load_and_fit_together(tmp_path):
 
 
 def test_gpu_check_keeps_the_figures_of_the_modes_that_run(tmp_path):
-    from gemma_spec_ros.bench import gpu_check
+    from gemma_spec_ros.benchmarks import gpu_check
 
     code = gpu_check.main(['--device', 'cpu', '--models', 'bundled', '--modes', 'eager,cudagraph', '--new-tokens', '4',
                            '--repeats', '1', '--out', str(tmp_path)])

@@ -16,8 +16,9 @@ from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from rclpy.serialization import deserialize_message, serialize_message
 
+from gemma_spec_ros.engine.backends.vllm import SERVER_WIDE_WARNING, VllmStatus
+from gemma_spec_ros.engine.backends.vllm_metrics import unknown_stats
 from gemma_spec_ros.engine.types import DisabledDrafter, EngineStatus, GenerationStats
-from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING, VllmStatus, unknown_stats
 from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.ros.diagnostics import ERROR, OK, STALE, WARN, PeriodStatus, Updater
 from gemma_spec_ros.tools.client import level_name

@@ -9,7 +9,7 @@ import torch
 from conftest import ON_TEST_DEVICE, TEST_COMPILE, TEST_DEVICE, corrupt_after
 
 from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationRequest
-from gemma_spec_ros.engine.stream import IncrementalDetokenizer, StopStrings
+from gemma_spec_ros.engine.decoding.stream import IncrementalDetokenizer, StopStrings
 
 CODE_PROMPT = 'def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n'
 STORY_PROMPT = 'The robot picked up the red cube and'
@@ -223,7 +223,7 @@ def test_plain_generations_leave_the_lifetime_tau_alone(tiny_engine):
 
 
 def test_cuda_timing_reads_an_event_only_once_it_completed():
-    from gemma_spec_ros.engine.engine import _Stopwatch
+    from gemma_spec_ros.engine.decoding.engine import _Stopwatch
 
     class Event:  # as torch.cuda.Event: elapsed_time raises until the end event has completed
         def __init__(self):
@@ -286,7 +286,7 @@ def test_multimodal_checkpoint_generates_through_language_model(tiny_models, tin
 def test_ngram_proposals():
     from gemma_spec_ros.engine.drafters.base import DraftContext
     from gemma_spec_ros.engine.drafters.ngram import NgramDrafter
-    from gemma_spec_ros.engine.sampling import SamplingParams
+    from gemma_spec_ros.engine.logits.sampling import SamplingParams
 
     drafter = NgramDrafter(1, 3, torch.device('cpu'))
     drafter.start([])
@@ -304,7 +304,7 @@ def test_ngram_proposals():
 
 
 def test_mtp_drafter_drops_rejected_kv(tiny_engine_off):
-    from gemma_spec_ros.engine.fast import StepOutput
+    from gemma_spec_ros.engine.runtime import StepOutput
 
     drafter = tiny_engine_off._drafters['mtp']  # transformers' path: the assistant gets the shared K/V
     keys = torch.arange(20.0).view(1, 1, 20, 1)

@@ -22,9 +22,9 @@ from conftest import (
 )
 
 from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
-from gemma_spec_ros.engine.causal_lm import DynamicCausalLM
 from gemma_spec_ros.engine.drafters.base import Proposal
-from gemma_spec_ros.engine.fast import FastAssistant, FastCausalLM
+from gemma_spec_ros.engine.runtime import FastAssistant, FastCausalLM
+from gemma_spec_ros.engine.runtime.causal_lm import DynamicCausalLM
 
 STORY_PROMPT = 'The robot picked up the red cube and'
 SAMPLING_PROMPT = 'the the the cube the the'

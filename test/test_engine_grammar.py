@@ -8,7 +8,7 @@ import pytest
 from conftest import ON_TEST_DEVICE
 
 from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationRequest
-from gemma_spec_ros.engine.grammar import GrammarConstraint
+from gemma_spec_ros.engine.logits.grammar import GrammarConstraint
 
 PROMPT = 'Plan for the robot: '
 MAX_NEW = 400  # random weights write long numbers and strings but close in time

@@ -9,14 +9,14 @@ import weakref
 import pytest
 import torch
 
-from gemma_spec_ros.engine.fast import model as fast_model
-from gemma_spec_ros.engine.fast.assistant import GREEDY_STEPS, FastAssistant
-from gemma_spec_ros.engine.fast.cache import StaticKvCache
-from gemma_spec_ros.engine.fast.compile_cache import compile_cache_dir
-from gemma_spec_ros.engine.fast.direct_graph import _DirectGraph
-from gemma_spec_ros.engine.fast.runner import FastCausalLM
-from gemma_spec_ros.engine.fast.steps import _Steps, query_variant, resolve_compile_mode, stores_blocked
-from gemma_spec_ros.engine.verify import verify
+from gemma_spec_ros.engine.logits.verify import verify
+from gemma_spec_ros.engine.runtime import model as fast_model
+from gemma_spec_ros.engine.runtime.assistant import GREEDY_STEPS, FastAssistant
+from gemma_spec_ros.engine.runtime.cache import StaticKvCache
+from gemma_spec_ros.engine.runtime.compile_cache import compile_cache_dir
+from gemma_spec_ros.engine.runtime.direct_graph import _DirectGraph
+from gemma_spec_ros.engine.runtime.runner import FastCausalLM
+from gemma_spec_ros.engine.runtime.steps import _Steps, query_variant, resolve_compile_mode, stores_blocked
 
 WINDOW = 8
 MAX_QUERY = 9          # K_max + 1 with K_max = 8
@@ -516,7 +516,7 @@ def test_greedy_drafts_are_the_argmax_of_each_step(models, mode):
 
 
 def test_exact_half_dtype_keeps_every_value():
-    from gemma_spec_ros.engine.fast.weights import exact_half_dtype
+    from gemma_spec_ros.engine.runtime.weights import exact_half_dtype
 
     bfloat16_values = torch.tensor([1.0, -0.15625, 3.0 * 2 ** -20, 2.0 ** 100])  # 8-bit mantissas, wide range
     float16_values = torch.tensor([1.0 + 2 ** -10, -65504.0])                       # 11-bit mantissas

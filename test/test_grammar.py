@@ -9,10 +9,10 @@ from conftest import chi_squared_p_value
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from gemma_spec_ros.engine.grammar import ConstraintCompiler, mask_logits, unpack_bitmask
+from gemma_spec_ros.engine.logits.grammar import ConstraintCompiler, mask_logits, unpack_bitmask
+from gemma_spec_ros.engine.logits.sampling import logits_to_probs
+from gemma_spec_ros.engine.logits.verify import verify
 from gemma_spec_ros.engine.requests import SamplingParams
-from gemma_spec_ros.engine.sampling import logits_to_probs
-from gemma_spec_ros.engine.verify import verify
 
 VOCAB = ['<pad>', '<eos>', '<unk>', 'a', 'b', 'c', 'ab', 'ba', 'ca', 'bc', 'cc']
 ID = {token: index for index, token in enumerate(VOCAB)}

@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gemma_spec_ros.engine.grammar import ConstraintCompiler, mask_logits
-from gemma_spec_ros.engine.sampling import SamplingParams, logits_to_probs
-from gemma_spec_ros.engine.verify import verify
+from gemma_spec_ros.engine.logits.grammar import ConstraintCompiler, mask_logits
+from gemma_spec_ros.engine.logits.sampling import SamplingParams, logits_to_probs
+from gemma_spec_ros.engine.logits.verify import verify
 
 TOKENIZER = Path(__file__).resolve().parents[1] / 'models' / 'tokenizer'
 EOS_IDS = (1, 5)            # <eos>, <end_of_turn>

@@ -184,8 +184,8 @@ def test_vllm_dev_launch_starts_the_server_and_a_node_with_backend_vllm():
     context.launch_configurations.update(port='8123', ngram='0')
     server, node = module._server_and_node(context)
     command = [''.join(part.perform(context) for part in argument) for argument in server.cmd]
-    assert command[1:] == ['-m', 'gemma_spec_ros.engine.vllm_server', '--port', '8123', '--ngram', '0', '--venv',
-                           str(module.DEFAULT_VENV)]
+    assert command[1:] == ['-m', 'gemma_spec_ros.engine.backends.vllm_server', '--port', '8123', '--ngram', '0',
+                           '--venv', str(module.DEFAULT_VENV)]
     assert type(node).__name__ == 'Node'
     context.launch_configurations['setup'] = 'true'
     command = [''.join(part.perform(context) for part in argument) for argument in

@@ -19,10 +19,10 @@ from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
 from gemma_spec_ros.engine import Engine
-from gemma_spec_ros.engine import models as engine_models
-from gemma_spec_ros.engine.causal_lm import DynamicCausalLM
 from gemma_spec_ros.engine.drafters.base import Drafter
 from gemma_spec_ros.engine.drafters.none import NoneDrafter
+from gemma_spec_ros.engine.runtime import models as engine_models
+from gemma_spec_ros.engine.runtime.causal_lm import DynamicCausalLM
 from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
 from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
 

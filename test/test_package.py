@@ -159,7 +159,7 @@ def test_tools_import_without_torch_or_the_node_internals():
             'import gemma_spec_ros.tools.demo, gemma_spec_ros.tools.stress\n'
             'import gemma_spec_ros.ros.conversions, gemma_spec_ros.ros.goal_queue\n'
             'unwanted = sorted({"torch", "transformers", "diagnostic_updater", "gemma_spec_ros.ros.diagnostics",\n'
-            '                "gemma_spec_ros.engine.vllm_backend"} & set(sys.modules))\n'
+            '                "gemma_spec_ros.engine.backends.vllm"} & set(sys.modules))\n'
             'assert not unwanted, unwanted\n')
     run = subprocess.run([sys.executable, '-X', 'importtime', '-c', code], cwd=REPO, capture_output=True, text=True,
                          timeout=120)

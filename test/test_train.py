@@ -131,7 +131,7 @@ def test_eval_drafter_reports_tau(tiny_target, tiny_corpus, tmp_path):
 def test_ordered_head_command_adds_a_sparse_head_the_engine_loads(tiny_models, tiny_corpus, tmp_path):
     from transformers import Gemma4AssistantForCausalLM
 
-    from gemma_spec_ros.engine import models
+    from gemma_spec_ros.engine.runtime import models
 
     out = tmp_path / 'ordered'
     assert main(['ordered-head', '--target', tiny_models.target, '--assistant', tiny_models.assistant,

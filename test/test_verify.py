@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gemma_spec_ros.engine.sampling import SamplingParams, logits_to_probs
-from gemma_spec_ros.engine.verify import verify
+from gemma_spec_ros.engine.logits.sampling import SamplingParams, logits_to_probs
+from gemma_spec_ros.engine.logits.verify import verify
 
 TARGET = torch.tensor([0.5, 0.3, 0.15, 0.05])
 DRAFT_NEAR = torch.tensor([0.6, 0.2, 0.1, 0.1])

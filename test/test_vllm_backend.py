@@ -16,19 +16,11 @@ import pytest
 from backend_conformance import BackendConformance
 from conftest import VLLM_NGRAM_K
 
-from gemma_spec_ros.engine.grammar import JSON_SCHEMA, constraint_grammar
+from gemma_spec_ros.engine.backends.vllm import VllmBackend, VllmConfig, VllmPlan
+from gemma_spec_ros.engine.backends.vllm_metrics import ServerCounters, parse_metrics, speculation_stats
+from gemma_spec_ros.engine.backends.vllm_server import DEFAULT_TARGET
+from gemma_spec_ros.engine.logits.grammar import JSON_SCHEMA, constraint_grammar
 from gemma_spec_ros.engine.types import CancelToken, EngineConfig, GenerationRequest
-from gemma_spec_ros.engine.vllm_backend import (
-    ServerCounters,
-    VllmBackend,
-    VllmConfig,
-    VllmPlan,
-    parse_metrics,
-    speculation_stats,
-)
-from gemma_spec_ros.engine.vllm_server import (
-    DEFAULT_TARGET,
-)
 
 CODE_PROMPT = ('import collections\n\n\nclass RingBuffer:\n    """A fixed-size buffer that overwrites the oldest item '
                'when it is full."""\n\n    def __init__(self, capacity):\n        self._items = [None] * capacity\n'

@@ -20,7 +20,7 @@ from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from test_vllm_backend import CODE_PROMPT, REPETITIVE_PROMPT, _get_metrics, _Proxy  # noqa: E402
 
-from gemma_spec_ros.engine.vllm_backend import parse_metrics  # noqa: E402
+from gemma_spec_ros.engine.backends.vllm_metrics import parse_metrics  # noqa: E402
 from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode  # noqa: E402
 from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal  # noqa: E402
 

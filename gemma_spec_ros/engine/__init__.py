@@ -8,8 +8,8 @@ Names are imported on first use, so ``from gemma_spec_ros.engine.types import ..
 import importlib
 
 _EXPORTS = {
-    'Engine': 'engine', 'verify': 'verify', 'load_engine_config': 'config_file', 'resolve_model_path': 'config_file',
-    'RequestPlan': 'requests', 'DRAFTERS': 'drafters',
+    'Engine': 'decoding.engine', 'verify': 'logits.verify', 'RequestPlan': 'requests', 'DRAFTERS': 'drafters',
+    'load_engine_config': 'config_file', 'resolve_model_path': 'config_file',
     **{name: 'types' for name in ('FINISH_REASONS', 'CancelToken', 'DeltaCallback', 'DisabledDrafter', 'EngineConfig',
                                   'EngineStatus', 'GenerationRequest', 'GenerationResult', 'GenerationStats',
                                   'StreamDelta')},

@@ -8,6 +8,10 @@ acceptance as engine.stats defines them.
 """
 
 import abc
+import ctypes
+import ctypes.util
+import gc
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,9 +90,31 @@ def open_backend(config: EngineConfig, vllm=None, progress: Callable[[str], None
     (a VllmConfig) names and is ready at once.
     """
     if config.backend == 'vllm':
-        from .vllm_backend import VllmBackend, VllmConfig
+        from .backends.vllm import VllmBackend, VllmConfig
 
         return VllmBackend(config, vllm if vllm is not None else VllmConfig())
-    from .engine import Engine
+    from .decoding.engine import Engine
 
     return Engine.from_config(config, progress=progress, tolerate_drafter_errors=True)
+
+
+def is_fatal_error(error: BaseException) -> bool:
+    """
+    Whether an error raised by generate() leaves the backend unable to serve: device out of memory, a CUDA fault.
+
+    Other errors end their goal only. Judged by type name and message, so that this module needs no torch.
+    """
+    return isinstance(error, MemoryError) or type(error).__name__ == 'OutOfMemoryError' or \
+        'CUDA error' in str(error)
+
+
+def release_memory() -> None:
+    """Give the memory of a closed, dropped backend back to the system: garbage, CUDA's cache, the C heap."""
+    gc.collect()
+    torch = sys.modules.get('torch')
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    libc_name = ctypes.util.find_library('c')
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is not None and hasattr(libc, 'malloc_trim'):  # glibc keeps freed heap pages without it
+        libc.malloc_trim(0)

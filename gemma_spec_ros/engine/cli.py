@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         constraint = read_constraint_files(args.json_schema, args.grammar)
         from transformers.utils import logging as transformers_logging
 
-        from .engine import Engine  # heavy imports (torch, transformers) after argument checks
+        from .decoding.engine import Engine  # heavy imports (torch, transformers) after argument checks
 
         transformers_logging.disable_progress_bar()
 

@@ -18,7 +18,7 @@ DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 # how decode steps run: the lean forward on a static KV cache, eager, inductor-compiled or captured as CUDA graphs;
 # off: transformers' own forward on a DynamicCache (the reference path, and the one for MoE checkpoints)
 COMPILE_MODES = ('auto', 'inductor', 'inductor-gemm', 'cudagraph', 'eager', 'off')
-# when compiled decode steps are built (engine/warmup.py): background (serve on eager steps at once, swap each graph
+# when compiled decode steps are built (runtime/warmup.py): background (serve on eager steps at once, swap each graph
 # in when ready), blocking (all before the first request) or off (each on first use, inside that request)
 WARMUP_POLICIES = ('background', 'blocking', 'off')
 # the engine ends with stop, length or cancelled; the node adds error, busy (queue full) and timeout

@@ -16,6 +16,7 @@ from collections import deque
 from diagnostic_msgs.msg import DiagnosticStatus
 from diagnostic_updater import FrequencyStatus, FrequencyStatusParam, Updater  # noqa: F401 (Updater: the node's)
 
+from gemma_spec_ros.engine.backends.vllm import SERVER_WIDE_WARNING
 from gemma_spec_ros.engine.stats import (
     acceptance_rate,
     format_figure,
@@ -27,7 +28,6 @@ from gemma_spec_ros.engine.stats import (
     token_gaps,
     tokens_per_second,
 )
-from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING
 
 OK = DiagnosticStatus.OK
 WARN = DiagnosticStatus.WARN

@@ -9,10 +9,10 @@ import dataclasses
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 
+from gemma_spec_ros.engine.backends.vllm import VllmConfig
 from gemma_spec_ros.engine.config_file import MODEL_PATH_FIELDS, resolve_model_path
 from gemma_spec_ros.engine.requests import check_parameter
 from gemma_spec_ros.engine.types import INT32_MAX, EngineConfig, parameter_name
-from gemma_spec_ros.engine.vllm_backend import VllmConfig
 
 QUEUE_MAX_LENGTH_LIMIT = 16
 QUEUE_POLICIES = ('fifo', 'preempt')

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import models
-from ..grammar import GrammarConstraint, Lookahead, mask_logits
-from ..sampling import SamplingParams, greedy_pick, logits_to_probs, sample
+from ..logits.grammar import GrammarConstraint, Lookahead, mask_logits
+from ..logits.sampling import greedy_pick, logits_to_probs, sample
+from ..requests import SamplingParams
+from ..runtime import models
 from ..types import one_call_per_draft
 
 
@@ -86,7 +87,7 @@ class Drafter(ABC):
 
     def observe(self, target_out, num_fed: int, num_kept: int) -> None:  # noqa: B027 (optional hook)
         """
-        Observe a target pass (a fast.StepOutput) after the target's rollback.
+        Observe a target pass (a runtime.StepOutput) after the target's rollback.
 
         target_out holds the pass's last num_fed positions, and the first num_kept of them stay in the cache
         (prefill: 1 and 1, the last prompt position).
@@ -97,7 +98,7 @@ class Drafter(ABC):
         return 0
 
     def graph_jobs(self) -> list:
-        """Return the drafter's step graphs for a background warm-up (fast.GraphJob; none unless compiled on CPU)."""
+        """Return the drafter's step graphs for a background warm-up (runtime.GraphJob; none unless compiled on CPU)."""
         return []
 
 

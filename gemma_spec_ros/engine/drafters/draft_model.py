@@ -2,7 +2,7 @@
 
 import torch
 
-from .. import causal_lm, models
+from ..runtime import causal_lm, models
 from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
 
 

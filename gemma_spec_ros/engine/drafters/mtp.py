@@ -5,10 +5,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .. import causal_lm, models
-from ..fast import FastAssistant, FastCausalLM
-from ..fast.assistant import greedy_calls
-from ..sampling import SamplingParams
+from ..requests import SamplingParams
+from ..runtime import FastAssistant, FastCausalLM, causal_lm, models
+from ..runtime.assistant import greedy_calls
 from ..types import one_call_per_draft
 from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
 

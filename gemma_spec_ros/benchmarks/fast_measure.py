@@ -1,12 +1,12 @@
 """
 Measure the fast path against transformers' eager forward (figures for issue 12; not a test).
 
-    python -m gemma_spec_ros.bench.fast_measure decode   # ms/token, greedy plain decoding: hf | lean | compiled
-    python -m gemma_spec_ros.bench.fast_measure verify   # one target pass of q = 1..9 tokens
-    python -m gemma_spec_ros.bench.fast_measure threads  # 1 vs 2 threads, with a busy-loop or not, OMP wait policy
-    python -m gemma_spec_ros.bench.fast_measure memory   # RSS: runtime (and mode) baseline, weights, KV cache, peaks
-    python -m gemma_spec_ros.bench.fast_measure memory --random-targets 12x768x3072   # + random models of that shape
-    python -m gemma_spec_ros.bench.fast_measure warmup --cold-cache   # background warm-up: time to full speed, and
+    python -m gemma_spec_ros.benchmarks.fast_measure decode   # ms/token, greedy plain decoding: hf | lean | compiled
+    python -m gemma_spec_ros.benchmarks.fast_measure verify   # one target pass of q = 1..9 tokens
+    python -m gemma_spec_ros.benchmarks.fast_measure threads  # 1 vs 2 threads, busy-loop or not, OMP wait policy
+    python -m gemma_spec_ros.benchmarks.fast_measure memory   # RSS: runtime (mode) baseline, weights, KV cache, peaks
+    python -m gemma_spec_ros.benchmarks.fast_measure memory --random-targets 12x768x3072   # + random models, that shape
+    python -m gemma_spec_ros.benchmarks.fast_measure warmup --cold-cache   # background warm-up: time to full speed, and
                                                                       # tok/s while warming up against after it
 
 Systems: ``hf`` is transformers' forward on a DynamicCache driven as the engine drives it, ``lean`` the lean forward
@@ -42,8 +42,8 @@ def _load(args):
     import torch
 
     torch.set_num_threads(args.threads)
-    from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, load_prompts
-    from gemma_spec_ros.engine import models
+    from gemma_spec_ros.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
+    from gemma_spec_ros.engine.runtime import models
 
     device = models.resolve_device(args.device)
     model = models.load_causal_lm(args.model, 'target', device, models.resolve_dtype(args.dtype, device))
@@ -56,7 +56,7 @@ class _System:
     """One system: the product's runner for its compile mode (causal_lm.build_causal_lm), named as here."""
 
     def __init__(self, name, model, context_limit, progress):
-        from gemma_spec_ros.engine.causal_lm import build_causal_lm
+        from gemma_spec_ros.engine.runtime.causal_lm import build_causal_lm
 
         self.name = name
         self.lm = build_causal_lm(model, MODES[name], context_limit, 9, 'target', progress)
@@ -190,7 +190,7 @@ def threads(args) -> dict:
             env = {key: value for key, value in os.environ.items() if key != 'OMP_NUM_THREADS'}
             env['OMP_WAIT_POLICY'] = policy  # '' keeps OpenMP's default (import gemma_spec_ros sets only unset)
             out = subprocess.run(
-                [sys.executable, '-m', 'gemma_spec_ros.bench.fast_measure', 'thread-matrix', '--systems',
+                [sys.executable, '-m', 'gemma_spec_ros.benchmarks.fast_measure', 'thread-matrix', '--systems',
                  args.systems, '--new-tokens', str(args.new_tokens), '--repeats', '1', '--model', args.model],
                 env=env, capture_output=True, text=True, check=True).stdout
             for key, values in json.loads(out).items():
@@ -221,9 +221,9 @@ def memory_one(args) -> dict:
     import xgrammar  # noqa: F401 (the baseline: what a loaded engine has imported)
     from transformers import AutoTokenizer, Gemma4AssistantForCausalLM, Gemma4ForCausalLM  # noqa: F401
 
-    from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from gemma_spec_ros.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
     from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
-    from gemma_spec_ros.engine import engine as _engine_module  # noqa: F401
+    from gemma_spec_ros.engine.decoding import engine as _engine_module  # noqa: F401
 
     torch.set_num_threads(args.threads)
     baseline = _rss()[0]
@@ -264,7 +264,7 @@ def warmup(args) -> dict:
         os.environ['TORCHINDUCTOR_CACHE_DIR'] = tempfile.mkdtemp(prefix='gemma_spec_cold_cache_')
     import torch
 
-    from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from gemma_spec_ros.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
     from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
 
     torch.set_num_threads(args.threads)
@@ -305,8 +305,8 @@ def warmup(args) -> dict:
 
 def _compiles(args) -> bool:
     """Whether args.compile runs torch.compile graphs on args.device (inductor, or auto resolving to it)."""
-    from gemma_spec_ros.engine import models
-    from gemma_spec_ros.engine.fast.steps import INDUCTOR_MODES, resolve_compile_mode
+    from gemma_spec_ros.engine.runtime import models
+    from gemma_spec_ros.engine.runtime.steps import INDUCTOR_MODES, resolve_compile_mode
 
     if args.compile == 'off':
         return False
@@ -324,9 +324,8 @@ def _compile_stack_baseline(args) -> int:
     import torch
     from transformers import AutoConfig
 
-    from gemma_spec_ros.engine import models
-    from gemma_spec_ros.engine.fast import runner
-    from gemma_spec_ros.engine.fast.model import inlines_layers
+    from gemma_spec_ros.engine.runtime import models, runner
+    from gemma_spec_ros.engine.runtime.model import inlines_layers
 
     device = models.resolve_device(args.device)
     layers = AutoConfig.from_pretrained(args.model, local_files_only=True).get_text_config().num_hidden_layers
@@ -361,7 +360,7 @@ def memory(args) -> dict:
         for mode in args.compile.split(','):
             for suffix, target, assistant in targets:
                 _say('measuring {}{}'.format(mode, suffix))
-                out = subprocess.run([sys.executable, '-m', 'gemma_spec_ros.bench.fast_measure', 'memory-one',
+                out = subprocess.run([sys.executable, '-m', 'gemma_spec_ros.benchmarks.fast_measure', 'memory-one',
                                       '--compile', mode, '--new-tokens', str(args.new_tokens), '--model', target,
                                       '--assistant', assistant, '--draft', args.draft, '--device', args.device,
                                       '--threads', str(args.threads)], capture_output=True, text=True,
@@ -391,7 +390,7 @@ def _write_random_models(shape_text: str, directory: str) -> tuple[str, str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.bench.fast_measure', description=__doc__,
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.benchmarks.fast_measure', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('what', choices=('decode', 'verify', 'threads', 'thread-matrix', 'memory', 'memory-one',
                                          'warmup'))

@@ -6,10 +6,10 @@ import os
 import platform
 from pathlib import Path
 
-from gemma_spec_ros.bench.analysis import ALL, Cell, Summary
+from gemma_spec_ros.benchmarks.analysis import ALL, Cell, Summary
 from gemma_spec_ros.engine.stats import format_figure
 
-SCHEMA = 'gemma_spec_ros.bench/1'
+SCHEMA = 'gemma_spec_ros.bench/1'  # the results' format name (kept when the package was renamed)
 # CPU flags that decide CPU matmul speed; the full list is long and mostly irrelevant here.
 RELEVANT_FLAGS = ('sse4_2', 'avx', 'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512_vnni', 'avx512_bf16',
                   'avx_vnni', 'amx_tile', 'amx_bf16', 'amx_int8')

@@ -4,7 +4,7 @@ Record an acceptance map of the bundled models (figures for issue 14; not a test
 At every position of each prompt's greedy output: how many of a drafter's K_max drafts the target accepts, and the
 drafter's confidence in each.
 
-    python -m gemma_spec_ros.bench.acceptance_map --out test/data/acceptance_map.json
+    python -m gemma_spec_ros.benchmarks.acceptance_map --out test/data/acceptance_map.json
 
 Greedy decoding emits the same tokens whatever the drafts, and a greedy drafter's proposal depends only on the
 text before it. So a round that starts after s emitted tokens accepts min(K, run_lengths[s]) of K drafts, for
@@ -17,7 +17,7 @@ import json
 import sys
 import time
 
-from gemma_spec_ros.bench.prompts import DEFAULT_PROMPTS, default_prompts_path, load_prompts, take_per_category
+from gemma_spec_ros.benchmarks.prompts import DEFAULT_PROMPTS, default_prompts_path, load_prompts, take_per_category
 
 DRAFTERS = ('ngram', 'draft', 'mtp')
 VERIFY_ROUNDS_PER_REPEAT = 20  # timed passes of every size per cost repeat
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     records = []
     result = {
-        'made_by': 'python -m gemma_spec_ros.bench.acceptance_map ' + ' '.join(argv or sys.argv[1:]),
+        'made_by': 'python -m gemma_spec_ros.benchmarks.acceptance_map ' + ' '.join(argv or sys.argv[1:]),
         'about': 'bundled models, greedy, compile {}, {} thread(s); run_lengths[s]: drafts of {} accepted by a '
                  'round after s emitted tokens; confidences[s]: the drafter probability of each draft; costs: '
                  'verify_cost[n - 1] = target pass over n tokens / a plain pass, draft_cost_ratio c = drafter step / '

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gemma_spec_ros.bench.probe import CostSampler
-from gemma_spec_ros.bench.prompts import Prompt
-from gemma_spec_ros.bench.systems import (
+from gemma_spec_ros.benchmarks.probe import CostSampler
+from gemma_spec_ros.benchmarks.prompts import Prompt
+from gemma_spec_ros.benchmarks.systems import (
     EngineRunner,
     ForwardCounter,
     Outcome,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..verify import verify
+from ..logits.verify import verify
 from .cache import StaticKvCache
 from .compile_cache import release_compile_garbage as _release_compile_garbage  # also bench.fast_measure's
 from .layers import ROW_PRODUCT_MAX_ROWS
@@ -61,7 +61,7 @@ class WarmupReport:
 @dataclass(eq=False)  # a job is itself: the warm-up keeps sets of them
 class GraphJob:
     """
-    One step graph that a background warm-up builds (engine/warmup.py), while its model serves on eager steps.
+    One step graph that a background warm-up builds (warmup.py), while its model serves on eager steps.
 
     build() compiles the variant on a shadow of the model (the same weights, a scratch cache: the served cache is
     never touched) and stages the graph on the served steps, which adopt it between rounds (Warmup.adopt).

@@ -9,17 +9,19 @@ from pathlib import Path
 
 import torch
 
-from . import causal_lm, models, requests
-from .backend import Backend, Capabilities
-from .control import Decision, SpeculationController, TargetCost
-from .drafters import REGISTRY, drafter_class
-from .drafters.base import DraftContext, Drafter, LoadContext, Proposal
-from .grammar import ConstraintCompiler, GrammarConstraint, mask_logits
-from .requests import RequestPlan, SamplingParams
-from .sampling import logits_to_probs, sample
-from .stats import RoundTally, acceptance_rate, generation_stats, mib, tau
-from .stream import IncrementalDetokenizer, StopStrings
-from .types import (
+from .. import requests
+from ..backend import Backend, Capabilities
+from ..control import Decision, SpeculationController, TargetCost
+from ..drafters import REGISTRY, drafter_class
+from ..drafters.base import DraftContext, Drafter, LoadContext, Proposal
+from ..logits.grammar import ConstraintCompiler, GrammarConstraint, mask_logits
+from ..logits.sampling import logits_to_probs, sample
+from ..logits.verify import verify
+from ..requests import RequestPlan, SamplingParams
+from ..runtime import causal_lm, models
+from ..runtime.warmup import Warmup, order_jobs, warm_up_blocking
+from ..stats import RoundTally, acceptance_rate, generation_stats, mib, tau
+from ..types import (
     CancelToken,
     DeltaCallback,
     DisabledDrafter,
@@ -30,8 +32,7 @@ from .types import (
     StreamDelta,
     WarmupState,
 )
-from .verify import verify
-from .warmup import Warmup, order_jobs, warm_up_blocking
+from .stream import IncrementalDetokenizer, StopStrings
 
 CALIBRATION_ROUNDS = 5     # timed passes of every size when the engine loads (calibrate_verify_costs)
 CALIBRATION_CONTEXT = 64   # tokens of context the calibration passes follow (at most)
@@ -186,7 +187,7 @@ class Engine(Backend):
 
     @property
     def graph_jobs(self) -> tuple:
-        """Every compiled step graph of this engine's models, as fast.GraphJob (none without CPU inductor)."""
+        """Every compiled step graph of this engine's models, as runtime.GraphJob (none without CPU inductor)."""
         return tuple(self._graph_jobs)
 
     @property

@@ -1,5 +1,7 @@
 """
-The compile process of a background warm-up (warmup.CompileProcess): ``python -m gemma_spec_ros.engine.compile_worker``.
+The compile process of a background warm-up (runtime/warmup.py's CompileProcess), run with -m.
+
+``python -m gemma_spec_ros.engine.decoding.compile_worker``.
 
 It loads the engine's models from the config it is given (JSON) and compiles each graph it is asked for on standard
 input into inductor's on-disk cache, from which the serving process then builds it in seconds.
@@ -35,9 +37,9 @@ def serve_compile_requests(config_json: str) -> None:
     import dataclasses
     import json
 
+    from ..runtime.warmup import BACKGROUND_NICE
+    from ..types import EngineConfig
     from .engine import Engine
-    from .types import EngineConfig
-    from .warmup import BACKGROUND_NICE
 
     os.setpriority(os.PRIO_PROCESS, 0, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
     config = EngineConfig(**json.loads(config_json))

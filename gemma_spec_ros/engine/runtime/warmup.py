@@ -2,7 +2,7 @@
 Warm-up of the decode steps: compile before serving (blocking), or serve at once while graphs compile (background).
 
 - ``background`` (default): the engine serves its first request on eager steps at once. A worker thread builds the
-  step graphs one at a time on shadows of the models (fast/runner.py: GraphJob), which never touch the caches that
+  step graphs one at a time on shadows of the models (runtime/runner.py: GraphJob), which never touch the caches that
   serve. Each graph is taken over between rounds (adopt, called by the decode loop), so a round runs on one set of
   steps. The next graph is the one the served requests ran eager most often for; before any request, the target's
   one-token step, then the default drafter's graphs, then the rest.
@@ -30,10 +30,10 @@ from collections.abc import Callable
 
 import torch
 
-from .fast import GraphJob
-from .fast.compile_cache import compile_cache_dir
-from .fast.steps import INDUCTOR_MODES
-from .types import EngineConfig, WarmupState
+from ..types import EngineConfig, WarmupState
+from .compile_cache import compile_cache_dir
+from .runner import GraphJob
+from .steps import INDUCTOR_MODES
 
 BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priority below the serving thread's
 # At interpreter exit the worker is stopped and joined: a daemon thread still inside torch's C++ when the interpreter
@@ -41,12 +41,14 @@ BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priori
 # cache takes seconds; one compiled in this process (no compile process) up to a minute.
 EXIT_WAIT_SECONDS = 90.0
 
+COMPILE_WORKER = 'gemma_spec_ros.engine.decoding.compile_worker'  # the compile process (python -m): loads an Engine
+
 
 class CompileProcess:
     """
     A child process with the engine's models that compiles the graphs it is asked for into inductor's on-disk cache.
 
-    It runs at a lower priority and holds its own GIL (compile_worker.py). Protocol, a line each: the child says
+    It runs at a lower priority and holds its own GIL (compile_worker). Protocol, a line each: the child says
     ``ready`` once loaded; the parent sends a graph's name, the child answers ``built NAME`` or ``failed NAME: why``.
     It exits when its standard input closes or the thread that started it ends.
     """
@@ -54,8 +56,7 @@ class CompileProcess:
     def __init__(self, config: EngineConfig):
         """Start the process; wait_ready() waits for its models."""
         self._process = subprocess.Popen(
-            [sys.executable, '-m', 'gemma_spec_ros.engine.compile_worker', json.dumps(dataclasses.asdict(config)),
-             str(os.getpid())],
+            [sys.executable, '-m', COMPILE_WORKER, json.dumps(dataclasses.asdict(config)), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
 
     def wait_ready(self) -> bool:

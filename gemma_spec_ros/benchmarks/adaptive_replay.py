@@ -3,7 +3,7 @@ Replay the adaptive controller and every fixed K over a recorded acceptance map 
 
 The replay runs the bench's interleaved order.
 
-    python -m gemma_spec_ros.bench.adaptive_replay test/data/acceptance_map.json
+    python -m gemma_spec_ros.benchmarks.adaptive_replay test/data/acceptance_map.json
 
 A greedy round after s emitted tokens accepts min(K, run_lengths[s]) drafts whatever came before, so the replay
 is exact in tokens and rounds. Time is charged from the map's measured costs, in plain target passes: a round

@@ -10,9 +10,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gemma_spec_ros.bench import constrained, plots, vllm_peers
-from gemma_spec_ros.bench.analysis import summarize
-from gemma_spec_ros.bench.harness import (
+from gemma_spec_ros.benchmarks import constrained, plots, vllm_peers
+from gemma_spec_ros.benchmarks.analysis import summarize
+from gemma_spec_ros.benchmarks.harness import (
     Bench,
     Calibration,
     Settings,
@@ -20,9 +20,9 @@ from gemma_spec_ros.bench.harness import (
     parity_references,
     run_interleaved,
 )
-from gemma_spec_ros.bench.prompts import categories_of, default_prompts_path, load_prompts, take_per_category
-from gemma_spec_ros.bench.report import SCHEMA, machine_description, markdown, write_json
-from gemma_spec_ros.bench.systems import System
+from gemma_spec_ros.benchmarks.prompts import categories_of, default_prompts_path, load_prompts, take_per_category
+from gemma_spec_ros.benchmarks.report import SCHEMA, machine_description, markdown, write_json
+from gemma_spec_ros.benchmarks.systems import System
 
 BUNDLED = {'target': 'models/gemma4-spec-target', 'draft': 'models/gemma4-spec-draft',
            'assistant': 'models/gemma4-spec-assistant'}
@@ -98,7 +98,7 @@ def _parse_list(text: str, kind, what: str) -> list:
 
 
 def _default_vllm_venv() -> str:
-    from gemma_spec_ros.engine.vllm_server import DEFAULT_VENV
+    from gemma_spec_ros.engine.backends.vllm_server import DEFAULT_VENV
 
     return str(DEFAULT_VENV)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from .types import DEVICES, DTYPES
+from ..types import DEVICES, DTYPES
 
 TARGET_TYPES = ('gemma4_text', 'gemma4')  # text-only Gemma4ForCausalLM, multimodal Gemma4ForConditionalGeneration
 ASSISTANT_TYPE = 'gemma4_assistant'

@@ -8,38 +8,26 @@ server's chat template), with ``stream: true``; every chunk becomes one StreamDe
 connection, and vLLM aborts the request.
 
 Statistics. Client-side: TTFT, inter-token latency and tokens/s as this process sees the chunks arrive.
-Server-side: tau and acceptance from the server's Prometheus counters, scraped before and after the request:
-
-    target passes = generation tokens - accepted tokens     (each pass emits its accepted drafts + 1 token)
-    tau           = generation tokens / target passes       (stats.tau: the engine's definition)
-    acceptance    = accepted tokens / draft tokens          (stats.acceptance_rate: NaN without drafts)
-
-The counters are server-wide: when another request ran on the server meanwhile, the window covers it too.
-``VllmResult.server_wide`` says so (and a warning), and the per-request counts are then unknown.
-
-Unknown values (the server cannot supply them): float fields are NaN (``UNKNOWN_FLOAT``), int fields -1
-(``UNKNOWN_INT``), the NaN that engine.stats uses for no data. A plain server (no speculative config, no
-spec_decode counters) has tau 1 exactly.
+Server-side: tau and acceptance from the server's Prometheus counters, scraped before and after the request
+(vllm_metrics.py). The counters are server-wide: when another request ran on the server meanwhile, the window
+covers it too; ``VllmResult.server_wide`` says so (and a warning), and the per-request counts are then unknown.
+The HTTP calls and the event stream are vllm_stream.py's.
 
 Request rules are the engine's (requests.check_fields, check_max_new_tokens, check_prompt_size); what only the
 server can check (vocabulary, chat roles, the context of a text prompt) comes back from it as a ValueError.
 """
 
 import functools
-import http.client
 import json
-import math
-import re
-import socket
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .backend import Backend, Capabilities
-from .requests import check_fields, check_max_new_tokens, check_messages, check_prompt_size
-from .stats import acceptance_rate, decode_tokens_per_second, percentile, tau, token_gaps
-from .types import (
+from ..backend import Backend, Capabilities
+from ..requests import check_fields, check_max_new_tokens, check_messages, check_prompt_size
+from ..stats import acceptance_rate, decode_tokens_per_second, percentile, tau, token_gaps
+from ..types import (
     DRAFTERS,
     CancelToken,
     DeltaCallback,
@@ -48,116 +36,13 @@ from .types import (
     GenerationRequest,
     GenerationResult,
     GenerationStats,
-    StreamDelta,
     config_field,
 )
+from .vllm_metrics import UNKNOWN_FLOAT, UNKNOWN_INT, ServerCounters, parse_metrics, speculation_stats, unknown_stats
+from .vllm_stream import Collected, ServerClient, ServerUnavailable
 
-UNKNOWN_FLOAT = math.nan
-UNKNOWN_INT = -1
 SERVER_WIDE_WARNING = 'tau and acceptance are server-wide: other requests ran on the server during this one'
 SERVER_DRAFTER = 'server'    # drafter label when the server speculates with a method not named in the config
-_METRIC_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-_FINISH_REASONS = {'stop': 'stop', 'length': 'length'}   # vLLM's finish reasons that are ours too
-
-
-class ServerUnavailable(ConnectionError):
-    """The server could not be reached or broke the connection; the message names the URL."""
-
-
-@dataclass
-class ServerCounters:
-    """One scrape of the server's Prometheus metrics for the served model (summed over engines)."""
-
-    generation_tokens: float = 0.0
-    drafts: float | None = None                 # None: no spec_decode counters, the server does not speculate
-    draft_tokens: float = 0.0
-    accepted_tokens: float = 0.0
-    accepted_per_position: list[float] = field(default_factory=list)   # [K] accepted at draft position i
-    aborted_requests: float = 0.0
-    requests_running: float = 0.0               # gauge
-    requests_waiting: float = 0.0               # gauge
-    kv_cache_usage: float = UNKNOWN_FLOAT       # gauge, 0..1
-
-    @property
-    def busy(self) -> bool:
-        return self.requests_running + self.requests_waiting > 0
-
-
-@dataclass
-class SpeculationStats:
-    """Speculation figures over a window of server counters (see the module docstring)."""
-
-    target_passes: float
-    drafted_tokens: float
-    accepted_tokens: float
-    tau: float
-    acceptance_rate: float
-    per_position_acceptance: list[float]        # [K] accepted at position i / drafts
-    mean_num_draft_tokens: float
-
-
-def speculation_stats(before: ServerCounters | None, after: ServerCounters) -> SpeculationStats:
-    """Speculation figures between two scrapes (before None: since the server started)."""
-    base = before or ServerCounters(drafts=0.0 if after.drafts is not None else None)
-    generated = after.generation_tokens - base.generation_tokens
-    if after.drafts is None:  # plain decoding: one token per target pass
-        return SpeculationStats(generated, 0.0, 0.0, tau(generated, generated), acceptance_rate(0.0, 0.0), [], 0.0)
-    drafts = after.drafts - (base.drafts or 0.0)
-    drafted = after.draft_tokens - base.draft_tokens
-    accepted = after.accepted_tokens - base.accepted_tokens
-    earlier = base.accepted_per_position + [0.0] * (len(after.accepted_per_position) -
-                                                     len(base.accepted_per_position))
-    passes = generated - accepted
-    return SpeculationStats(
-        target_passes=passes, drafted_tokens=drafted, accepted_tokens=accepted,
-        tau=tau(generated, passes), acceptance_rate=acceptance_rate(accepted, drafted),
-        per_position_acceptance=[acceptance_rate(now - then, drafts) for now, then in
-                                 zip(after.accepted_per_position, earlier, strict=True)] if drafts > 0 else [],
-        mean_num_draft_tokens=drafted / drafts if drafts > 0 else 0.0)
-
-
-def metric_samples(text: str, model: str = ''):
-    """Yield (name without 'vllm:', labels, value) of the vllm: samples in Prometheus text, for one model if given."""
-    for line in text.splitlines():
-        match = _METRIC_LINE.match(line)
-        if not match or not match.group(1).startswith('vllm:'):
-            continue
-        labels = dict(_LABEL.findall(match.group(2) or ''))
-        if model and labels.get('model_name', model) != model:
-            continue
-        yield match.group(1)[len('vllm:'):], labels, float(match.group(3))
-
-
-def parse_metrics(text: str, model: str = '') -> ServerCounters:
-    """ServerCounters from Prometheus text; samples labelled with another model_name are skipped."""
-    counters = ServerCounters()
-    per_position: dict[int, float] = {}
-    kv_usage: list[float] = []
-    for name, labels, value in metric_samples(text, model):
-        if name == 'generation_tokens_total':
-            counters.generation_tokens += value
-        elif name == 'spec_decode_num_drafts_total':
-            counters.drafts = (counters.drafts or 0.0) + value
-        elif name == 'spec_decode_num_draft_tokens_total':
-            counters.draft_tokens += value
-        elif name == 'spec_decode_num_accepted_tokens_total':
-            counters.accepted_tokens += value
-        elif name == 'spec_decode_num_accepted_tokens_per_pos_total':
-            position = int(labels.get('position', 0))
-            per_position[position] = per_position.get(position, 0.0) + value
-        elif name == 'request_success_total' and labels.get('finished_reason') == 'abort':
-            counters.aborted_requests += value
-        elif name == 'num_requests_running':
-            counters.requests_running += value
-        elif name == 'num_requests_waiting':
-            counters.requests_waiting += value
-        elif name in ('kv_cache_usage_perc', 'gpu_cache_usage_perc'):
-            kv_usage.append(value)
-    counters.accepted_per_position = [per_position[p] for p in sorted(per_position)]
-    if kv_usage:
-        counters.kv_cache_usage = max(kv_usage)
-    return counters
 
 
 def _output_grammar(request: GenerationRequest) -> str:
@@ -170,7 +55,7 @@ def _output_grammar(request: GenerationRequest) -> str:
     """
     if not (request.json_schema or request.grammar or request.json_free_whitespace):
         return ''
-    from .grammar import constraint_kind
+    from ..logits.grammar import constraint_kind
 
     kind = constraint_kind(request.json_schema, request.grammar, request.json_free_whitespace)
     return _grammar_text(kind, request.json_schema or request.grammar, request.json_free_whitespace)
@@ -178,21 +63,9 @@ def _output_grammar(request: GenerationRequest) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _grammar_text(kind: str, text: str, json_free_whitespace: bool) -> str:
-    from .grammar import constraint_grammar
+    from ..logits.grammar import constraint_grammar
 
     return str(constraint_grammar(kind, text, json_free_whitespace))
-
-
-def unknown_stats() -> GenerationStats:
-    """GenerationStats with every numeric field unknown (NaN or -1); the backend fills what it knows."""
-    stats = GenerationStats()
-    for item in fields(GenerationStats):
-        value = getattr(stats, item.name)
-        if isinstance(value, float):
-            setattr(stats, item.name, UNKNOWN_FLOAT)
-        elif isinstance(value, int) and not isinstance(value, bool):
-            setattr(stats, item.name, UNKNOWN_INT)
-    return stats
 
 
 @dataclass
@@ -248,50 +121,6 @@ class VllmStatus(EngineStatus):
     requests_in_flight: int = 0                     # this backend's own open streams
 
 
-class _Watch:
-    """Shuts a connection's socket down when the cancel token fires, so that a blocked read returns at once."""
-
-    POLL_SECONDS = 0.02
-
-    def __init__(self, cancel: CancelToken | None, connection: http.client.HTTPConnection):
-        self._cancel, self._connection = cancel, connection
-        self._done = threading.Event()
-        self._thread = None
-        if cancel is not None:
-            self._thread = threading.Thread(target=self._run, name='vllm-cancel-watch', daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while not self._done.wait(self.POLL_SECONDS):
-            if self._cancel.cancelled:
-                sock = self._connection.sock
-                if sock is not None:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                return
-
-    def stop(self) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
-@dataclass
-class _Collected:
-    """What the stream delivered so far."""
-
-    pieces: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    arrivals: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens) per chunk with tokens
-    prompt_tokens: int = UNKNOWN_INT
-    completion_tokens: int = UNKNOWN_INT
-    finish_reason: str = ''
-    server_reason: str = ''          # vLLM's finish_reason when it is not one of ours
-    request_id: str = ''
-
-
 class VllmBackend(Backend):
     """
     The Backend interface served by a vLLM server.
@@ -317,7 +146,7 @@ class VllmBackend(Backend):
         self.config = config
         self.vllm = vllm
         self.url = vllm.url.rstrip('/')
-        self._parts = parts
+        self._client = ServerClient(vllm.url, vllm.connect_timeout, vllm.request_timeout)
         self._model = vllm.model
         self._max_model_len = UNKNOWN_INT
         self._speculating: bool | None = None        # learnt from /metrics
@@ -439,7 +268,7 @@ class VllmBackend(Backend):
                 self._in_flight -= 1
 
     def _generate(self, plan: VllmPlan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> VllmResult:
-        collected = _Collected()
+        collected = Collected()
         before, overlapped, error = None, False, ''
         started = time.perf_counter()
         try:
@@ -449,7 +278,7 @@ class VllmBackend(Backend):
                 before = self._scrape_quietly() if self.vllm.metrics else None
                 overlapped = self._in_flight > 1 or (before is not None and before.busy)
                 started = time.perf_counter()
-                self._stream(path, body, collected, on_delta, cancel)
+                self._client.stream(path, body, collected, on_delta, cancel)
         except ServerUnavailable as exc:
             error = str(exc)
         finished = time.perf_counter()
@@ -475,103 +304,8 @@ class VllmBackend(Backend):
             self._fill_speculation(result, before, after, new_tokens, overlapped or after is None or after.busy)
         return result
 
-    # ----------------------------------------------------------------------------------------------- streaming
-    def _connection(self, timeout: float) -> http.client.HTTPConnection:
-        kind = http.client.HTTPSConnection if self._parts.scheme == 'https' else http.client.HTTPConnection
-        return kind(self._parts.hostname, self._parts.port, timeout=timeout)
-
-    def _stream(self, path: str, body: dict, collected: _Collected, on_delta: DeltaCallback | None,
-                cancel: CancelToken | None) -> None:
-        connection = self._connection(self.vllm.connect_timeout)
-        watch = None
-        try:
-            try:
-                connection.connect()
-            except OSError as exc:
-                raise ServerUnavailable('vLLM server at {} is unreachable: {}'.format(self.url, exc)) from exc
-            connection.sock.settimeout(self.vllm.request_timeout)
-            watch = _Watch(cancel, connection)
-            try:
-                connection.request('POST', path, json.dumps(body), {'Content-Type': 'application/json',
-                                                                    'Accept': 'text/event-stream'})
-                response = connection.getresponse()
-            except OSError as exc:
-                raise ServerUnavailable('vLLM server at {} did not answer {}: {}'.format(self.url, path, exc)) \
-                    from exc
-            if response.status != 200:
-                self._refuse(path, response)
-            self._read_events(response, collected, on_delta)
-        finally:
-            if watch is not None:
-                watch.stop()
-            connection.close()
-
-    def _refuse(self, path: str, response: http.client.HTTPResponse) -> None:
-        try:
-            payload = json.loads(response.read() or b'{}')
-            message = payload.get('error', {}).get('message') if isinstance(payload.get('error'), dict) \
-                else payload.get('message') or payload.get('detail') or payload
-        except (OSError, ValueError, AttributeError):
-            message = response.reason
-        if response.status == 400:
-            raise ValueError('vLLM server refused the request: {}'.format(message))
-        raise ServerUnavailable('vLLM server at {} answered {} {} on {}: {}'.format(
-            self.url, response.status, response.reason, path, message))
-
-    def _read_events(self, response: http.client.HTTPResponse, collected: _Collected,
-                     on_delta: DeltaCallback | None) -> None:
-        while True:
-            try:
-                line = response.readline()
-            except TimeoutError as exc:
-                raise ServerUnavailable('vLLM server at {} sent nothing for {:g} s (vllm.request_timeout) after {} '
-                                        'tokens'.format(self.url, self.vllm.request_timeout,
-                                                        len(collected.token_ids))) from exc
-            except (OSError, http.client.HTTPException) as exc:
-                raise ServerUnavailable('vLLM server at {} broke the stream after {} tokens: {}'.format(
-                    self.url, len(collected.token_ids), exc or type(exc).__name__)) from exc
-            if not line:
-                raise ServerUnavailable('vLLM server at {} closed the stream after {} tokens'.format(
-                    self.url, len(collected.token_ids)))
-            line = line.strip()
-            if not line.startswith(b'data:'):
-                continue
-            data = line[len(b'data:'):].strip()
-            if data == b'[DONE]':
-                return
-            self._take_chunk(json.loads(data), collected, on_delta)
-
-    def _take_chunk(self, chunk: dict, collected: _Collected, on_delta: DeltaCallback | None) -> None:
-        arrived = time.perf_counter()
-        if 'error' in chunk:  # vLLM reports errors found after the 200 header as a chunk
-            error = chunk['error'] if isinstance(chunk['error'], dict) else {'message': chunk['error']}
-            if error.get('code') == 400 and not collected.token_ids:
-                raise ValueError('vLLM server refused the request: {}'.format(error.get('message')))
-            raise ServerUnavailable('vLLM server at {} failed the request: {}'.format(self.url, error.get('message')))
-        collected.request_id = collected.request_id or chunk.get('id', '')
-        usage = chunk.get('usage') or {}
-        if 'completion_tokens' in usage:
-            collected.prompt_tokens = int(usage.get('prompt_tokens', UNKNOWN_INT))
-            collected.completion_tokens = int(usage['completion_tokens'])
-        for choice in chunk.get('choices') or []:
-            text = choice.get('text')
-            if text is None:
-                text = (choice.get('delta') or {}).get('content') or ''
-            token_ids = [int(token) for token in choice.get('token_ids') or []]
-            reason = choice.get('finish_reason')
-            if reason:
-                collected.finish_reason = _FINISH_REASONS.get(reason, '')
-                collected.server_reason = reason
-            if not text and not token_ids:
-                continue
-            collected.pieces.append(text)
-            collected.token_ids += token_ids
-            collected.arrivals.append((arrived, len(token_ids)))
-            if on_delta is not None:
-                on_delta(StreamDelta(text, token_ids, len(collected.token_ids), UNKNOWN_FLOAT))
-
     # ----------------------------------------------------------------------------------------------- statistics
-    def _stats(self, collected: _Collected, new_tokens: int, started: float, finished: float) -> GenerationStats:
+    def _stats(self, collected: Collected, new_tokens: int, started: float, finished: float) -> GenerationStats:
         stats = unknown_stats()
         stats.prompt_tokens = collected.prompt_tokens
         stats.new_tokens = new_tokens
@@ -624,25 +358,10 @@ class VllmBackend(Backend):
             return None
 
     # ----------------------------------------------------------------------------------------------- server
-    def _get(self, path: str) -> bytes:
-        connection = self._connection(self.vllm.connect_timeout)
-        try:
-            connection.request('GET', path)
-            response = connection.getresponse()
-            payload = response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            raise ServerUnavailable('vLLM server at {} is unreachable: {}'.format(self.url, exc)) from exc
-        finally:
-            connection.close()
-        if response.status != 200:
-            raise ServerUnavailable('vLLM server at {} answered {} {} on {}'.format(
-                self.url, response.status, response.reason, path))
-        return payload
-
     def models(self) -> list[dict]:
         """Return the server's /v1/models entries (id, root, max_model_len, ...); ServerUnavailable if unreachable."""
         try:
-            return list(json.loads(self._get('/v1/models')).get('data') or [])
+            return list(json.loads(self._client.get('/v1/models')).get('data') or [])
         except ValueError as exc:
             raise ServerUnavailable('vLLM server at {} sent unreadable /v1/models: {}'.format(self.url, exc)) \
                 from exc
@@ -665,7 +384,7 @@ class VllmBackend(Backend):
 
     def metrics_text(self) -> str:
         """Return the server's Prometheus /metrics text; ServerUnavailable if unreachable."""
-        return self._get('/metrics').decode('utf-8', 'replace')
+        return self._client.get('/metrics').decode('utf-8', 'replace')
 
     def counters(self) -> ServerCounters:
         """Scrape /metrics now; ServerUnavailable if unreachable."""

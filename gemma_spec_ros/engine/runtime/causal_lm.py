@@ -1,13 +1,13 @@
 """
 A Gemma 4 causal LM (the target or the draft model) with its KV cache, behind one interface for both paths.
 
-- ``FastCausalLM`` (fast/runner.py): the lean forward on a static cache, eager, compiled or captured.
+- ``FastCausalLM`` (runner.py): the lean forward on a static cache, eager, compiled or captured.
 - ``DynamicCausalLM`` (here): transformers' own forward on a DynamicCache, for engine.compile off and for models the
   lean forward does not cover (MoE).
 
 Both: ``reset()`` per request, ``prefill(ids, logits_to_keep, want_states)`` for the prompt, ``append(...)`` for a
 step, ``crop(-n)`` to roll back, ``length``, ``nbytes`` (the preallocated cache), ``mode``, ``warmup()`` and
-``graph_jobs()`` (a background warm-up's, engine/warmup.py).
+``graph_jobs()`` (a background warm-up's, warmup.py).
 """
 
 from collections.abc import Callable
@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from .fast import FastCausalLM, StepOutput, WarmupReport
+from .model import StepOutput
+from .runner import FastCausalLM, WarmupReport
 
 NO_MASKS = {'full_attention': None, 'sliding_attention': None}
 

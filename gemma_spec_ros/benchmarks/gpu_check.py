@@ -1,8 +1,8 @@
 """
 The prepared GPU check of the fast path: one script to run when a GPU machine is lent.
 
-    python -m gemma_spec_ros.bench.gpu_check --out bench/results/gpu            # CUDA: off, eager, cudagraph
-    python -m gemma_spec_ros.bench.gpu_check --device cpu --modes off,eager --e2b-layers 2 --new-tokens 8  # smoke
+    python -m gemma_spec_ros.benchmarks.gpu_check --out bench/results/gpu            # CUDA: off, eager, cudagraph
+    python -m gemma_spec_ros.benchmarks.gpu_check --device cpu --modes off,eager --e2b-layers 2 --new-tokens 8  # smoke
 
 For two targets, each with an MTP assistant, in bfloat16 on CUDA (float32 on CPU):
 - ``bundled``: models/gemma4-spec-target with models/gemma4-spec-assistant;
@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-from gemma_spec_ros.bench.cli import BUNDLED
+from gemma_spec_ros.benchmarks.cli import BUNDLED
 from gemma_spec_ros.engine.stats import MIB, mib
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -75,7 +75,7 @@ def _random_e2b(layers: int, device, dtype):
         Gemma4TextConfig,
     )
 
-    from gemma_spec_ros.engine.models import decoder_layers
+    from gemma_spec_ros.engine.runtime.models import decoder_layers
 
     config = Gemma4TextConfig()
     if layers:
@@ -102,11 +102,11 @@ def _random_e2b(layers: int, device, dtype):
 def _engine(target, assistant, tokenizer, mode: str, device, dtype):
     """Build an Engine over loaded models (no directories needed), warmed up for mode."""
     from gemma_spec_ros.engine import EngineConfig
-    from gemma_spec_ros.engine.causal_lm import build_causal_lm
+    from gemma_spec_ros.engine.decoding.engine import Engine
     from gemma_spec_ros.engine.drafters.mtp import MtpDrafter
     from gemma_spec_ros.engine.drafters.none import NoneDrafter
-    from gemma_spec_ros.engine.engine import Engine
-    from gemma_spec_ros.engine.warmup import warm_up_blocking
+    from gemma_spec_ros.engine.runtime.causal_lm import build_causal_lm
+    from gemma_spec_ros.engine.runtime.warmup import warm_up_blocking
 
     config = EngineConfig(target_path='in-memory', assistant_path='in-memory', device=str(device), compile=mode,
                           context_limit=1024, warmup='blocking')
@@ -175,7 +175,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.bench.gpu_check', description=__doc__,
+    parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.benchmarks.gpu_check', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--device', default='cuda', help='cuda (the check) or cpu (a smoke run of the script)')
     parser.add_argument('--modes', default='off,eager,cudagraph', help='engine.compile modes, comma-separated')
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from gemma_spec_ros.engine import models
+    from gemma_spec_ros.engine.runtime import models
 
     device = models.resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32

@@ -2,7 +2,7 @@
 
 import torch
 
-from .requests import SamplingParams
+from ..requests import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

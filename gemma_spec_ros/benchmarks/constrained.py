@@ -31,17 +31,17 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gemma_spec_ros.bench.harness import WARM_UP_TOKENS, Settings, load_engine
-from gemma_spec_ros.bench.prompts import Prompt, take_per_category
-from gemma_spec_ros.bench.report import machine_description, write_json
-from gemma_spec_ros.bench.systems import EngineRunner, System
-from gemma_spec_ros.engine import engine as engine_loop
+from gemma_spec_ros.benchmarks.harness import WARM_UP_TOKENS, Settings, load_engine
+from gemma_spec_ros.benchmarks.prompts import Prompt, take_per_category
+from gemma_spec_ros.benchmarks.report import machine_description, write_json
+from gemma_spec_ros.benchmarks.systems import EngineRunner, System
+from gemma_spec_ros.engine.decoding import engine as engine_loop
 from gemma_spec_ros.engine.drafters import base as drafter_base
-from gemma_spec_ros.engine.grammar import MAX_JSON_WHITESPACE, GrammarConstraint, Lookahead
+from gemma_spec_ros.engine.logits.grammar import MAX_JSON_WHITESPACE, GrammarConstraint, Lookahead
 from gemma_spec_ros.engine.stats import decode_tau, tokens_per_second
 from gemma_spec_ros.engine.types import GenerationRequest
 
-SCHEMA = 'gemma_spec_ros.bench.constrained/1'
+SCHEMA = 'gemma_spec_ros.bench.constrained/1'  # the results' format name (kept when the package was renamed)
 DEFAULT_SPEC = 'bench/constrained.json'
 CATEGORY = 'constrained'
 GOAL_OVERHEAD = 0.10    # time per token with the schema vs without, at the same decode tau

@@ -1,0 +1,131 @@
+"""
+The vLLM server's Prometheus counters, and the speculation figures of a window between two scrapes.
+
+    target passes = generation tokens - accepted tokens     (each pass emits its accepted drafts + 1 token)
+    tau           = generation tokens / target passes       (stats.tau: the engine's definition)
+    acceptance    = accepted tokens / draft tokens          (stats.acceptance_rate: NaN without drafts)
+
+The counters are server-wide: when another request ran on the server meanwhile, the window covers it too.
+
+Unknown values (the server cannot supply them): float fields are NaN (``UNKNOWN_FLOAT``), int fields -1
+(``UNKNOWN_INT``), the NaN that engine.stats uses for no data. A plain server (no speculative config, no
+spec_decode counters) has tau 1 exactly.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+
+from ..stats import acceptance_rate, tau
+from ..types import GenerationStats
+
+UNKNOWN_FLOAT = math.nan
+UNKNOWN_INT = -1
+_METRIC_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class ServerCounters:
+    """One scrape of the server's Prometheus metrics for the served model (summed over engines)."""
+
+    generation_tokens: float = 0.0
+    drafts: float | None = None                 # None: no spec_decode counters, the server does not speculate
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+    accepted_per_position: list[float] = field(default_factory=list)   # [K] accepted at draft position i
+    aborted_requests: float = 0.0
+    requests_running: float = 0.0               # gauge
+    requests_waiting: float = 0.0               # gauge
+    kv_cache_usage: float = UNKNOWN_FLOAT       # gauge, 0..1
+
+    @property
+    def busy(self) -> bool:
+        return self.requests_running + self.requests_waiting > 0
+
+
+@dataclass
+class SpeculationStats:
+    """Speculation figures over a window of server counters (see the module docstring)."""
+
+    target_passes: float
+    drafted_tokens: float
+    accepted_tokens: float
+    tau: float
+    acceptance_rate: float
+    per_position_acceptance: list[float]        # [K] accepted at position i / drafts
+    mean_num_draft_tokens: float
+
+
+def speculation_stats(before: ServerCounters | None, after: ServerCounters) -> SpeculationStats:
+    """Speculation figures between two scrapes (before None: since the server started)."""
+    base = before or ServerCounters(drafts=0.0 if after.drafts is not None else None)
+    generated = after.generation_tokens - base.generation_tokens
+    if after.drafts is None:  # plain decoding: one token per target pass
+        return SpeculationStats(generated, 0.0, 0.0, tau(generated, generated), acceptance_rate(0.0, 0.0), [], 0.0)
+    drafts = after.drafts - (base.drafts or 0.0)
+    drafted = after.draft_tokens - base.draft_tokens
+    accepted = after.accepted_tokens - base.accepted_tokens
+    earlier = base.accepted_per_position + [0.0] * (len(after.accepted_per_position) -
+                                                     len(base.accepted_per_position))
+    passes = generated - accepted
+    return SpeculationStats(
+        target_passes=passes, drafted_tokens=drafted, accepted_tokens=accepted,
+        tau=tau(generated, passes), acceptance_rate=acceptance_rate(accepted, drafted),
+        per_position_acceptance=[acceptance_rate(now - then, drafts) for now, then in
+                                 zip(after.accepted_per_position, earlier, strict=True)] if drafts > 0 else [],
+        mean_num_draft_tokens=drafted / drafts if drafts > 0 else 0.0)
+
+
+def metric_samples(text: str, model: str = ''):
+    """Yield (name without 'vllm:', labels, value) of the vllm: samples in Prometheus text, for one model if given."""
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line)
+        if not match or not match.group(1).startswith('vllm:'):
+            continue
+        labels = dict(_LABEL.findall(match.group(2) or ''))
+        if model and labels.get('model_name', model) != model:
+            continue
+        yield match.group(1)[len('vllm:'):], labels, float(match.group(3))
+
+
+def parse_metrics(text: str, model: str = '') -> ServerCounters:
+    """ServerCounters from Prometheus text; samples labelled with another model_name are skipped."""
+    counters = ServerCounters()
+    per_position: dict[int, float] = {}
+    kv_usage: list[float] = []
+    for name, labels, value in metric_samples(text, model):
+        if name == 'generation_tokens_total':
+            counters.generation_tokens += value
+        elif name == 'spec_decode_num_drafts_total':
+            counters.drafts = (counters.drafts or 0.0) + value
+        elif name == 'spec_decode_num_draft_tokens_total':
+            counters.draft_tokens += value
+        elif name == 'spec_decode_num_accepted_tokens_total':
+            counters.accepted_tokens += value
+        elif name == 'spec_decode_num_accepted_tokens_per_pos_total':
+            position = int(labels.get('position', 0))
+            per_position[position] = per_position.get(position, 0.0) + value
+        elif name == 'request_success_total' and labels.get('finished_reason') == 'abort':
+            counters.aborted_requests += value
+        elif name == 'num_requests_running':
+            counters.requests_running += value
+        elif name == 'num_requests_waiting':
+            counters.requests_waiting += value
+        elif name in ('kv_cache_usage_perc', 'gpu_cache_usage_perc'):
+            kv_usage.append(value)
+    counters.accepted_per_position = [per_position[p] for p in sorted(per_position)]
+    if kv_usage:
+        counters.kv_cache_usage = max(kv_usage)
+    return counters
+
+def unknown_stats() -> GenerationStats:
+    """GenerationStats with every numeric field unknown (NaN or -1); the backend fills what it knows."""
+    stats = GenerationStats()
+    for item in fields(GenerationStats):
+        value = getattr(stats, item.name)
+        if isinstance(value, float):
+            setattr(stats, item.name, UNKNOWN_FLOAT)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            setattr(stats, item.name, UNKNOWN_INT)
+    return stats

@@ -1,0 +1,187 @@
+"""
+The HTTP side of a vLLM server: a GET, and a streamed POST read as server-sent events into ``Collected``.
+
+Stdlib only (http.client, JSON). One connection per call; cancelling shuts the streaming socket down, so that a
+blocked read returns at once, and vLLM aborts the request when the connection closes. A fault of the server
+(unreachable, gone mid-stream, silent past request_timeout, HTTP 5xx) raises ServerUnavailable naming the URL; a
+request it refuses (HTTP 400) raises ValueError.
+"""
+
+import http.client
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from ..types import CancelToken, DeltaCallback, StreamDelta
+from .vllm_metrics import UNKNOWN_FLOAT, UNKNOWN_INT
+
+_FINISH_REASONS = {'stop': 'stop', 'length': 'length'}   # vLLM's finish reasons that are ours too
+
+
+class ServerUnavailable(ConnectionError):
+    """The server could not be reached or broke the connection; the message names the URL."""
+
+
+@dataclass
+class Collected:
+    """What a stream delivered so far."""
+
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens) per chunk with tokens
+    prompt_tokens: int = UNKNOWN_INT
+    completion_tokens: int = UNKNOWN_INT
+    finish_reason: str = ''
+    server_reason: str = ''          # vLLM's finish_reason when it is not one of ours
+    request_id: str = ''
+
+class _CancelWatch:
+    """Shuts a connection's socket down when the cancel token fires, so that a blocked read returns at once."""
+
+    POLL_SECONDS = 0.02
+
+    def __init__(self, cancel: CancelToken | None, connection: http.client.HTTPConnection):
+        self._cancel, self._connection = cancel, connection
+        self._done = threading.Event()
+        self._thread = None
+        if cancel is not None:
+            self._thread = threading.Thread(target=self._run, name='vllm-cancel-watch', daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.POLL_SECONDS):
+            if self._cancel.cancelled:
+                sock = self._connection.sock
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+class ServerClient:
+    """Calls to one vLLM server; thread-safe (each call opens its own connection)."""
+
+    def __init__(self, url: str, connect_timeout: float, request_timeout: float):
+        """url: the server's base URL (checked by VllmBackend); timeouts in seconds (vllm.connect_timeout, ...)."""
+        self.url = url.rstrip('/')
+        self._parts = urlsplit(url)
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+
+    def get(self, path: str) -> bytes:
+        connection = self._connection(self.connect_timeout)
+        try:
+            connection.request('GET', path)
+            response = connection.getresponse()
+            payload = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise ServerUnavailable('vLLM server at {} is unreachable: {}'.format(self.url, exc)) from exc
+        finally:
+            connection.close()
+        if response.status != 200:
+            raise ServerUnavailable('vLLM server at {} answered {} {} on {}'.format(
+                self.url, response.status, response.reason, path))
+        return payload
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if self._parts.scheme == 'https' else http.client.HTTPConnection
+        return kind(self._parts.hostname, self._parts.port, timeout=timeout)
+
+    def stream(self, path: str, body: dict, collected: Collected, on_delta: DeltaCallback | None,
+                cancel: CancelToken | None) -> None:
+        connection = self._connection(self.connect_timeout)
+        watch = None
+        try:
+            try:
+                connection.connect()
+            except OSError as exc:
+                raise ServerUnavailable('vLLM server at {} is unreachable: {}'.format(self.url, exc)) from exc
+            connection.sock.settimeout(self.request_timeout)
+            watch = _CancelWatch(cancel, connection)
+            try:
+                connection.request('POST', path, json.dumps(body), {'Content-Type': 'application/json',
+                                                                    'Accept': 'text/event-stream'})
+                response = connection.getresponse()
+            except OSError as exc:
+                raise ServerUnavailable('vLLM server at {} did not answer {}: {}'.format(self.url, path, exc)) \
+                    from exc
+            if response.status != 200:
+                self._refuse(path, response)
+            self._read_events(response, collected, on_delta)
+        finally:
+            if watch is not None:
+                watch.stop()
+            connection.close()
+
+    def _refuse(self, path: str, response: http.client.HTTPResponse) -> None:
+        try:
+            payload = json.loads(response.read() or b'{}')
+            message = payload.get('error', {}).get('message') if isinstance(payload.get('error'), dict) \
+                else payload.get('message') or payload.get('detail') or payload
+        except (OSError, ValueError, AttributeError):
+            message = response.reason
+        if response.status == 400:
+            raise ValueError('vLLM server refused the request: {}'.format(message))
+        raise ServerUnavailable('vLLM server at {} answered {} {} on {}: {}'.format(
+            self.url, response.status, response.reason, path, message))
+
+    def _read_events(self, response: http.client.HTTPResponse, collected: Collected,
+                     on_delta: DeltaCallback | None) -> None:
+        while True:
+            try:
+                line = response.readline()
+            except TimeoutError as exc:
+                raise ServerUnavailable('vLLM server at {} sent nothing for {:g} s (vllm.request_timeout) after {} '
+                                        'tokens'.format(self.url, self.request_timeout,
+                                                        len(collected.token_ids))) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                raise ServerUnavailable('vLLM server at {} broke the stream after {} tokens: {}'.format(
+                    self.url, len(collected.token_ids), exc or type(exc).__name__)) from exc
+            if not line:
+                raise ServerUnavailable('vLLM server at {} closed the stream after {} tokens'.format(
+                    self.url, len(collected.token_ids)))
+            line = line.strip()
+            if not line.startswith(b'data:'):
+                continue
+            data = line[len(b'data:'):].strip()
+            if data == b'[DONE]':
+                return
+            self._take_chunk(json.loads(data), collected, on_delta)
+
+    def _take_chunk(self, chunk: dict, collected: Collected, on_delta: DeltaCallback | None) -> None:
+        arrived = time.perf_counter()
+        if 'error' in chunk:  # vLLM reports errors found after the 200 header as a chunk
+            error = chunk['error'] if isinstance(chunk['error'], dict) else {'message': chunk['error']}
+            if error.get('code') == 400 and not collected.token_ids:
+                raise ValueError('vLLM server refused the request: {}'.format(error.get('message')))
+            raise ServerUnavailable('vLLM server at {} failed the request: {}'.format(self.url, error.get('message')))
+        collected.request_id = collected.request_id or chunk.get('id', '')
+        usage = chunk.get('usage') or {}
+        if 'completion_tokens' in usage:
+            collected.prompt_tokens = int(usage.get('prompt_tokens', UNKNOWN_INT))
+            collected.completion_tokens = int(usage['completion_tokens'])
+        for choice in chunk.get('choices') or []:
+            text = choice.get('text')
+            if text is None:
+                text = (choice.get('delta') or {}).get('content') or ''
+            token_ids = [int(token) for token in choice.get('token_ids') or []]
+            reason = choice.get('finish_reason')
+            if reason:
+                collected.finish_reason = _FINISH_REASONS.get(reason, '')
+                collected.server_reason = reason
+            if not text and not token_ids:
+                continue
+            collected.pieces.append(text)
+            collected.token_ids += token_ids
+            collected.arrivals.append((arrived, len(token_ids)))
+            if on_delta is not None:
+                on_delta(StreamDelta(text, token_ids, len(collected.token_ids), UNKNOWN_FLOAT))
