@@ -223,7 +223,7 @@ def test_plain_generations_leave_the_lifetime_tau_alone(tiny_engine):
 
 
 def test_cuda_timing_reads_an_event_only_once_it_completed():
-    from gemma_spec_ros.engine.decoding.engine import _Stopwatch
+    from gemma_spec_ros.engine.decoding.calibration import Stopwatch
 
     class Event:  # as torch.cuda.Event: elapsed_time raises until the end event has completed
         def __init__(self):
@@ -237,7 +237,7 @@ def test_cuda_timing_reads_an_event_only_once_it_completed():
                 raise RuntimeError('Both events must be completed before calculating elapsed time.')
             return 250.0
 
-    assert _Stopwatch(torch.device('cuda')).seconds(Event(), Event()) == 0.25
+    assert Stopwatch(torch.device('cuda')).seconds(Event(), Event()) == 0.25
 
 
 def test_profit_gate_pauses_useless_drafter(tiny_models):

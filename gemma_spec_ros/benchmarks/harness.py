@@ -21,9 +21,8 @@ from gemma_spec_ros.benchmarks.systems import (
     System,
     TransformersRunner,
 )
-from gemma_spec_ros.engine.drafters import DRAFTERS
 from gemma_spec_ros.engine.stats import is_known, read_process_memory, tokens_per_second
-from gemma_spec_ros.engine.types import COMPILE_MODES
+from gemma_spec_ros.engine.types import COMPILE_MODES, DRAFTERS
 
 WARM_UP_TOKENS = 8
 

@@ -2,17 +2,17 @@
 Speculative-decoding engine for Gemma 4 (no ROS imports).
 
 Names are imported on first use, so ``from gemma_spec_ros.engine.types import ...`` and the torch-free modules
-(types, requests, stats, drafters registry) load without torch.
+(types with the drafters' registry, requests, stats) load without torch.
 """
 
 import importlib
 
 _EXPORTS = {
-    'Engine': 'decoding.engine', 'verify': 'logits.verify', 'RequestPlan': 'requests', 'DRAFTERS': 'drafters',
+    'Engine': 'decoding.engine', 'verify': 'logits.verify', 'RequestPlan': 'requests',
     'load_engine_config': 'config_file', 'resolve_model_path': 'config_file',
-    **{name: 'types' for name in ('FINISH_REASONS', 'CancelToken', 'DeltaCallback', 'DisabledDrafter', 'EngineConfig',
-                                  'EngineStatus', 'GenerationRequest', 'GenerationResult', 'GenerationStats',
-                                  'StreamDelta')},
+    **{name: 'types' for name in ('DRAFTERS', 'FINISH_REASONS', 'CancelToken', 'DeltaCallback', 'DisabledDrafter',
+                                  'EngineConfig', 'EngineStatus', 'GenerationRequest', 'GenerationResult',
+                                  'GenerationStats', 'StreamDelta')},
 }
 __all__ = sorted(_EXPORTS)
 

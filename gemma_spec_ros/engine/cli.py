@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 from .config_file import load_engine_config, read_constraint_files, resolve_model_path
-from .drafters import DRAFTERS
 from .stats import format_stats
-from .types import COMPILE_MODES, DEVICES, DTYPES, WARMUP_POLICIES, GenerationRequest, GenerationResult
+from .types import COMPILE_MODES, DEVICES, DRAFTERS, DTYPES, WARMUP_POLICIES, GenerationRequest, GenerationResult
 
 DEFAULT_TARGET = 'models/gemma4-spec-target'
 DEFAULT_ASSISTANT = 'models/gemma4-spec-assistant'

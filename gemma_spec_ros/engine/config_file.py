@@ -6,8 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from .drafters import REGISTRY
-from .types import EngineConfig, parameter_name
+from .types import REGISTRY, EngineConfig, parameter_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_PATH_FIELDS = ('target_path',) + tuple(spec.path_field for spec in REGISTRY.values() if spec.path_field)

@@ -11,8 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .drafters import DRAFTERS, REGISTRY
-from .types import EngineConfig, GenerationRequest, parameter_name
+from .types import DRAFTERS, REGISTRY, EngineConfig, GenerationRequest, parameter_name
 
 MAX_TEMPERATURE = 2.0
 INT64_MAX = 2 ** 63 - 1

@@ -10,8 +10,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .drafters import DRAFTERS
-
 BACKENDS = ('local', 'vllm')
 DEVICES = ('auto', 'cpu', 'cuda')
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
@@ -25,6 +23,26 @@ WARMUP_POLICIES = ('background', 'blocking', 'off')
 # (queue.goal_timeout)
 FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
 INT32_MAX = 2 ** 31 - 1
+
+
+# the drafters by name (each one's class lives in engine/drafters/)
+@dataclass(frozen=True)
+class DrafterSpec:
+    """Where a drafter lives and which EngineConfig field names its model directory ('' = needs no model)."""
+
+    module: str        # module under gemma_spec_ros.engine.drafters (drafters.drafter_class imports it)
+    class_name: str
+    path_field: str    # EngineConfig field with the model directory, '' when the drafter has no model
+    role: str          # what the model is called in messages
+
+
+REGISTRY = {
+    'none': DrafterSpec('none', 'NoneDrafter', '', 'plain decoding'),
+    'mtp': DrafterSpec('mtp', 'MtpDrafter', 'assistant_path', 'MTP assistant'),
+    'draft': DrafterSpec('draft_model', 'DraftModelDrafter', 'draft_model_path', 'draft model'),
+    'ngram': DrafterSpec('ngram', 'NgramDrafter', '', 'prompt lookup'),
+}
+DRAFTERS = tuple(REGISTRY)
 
 
 def one_call_per_draft(num_drafts: int) -> int:

@@ -1,10 +1,7 @@
 """The engine: prefill -> draft -> verify -> accept / roll back -> stream, one verify round at a time."""
 
-import random
-import statistics
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,16 +9,16 @@ import torch
 from .. import requests
 from ..backend import Backend, Capabilities
 from ..control import Decision, SpeculationController, TargetCost
-from ..drafters import REGISTRY, drafter_class
-from ..drafters.base import DraftContext, Drafter, LoadContext, Proposal
-from ..logits.grammar import ConstraintCompiler, GrammarConstraint, mask_logits
+from ..drafters.base import DraftContext, Drafter, Proposal
+from ..logits.grammar import ConstraintCompiler, mask_logits
 from ..logits.sampling import logits_to_probs, sample
 from ..logits.verify import verify
 from ..requests import RequestPlan, SamplingParams
 from ..runtime import causal_lm, models
-from ..runtime.warmup import Warmup, order_jobs, warm_up_blocking
-from ..stats import RoundTally, acceptance_rate, generation_stats, mib, tau
+from ..runtime.warmup import Warmup, order_jobs
+from ..stats import acceptance_rate, generation_stats, tau
 from ..types import (
+    REGISTRY,
     CancelToken,
     DeltaCallback,
     DisabledDrafter,
@@ -32,57 +29,10 @@ from ..types import (
     StreamDelta,
     WarmupState,
 )
+from . import calibration
+from .calibration import Stopwatch
+from .run import Run, cut
 from .stream import IncrementalDetokenizer, StopStrings
-
-CALIBRATION_ROUNDS = 5     # timed passes of every size when the engine loads (calibrate_verify_costs)
-CALIBRATION_CONTEXT = 64   # tokens of context the calibration passes follow (at most)
-
-
-class _Stopwatch:
-    """Times the parts of a round; on CUDA with events, read after the round's sync (no extra host sync)."""
-
-    def __init__(self, device: torch.device):
-        self._cuda = device.type == 'cuda'
-
-    def mark(self):
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start, end) -> float:
-        if not self._cuda:
-            return end - start
-        end.synchronize()  # recorded after the sync (time_target_passes): done at once, but not yet when asked
-        return start.elapsed_time(end) / 1000.0
-
-
-@dataclass
-class _Run:
-    """The mutable state of one generation."""
-
-    plan: RequestPlan
-    drafter: Drafter
-    controller: SpeculationController | None  # None: plain decoding (drafter 'none' or after a fallback)
-    generator: torch.Generator
-    detokenizer: IncrementalDetokenizer
-    stops: StopStrings
-    tokens: list[int]                  # prompt + generated; the last one is not in the target cache yet
-    stopwatch: _Stopwatch
-    last_token: torch.Tensor | None = None  # [1] tokens[-1] on the device (saves a host-to-device copy per round)
-    constraint: GrammarConstraint | None = None  # the request's json_schema / grammar, advanced by emitted tokens
-    generated: list[int] = field(default_factory=list)
-    pieces: list[str] = field(default_factory=list)      # streamed text, one piece per delta
-    warnings: list[str] = field(default_factory=list)
-    tally: RoundTally = field(default_factory=RoundTally)
-    finish: str = ''
-
-    def fall_back(self, plain: Drafter, exc: Exception) -> None:
-        """Continue this request with plain decoding after the drafter raised."""
-        self.warnings.append('drafter {!r} failed ({}: {}); fell back to plain decoding'.format(
-            self.drafter.name, type(exc).__name__, exc))
-        self.drafter, self.controller = plain, None
 
 
 class Engine(Backend):
@@ -130,60 +80,10 @@ class Engine(Backend):
     @classmethod
     def from_config(cls, config: EngineConfig, progress=None, tolerate_drafter_errors: bool = False,
                     start_warmup: bool = True) -> 'Engine':
-        """
-        Load the target and every drafter whose model path is set; ValueError when something does not fit.
+        """Load the target and the drafters config names, and warm up (loading.load_engine); ValueError if unfit."""
+        from .loading import load_engine
 
-        tolerate_drafter_errors: a drafter that fails to load is disabled (see drafter_errors) instead of failing
-        the whole engine; requests for it run plain decoding with a warning. The target is always required.
-        start_warmup: False leaves a background warm-up to warmup.start() or its build calls (benchmarks, tests).
-        """
-        say = progress or (lambda message: None)
-        requests.check_config(config)
-        if config.num_threads > 0:
-            torch.set_num_threads(config.num_threads)
-        device = models.resolve_device(config.device)
-        dtype = models.resolve_dtype(config.dtype, device)
-        say('loading target {} on {} ({})'.format(config.target_path, device, str(dtype).replace('torch.', '')))
-        target = models.load_causal_lm(config.target_path, 'target', device, dtype)
-        tokenizer = models.load_tokenizer(config.target_path)
-        target_lm = causal_lm.build_causal_lm(target, config.compile, models.context_limit(config, target),
-                                              config.max_draft_tokens + 1, 'target', say)
-        context = LoadContext(config, target_lm, tokenizer, device, dtype, say)
-        drafters, errors = {}, {}
-        for name, spec in REGISTRY.items():
-            if spec.path_field and not getattr(config, spec.path_field):
-                continue
-            try:
-                drafters[name] = drafter_class(name).load(context)
-            except ValueError as exc:
-                if not tolerate_drafter_errors:
-                    raise
-                errors[name] = DisabledDrafter(name, spec.role, getattr(config, spec.path_field), str(exc))
-                say(errors[name].describe())
-        engine = cls(config, target_lm, tokenizer, drafters, device, dtype, errors)
-        background = config.warmup == 'background' and engine._graph_jobs
-        if config.warmup == 'blocking' or (config.warmup == 'background' and not background):
-            engine._warmup_state = warm_up_blocking(target_lm, drafters, say)
-        if background:
-            engine._warmup = Warmup(engine._graph_jobs, say, on_compiled=lambda: engine._calibrate(say),
-                                    default_path=engine._default_path_jobs, compile_process=config)
-        if config.warmup != 'off':  # timing every pass size would compile each graph now, not on first use
-            engine._calibrate(say)
-        say('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
-            '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, engine.status().warmup.serving,
-                                 'in the background ({} graphs)'.format(len(engine._graph_jobs)) if background else
-                                 '{:.1f} s'.format(engine._warmup_state.seconds),
-                                 mib(engine._weights_bytes), mib(engine._kv_cache_bytes),
-                                 engine._context_limit))
-        if engine._warmup is not None and start_warmup:
-            engine._warmup.start()
-        return engine
-
-    def _calibrate(self, say) -> None:
-        if self._controllers:
-            curve = self.calibrate_verify_costs()
-            say('verify passes of 1..{} tokens: {} ms'.format(len(curve), ' / '.join(
-                '{:.1f}'.format(seconds * 1e3) for _, seconds in sorted(curve.items()))))
+        return load_engine(config, progress, tolerate_drafter_errors, start_warmup)
 
     @property
     def graph_jobs(self) -> tuple:
@@ -280,58 +180,10 @@ class Engine(Backend):
         with self._lock, torch.inference_mode():
             return self._run(plan, on_delta, cancel)
 
-    def time_target_passes(self, prompt_ids: list[int], sizes: list[int]) -> dict[int, float]:
-        """
-        Seconds of one verify pass of the target over n tokens after prompt_ids, for each n in sizes (benchmarks).
-
-        The passes run through the decode steps the engine verifies with, each from the same prefilled context
-        (rolled back after it), between requests.
-        """
-        if not sizes or min(sizes) < 1 or max(sizes) > self.config.max_draft_tokens + 1:
-            raise ValueError('pass sizes must be 1..{} (max_draft_tokens + 1), got {}'.format(
-                self.config.max_draft_tokens + 1, sizes))
-        if not prompt_ids or len(prompt_ids) + max(sizes) > self._context_limit:
-            raise ValueError('a {}-token prompt leaves no room for {} tokens in the {}-token context'.format(
-                len(prompt_ids), max(sizes), self._context_limit))
-        stopwatch = _Stopwatch(self._device)
-        seconds = {}
-        with self._lock, torch.inference_mode():
-            if self._warmup is not None:
-                self._warmup.adopt()  # between requests: time the graphs built so far
-            self._target.reset()
-            self._target.prefill(torch.tensor([prompt_ids], device=self._device))
-            next_tokens = torch.tensor([(prompt_ids[::-1] * max(sizes))[:max(sizes)]], device=self._device)  # real ids
-            for n in sizes:
-                started = stopwatch.mark()
-                self._target.append(next_tokens[:, :n], logits_to_keep=0).logits.sum().item()  # the round's sync
-                seconds[n] = stopwatch.seconds(started, stopwatch.mark())
-                self._target.crop(-n)
-        return seconds
-
-    def median_target_passes(self, prompt_ids: list[int], rounds: int) -> dict[int, float]:
-        """Median seconds of verify passes of 1..max_draft_tokens + 1 tokens after prompt_ids, shuffled per round."""
-        sizes = list(range(1, self.config.max_draft_tokens + 2))
-        order = random.Random(0)
-        samples: dict[int, list[float]] = {n: [] for n in sizes}
-        for _ in range(rounds):
-            order.shuffle(sizes)
-            for n, seconds in self.time_target_passes(prompt_ids, sizes).items():
-                samples[n].append(seconds)
-        return {n: statistics.median(times) for n, times in samples.items()}
-
-    def calibrate_verify_costs(self, rounds: int = CALIBRATION_ROUNDS) -> dict[int, float]:
-        """
-        Time verify passes of every size (median_target_passes) and start the controllers' cost curve there.
-
-        Learned only online, the curve's shape comes from adjacent passes of different sizes, which a run pairs
-        rarely and with a bias (the first plain pass is timed with the target's weights in cache, verify passes after
-        the drafter ran); it priced long drafts too dear. Returns the median seconds per size.
-        """
-        length = min(CALIBRATION_CONTEXT, self._context_limit - self.config.max_draft_tokens - 1)
-        medians = self.median_target_passes([token % self._vocab_size for token in range(16, 16 + length)], rounds)
-        with self._measure_lock:
-            self._target_cost.calibrate(medians)
-        return medians
+    # verify-cost calibration (calibration.py): functions of an engine, offered as its methods
+    time_target_passes = calibration.time_target_passes
+    median_target_passes = calibration.median_target_passes
+    calibrate_verify_costs = calibration.calibrate_verify_costs
 
     # ----------------------------------------------------------------------------------------------- the loop
     def _run(self, plan: RequestPlan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> GenerationResult:
@@ -340,10 +192,10 @@ class Engine(Backend):
         if self._device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self._device)
         self._target.reset()
-        run = _Run(plan=plan, drafter=self._drafters['none'], controller=None,
-                   generator=torch.Generator(device=self._device).manual_seed(plan.seed),
-                   detokenizer=IncrementalDetokenizer(self._tokenizer), stops=StopStrings(plan.stops),
-                   tokens=list(plan.prompt_ids), stopwatch=_Stopwatch(self._device))
+        run = Run(plan=plan, drafter=self._drafters['none'], controller=None,
+                  generator=torch.Generator(device=self._device).manual_seed(plan.seed),
+                  detokenizer=IncrementalDetokenizer(self._tokenizer), stops=StopStrings(plan.stops),
+                  tokens=list(plan.prompt_ids), stopwatch=Stopwatch(self._device))
         if plan.compiled_grammar is not None:
             run.constraint = self._constraints.matcher(plan.compiled_grammar)
         if plan.drafter in self.drafter_errors:
@@ -367,7 +219,7 @@ class Engine(Backend):
             new_tokens = self._speculate(run)
         return self._result(run, started, steps_before)
 
-    def _prefill(self, run: _Run) -> list[int]:
+    def _prefill(self, run: Run) -> list[int]:
         """Start the drafter, run the prompt through the target in one pass and pick the first token."""
         self._guard(run, lambda: run.drafter.start(run.tokens))
         if run.controller is not None:
@@ -387,7 +239,7 @@ class Engine(Backend):
         run.tally.add_prefill(time.perf_counter())
         return [token]
 
-    def _speculate(self, run: _Run) -> list[int]:
+    def _speculate(self, run: Run) -> list[int]:
         """One round: draft K tokens, verify them in one target pass, roll back the rejected ones, measure."""
         if self._warmup is not None:
             self._warmup.adopt()  # graphs built since the last round take over: the whole round runs on them
@@ -437,7 +289,7 @@ class Engine(Backend):
         run.last_token = next_token
         return row[1:1 + accepted] + row[-1:]  # accepted drafts + recovered or bonus token
 
-    def _verify(self, run: _Run, proposal: Proposal | None, draft_tokens: torch.Tensor,
+    def _verify(self, run: Run, proposal: Proposal | None, draft_tokens: torch.Tensor,
                 logits: torch.Tensor) -> torch.Tensor:
         """verify() the drafts [k] against the target's logits [k + 1, vocab]: [k + 2] accepted count, drafts, next."""
         if run.constraint is not None:  # while the target runs on a GPU: masks along the drafts, on the host
@@ -450,7 +302,7 @@ class Engine(Backend):
                                           run.generator)
         return torch.cat([num_accepted, draft_tokens, next_token])
 
-    def _guard(self, run: _Run, drafter_call):
+    def _guard(self, run: Run, drafter_call):
         """Run a drafter call; a drafter that raises must not fail the request: plain decoding takes over."""
         try:
             return drafter_call()
@@ -458,9 +310,9 @@ class Engine(Backend):
             run.fall_back(self._drafters['none'], exc)
             return None
 
-    def _emit(self, run: _Run, new_tokens: list[int], on_delta: DeltaCallback | None) -> None:
+    def _emit(self, run: Run, new_tokens: list[int], on_delta: DeltaCallback | None) -> None:
         """Append a round's tokens, apply EOS / max_new_tokens / stop strings, and stream the new text."""
-        new_tokens, run.finish = self._cut(new_tokens, len(run.generated), run.plan.max_new_tokens)
+        new_tokens, run.finish = cut(new_tokens, self._eos_ids, len(run.generated), run.plan.max_new_tokens)
         if run.constraint is not None:
             run.constraint.accept(new_tokens)
         run.tokens += new_tokens
@@ -473,12 +325,12 @@ class Engine(Backend):
             run.finish = 'stop' if run.stops.stopped else run.finish
         self._send(run, text, new_tokens, on_delta)
 
-    def _release_held_text(self, run: _Run) -> str:
+    def _release_held_text(self, run: Run) -> str:
         """At the end: incomplete characters and possible stop-string prefixes that were held back."""
         text = run.stops.feed(run.detokenizer.flush())
         return text if run.stops.stopped else text + run.stops.flush()
 
-    def _send(self, run: _Run, text: str, token_ids: list[int], on_delta: DeltaCallback | None) -> None:
+    def _send(self, run: Run, text: str, token_ids: list[int], on_delta: DeltaCallback | None) -> None:
         run.pieces.append(text)
         if on_delta is not None:
             on_delta(StreamDelta(text, token_ids, len(run.generated),
@@ -499,16 +351,6 @@ class Engine(Backend):
         with self._measure_lock:
             return controller.decide()
 
-    def _cut(self, new_tokens: list[int], num_generated: int, max_new: int) -> tuple[list[int], str]:
-        """Truncate a round's tokens at EOS (kept) or at max_new_tokens; returns (tokens, finish reason or '')."""
-        for index, token in enumerate(new_tokens):
-            if token in self._eos_ids and num_generated + index < max_new:
-                return new_tokens[:index + 1], 'stop'
-        room = max_new - num_generated
-        if len(new_tokens) >= room:
-            return new_tokens[:room], 'length'
-        return new_tokens, ''
-
     def _step_calls(self) -> tuple[int, int]:
         """Decode steps run so far (graph, eager) by the models that have compiled graphs."""
         return (sum(steps.graph_calls for steps in self._step_runners),
@@ -523,7 +365,7 @@ class Engine(Backend):
             return 'eager (warming up)'
         return 'eager + {} ({:.0%} of steps compiled)'.format(self._target.mode, graph / (graph + eager))
 
-    def _result(self, run: _Run, started: float, steps_before: tuple[int, int]) -> GenerationResult:
+    def _result(self, run: Run, started: float, steps_before: tuple[int, int]) -> GenerationResult:
         """
         Build the result with its statistics; a generation that speculated to its end adds to the lifetime counters.
 

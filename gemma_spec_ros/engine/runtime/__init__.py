@@ -1,8 +1,21 @@
 """
-The fast decode path.
+What runs the models: loading them, the fast decode path, and its warm-up.
 
-A static KV cache, a lean Gemma 4 forward over the loaded weights, and per-q step functions run eager,
+The fast path: a static KV cache, a lean Gemma 4 forward over the loaded weights, and per-q step functions run eager,
 inductor-compiled (CPU) or captured as CUDA graphs (GPU). transformers stays the loader and the reference.
+
+- models.py: loading the target, draft model, MTP assistant and tokenizer from local directories; their checks.
+- causal_lm.py: one interface over a causal LM and its KV cache, fast (FastCausalLM) or transformers' (DynamicCausalLM).
+- runner.py: FastCausalLM, the step functions per query length; GraphJob, one graph a background warm-up builds.
+- assistant.py: FastAssistant, the MTP assistant's runner over the target's static cache.
+- model.py, layers.py, weights.py: the lean forward, one decoder layer's arithmetic, the weights it reads.
+- cache.py: the static KV cache.
+- steps.py, direct_graph.py, compile_cache.py: step tables per compile mode, compiled CPU graphs called directly,
+  inductor's on-disk cache.
+- torch_internals.py: the one module that touches torch's private APIs (probed, with a public fallback).
+- warmup.py: blocking or background warm-up of the step graphs (its compile process is decoding/compile_worker.py).
+
+Imports from the engine only the shared types and logits/ (greedy_pick, verify).
 """
 
 from .assistant import FastAssistant

@@ -1,0 +1,70 @@
+"""
+Loading an Engine from an EngineConfig: the target, its tokenizer, every drafter whose model is set, and the warm-up.
+
+Engine.from_config calls load_engine. It sets up the warm-up the config asks for on the engine it built (blocking:
+done here; background: a Warmup, started here unless start_warmup is False) and calibrates the verify costs.
+"""
+
+import torch
+
+from .. import requests
+from ..drafters import drafter_class
+from ..drafters.base import LoadContext
+from ..runtime import causal_lm, models
+from ..runtime.warmup import Warmup, warm_up_blocking
+from ..stats import mib
+from ..types import REGISTRY, DisabledDrafter, EngineConfig
+from .calibration import calibrate
+from .engine import Engine
+
+
+def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bool = False,
+                start_warmup: bool = True) -> Engine:
+    """
+    Load the target and every drafter whose model path is set; ValueError when something does not fit.
+
+    tolerate_drafter_errors: a drafter that fails to load is disabled (see drafter_errors) instead of failing
+    the whole engine; requests for it run plain decoding with a warning. The target is always required.
+    start_warmup: False leaves a background warm-up to warmup.start() or its build calls (benchmarks, tests).
+    """
+    say = progress or (lambda message: None)
+    requests.check_config(config)
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    device = models.resolve_device(config.device)
+    dtype = models.resolve_dtype(config.dtype, device)
+    say('loading target {} on {} ({})'.format(config.target_path, device, str(dtype).replace('torch.', '')))
+    target = models.load_causal_lm(config.target_path, 'target', device, dtype)
+    tokenizer = models.load_tokenizer(config.target_path)
+    target_lm = causal_lm.build_causal_lm(target, config.compile, models.context_limit(config, target),
+                                          config.max_draft_tokens + 1, 'target', say)
+    context = LoadContext(config, target_lm, tokenizer, device, dtype, say)
+    drafters, errors = {}, {}
+    for name, spec in REGISTRY.items():
+        if spec.path_field and not getattr(config, spec.path_field):
+            continue
+        try:
+            drafters[name] = drafter_class(name).load(context)
+        except ValueError as exc:
+            if not tolerate_drafter_errors:
+                raise
+            errors[name] = DisabledDrafter(name, spec.role, getattr(config, spec.path_field), str(exc))
+            say(errors[name].describe())
+    engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, errors)
+    background = config.warmup == 'background' and engine._graph_jobs
+    if config.warmup == 'blocking' or (config.warmup == 'background' and not background):
+        engine._warmup_state = warm_up_blocking(target_lm, drafters, say)
+    if background:
+        engine._warmup = Warmup(engine._graph_jobs, say, on_compiled=lambda: calibrate(engine, say),
+                                default_path=engine._default_path_jobs, compile_process=config)
+    if config.warmup != 'off':  # timing every pass size would compile each graph now, not on first use
+        calibrate(engine, say)
+    say('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
+        '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, engine.status().warmup.serving,
+                             'in the background ({} graphs)'.format(len(engine._graph_jobs)) if background else
+                             '{:.1f} s'.format(engine._warmup_state.seconds),
+                             mib(engine._weights_bytes), mib(engine._kv_cache_bytes),
+                             engine._context_limit))
+    if engine._warmup is not None and start_warmup:
+        engine._warmup.start()
+    return engine
