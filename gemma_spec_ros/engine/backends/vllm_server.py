@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_VENV = REPO_ROOT / '.venv-vllm'
 DEFAULT_TARGET = REPO_ROOT / 'models' / 'gemma4-spec-target'
 
