@@ -1,11 +1,17 @@
-"""Launch the gemma_spec node with the Jetson Orin parameters: ``ros2 launch gemma_spec_ros orin.launch.py``."""
+"""
+Launch the gemma_spec node with the Jetson Orin parameters: ``ros2 launch gemma_spec_ros orin.launch.py``.
+
+The node is a managed (lifecycle) node. autostart:=true (the default) configures and activates it as soon as it
+runs; autostart:=false leaves it unconfigured for ``ros2 lifecycle set /gemma_spec configure`` and ``activate``
+(or a lifecycle manager).
+"""
 
 import os
 
 from ament_index_python.packages import get_package_share_directory
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
-from launch_ros.actions import Node
+from launch_ros.actions import LifecycleNode
 
 from launch import LaunchDescription
 
@@ -15,17 +21,17 @@ OVERRIDES = {'device': 'engine.device', 'drafter': 'engine.drafter', 'compile': 
 
 
 def _node(context):
-    overrides = {}
+    overrides = {'lifecycle.autostart': LaunchConfiguration('autostart').perform(context) == 'true'}
     for argument, parameter in OVERRIDES.items():
         value = LaunchConfiguration(argument).perform(context)
         if value:
             overrides[parameter] = value
-    return [Node(
+    return [LifecycleNode(
         package='gemma_spec_ros',
         executable='gemma_spec_node',
         name='gemma_spec',
         namespace=LaunchConfiguration('namespace'),
-        parameters=[LaunchConfiguration('params_file')] + ([overrides] if overrides else []),
+        parameters=[LaunchConfiguration('params_file'), overrides],
         arguments=['--ros-args', '--log-level', LaunchConfiguration('log_level')],
         output='screen',
         emulate_tty=True,
@@ -40,6 +46,9 @@ def generate_launch_description():
         DeclareLaunchArgument('namespace', default_value='',
                               description='namespace of the node (the action becomes <ns>/gemma_spec/generate)'),
         DeclareLaunchArgument('log_level', default_value='info', description='debug|info|warn|error'),
+        DeclareLaunchArgument('autostart', default_value='true', choices=['true', 'false'],
+                              description='configure and activate the managed node at once (false: wait for '
+                                          '`ros2 lifecycle set`)'),
         DeclareLaunchArgument('device', default_value='',
                               description="override engine.device: auto|cpu|cuda ('' = keep the params file's)"),
         DeclareLaunchArgument('drafter', default_value='',

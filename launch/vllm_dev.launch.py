@@ -15,7 +15,7 @@ import sys
 from ament_index_python.packages import get_package_share_directory
 from launch.actions import DeclareLaunchArgument, ExecuteProcess, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
-from launch_ros.actions import Node
+from launch_ros.actions import LifecycleNode
 
 from gemma_spec_ros.engine.backends.vllm_server import DEFAULT_VENV, REPO_ROOT
 from launch import LaunchDescription
@@ -37,11 +37,11 @@ def _server_and_node(context):
     }
     return [
         ExecuteProcess(cmd=serve, name='vllm_server', additional_env={'VLLM_VENV': venv}, output='screen'),
-        Node(package='gemma_spec_ros', executable='gemma_spec_node', name='gemma_spec',
-             namespace=LaunchConfiguration('namespace'),
-             parameters=[LaunchConfiguration('params_file'), overrides],
-             arguments=['--ros-args', '--log-level', LaunchConfiguration('log_level')],
-             output='screen', emulate_tty=True),
+        LifecycleNode(package='gemma_spec_ros', executable='gemma_spec_node', name='gemma_spec',
+                      namespace=LaunchConfiguration('namespace'),
+                      parameters=[LaunchConfiguration('params_file'), overrides],
+                      arguments=['--ros-args', '--log-level', LaunchConfiguration('log_level')],
+                      output='screen', emulate_tty=True),
     ]
 
 

@@ -4,6 +4,9 @@ import importlib.util
 import os
 import shutil
 import signal
+import subprocess
+import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +56,36 @@ def missing_ros2_tools():
                                            'gemma_spec_ros')) for prefix in prefixes if prefix):
         return 'gemma_spec_ros is not in the ament index: source scripts/env.sh after scripts/setup.sh built build/ws'
     return ''
+
+
+def run_ros2(env: dict, *args, timeout=120) -> tuple[int, str]:
+    """Run a ros2 CLI command with env (the test module's ROS domain); return (exit code, stdout + stderr)."""
+    completed = subprocess.run(('ros2',) + args, env=env, capture_output=True, text=True, timeout=timeout)
+    return completed.returncode, completed.stdout + completed.stderr
+
+
+class LaunchOutput:
+    """What launched processes printed, and how they exited (filled by launch event handlers)."""
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self.text = ''
+        self.exit_codes = {}  # process name -> return code
+
+    def on_output(self, event):
+        with self._lock:
+            self.text += event.text.decode(errors='replace')
+            self._lock.notify_all()
+
+    def on_exit(self, event, context):
+        self.exit_codes[event.action.name] = event.returncode
+
+    def wait_for(self, needle, timeout):
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while needle not in self.text and time.monotonic() < deadline:
+                self._lock.wait(0.5)
+            return needle in self.text
 
 
 @dataclass

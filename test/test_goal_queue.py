@@ -19,6 +19,7 @@ def accept(queue, key, client='', **kwargs):
 
 def test_fifo_order_and_busy_admission():
     queue = GoalQueue(max_waiting=1)
+    queue.set_loading()
     queue.set_ready()
     first, second = accept(queue, b'1'), accept(queue, b'2')
     busy = queue.register(b'3')
@@ -36,6 +37,7 @@ def test_fifo_order_and_busy_admission():
 
 def test_invalid_goal_takes_no_slot():
     queue = GoalQueue(max_waiting=0)
+    queue.set_loading()
     queue.set_ready()
     bad = queue.register(b'x', invalid='temperature must be ...')
     assert bad.done.is_set() and bad.error == 'temperature must be ...' and not bad.admitted
@@ -44,6 +46,7 @@ def test_invalid_goal_takes_no_slot():
 
 def test_busy_clients_claim_free_slots_in_turn():
     queue = GoalQueue(max_waiting=0, fair_claim=5.0)
+    queue.set_loading()
     queue.set_ready()
     accept(queue, b'a1', 'a', now=0.0)
     assert queue.register(b'b1', client='b', now=0.1).finish_reason == 'busy'
@@ -63,6 +66,7 @@ def test_busy_clients_claim_free_slots_in_turn():
 
 def test_claims_expire():
     queue = GoalQueue(max_waiting=1, fair_claim=1.0)
+    queue.set_loading()
     queue.set_ready()
     accept(queue, b'1', 'a', now=0.0)
     accept(queue, b'2', 'a', now=0.0)
@@ -74,6 +78,7 @@ def test_claims_expire():
 
 def test_first_come_without_fair_claim():
     queue = GoalQueue(max_waiting=0, fair_claim=0.0)
+    queue.set_loading()
     queue.set_ready()
     accept(queue, b'1', 'a', now=0.0)
     assert queue.register(b'2', client='b', now=0.1).finish_reason == 'busy'
@@ -83,6 +88,7 @@ def test_first_come_without_fair_claim():
 
 def test_waiting_goals_run_round_robin_by_client():
     queue = GoalQueue(max_waiting=4)
+    queue.set_loading()
     queue.set_ready()
     jobs = [accept(queue, key, client) for key, client in
             ((b'a1', 'a'), (b'a2', 'a'), (b'a3', 'a'), (b'b1', 'b'), (b'c1', 'c'))]
@@ -98,6 +104,7 @@ def test_waiting_goals_run_round_robin_by_client():
 
 def test_goal_timeout_ends_waiting_and_running_goals():
     queue = GoalQueue()
+    queue.set_loading()
     queue.set_ready()
     running, waiting = accept(queue, b'1', now=0.0), accept(queue, b'2', now=5.0)
     queue.enqueue(running)
@@ -113,6 +120,7 @@ def test_goal_timeout_ends_waiting_and_running_goals():
 
 def test_goal_without_receivers_is_dropped():
     queue = GoalQueue()
+    queue.set_loading()
     queue.set_ready()
     mine = accept(queue, b'1', listeners={b'me'}, now=0.0)
     late = accept(queue, b'2', listeners=set(), now=0.0)   # its client's subscription was not yet discovered
@@ -133,6 +141,7 @@ def test_goal_without_receivers_is_dropped():
 
 def test_goals_wait_while_the_engine_loads():
     queue = GoalQueue()
+    queue.set_loading()
     job = accept(queue, b'a')
     queue.enqueue(job)
     taken = []
@@ -147,18 +156,19 @@ def test_goals_wait_while_the_engine_loads():
 
 def test_engine_failure_ends_waiting_and_new_goals():
     queue = GoalQueue()
+    queue.set_loading()
     waiting = accept(queue, b'a')
     queue.enqueue(waiting)
     queue.set_failed('engine failed to load: no model')
     assert waiting.done.is_set() and waiting.error == 'engine failed to load: no model'
-    late = accept(queue, b'b')
-    queue.enqueue(late)
+    late = queue.register(b'b')
     assert late.done.is_set() and late.error == 'engine failed to load: no model'
     assert not queue.set_ready()
 
 
 def test_cancel_before_the_goal_is_registered():
     queue = GoalQueue()
+    queue.set_loading()
     queue.set_ready()
     queue.cancel(b'x')                      # the cancel overtook handle_accepted
     job = queue.register(b'x')
@@ -169,6 +179,7 @@ def test_cancel_before_the_goal_is_registered():
 
 def test_cancel_of_a_waiting_goal_leaves_the_queue():
     queue = GoalQueue()
+    queue.set_loading()
     queue.set_ready()
     running, waiting = accept(queue, b'1'), accept(queue, b'2')
     queue.enqueue(running)
@@ -182,6 +193,7 @@ def test_cancel_of_a_waiting_goal_leaves_the_queue():
 
 def test_preempt_aborts_running_and_waiting_goals():
     queue = GoalQueue(policy='preempt')
+    queue.set_loading()
     queue.set_ready()
     running, waiting, newest = accept(queue, b'1'), accept(queue, b'2'), accept(queue, b'3')
     queue.enqueue(running)
@@ -195,6 +207,7 @@ def test_preempt_aborts_running_and_waiting_goals():
 
 def test_shutdown_ends_everything_and_refuses_new_goals():
     queue = GoalQueue()
+    queue.set_loading()
     queue.set_ready()
     running, waiting = accept(queue, b'1'), accept(queue, b'2')
     queue.enqueue(running)
@@ -209,3 +222,47 @@ def test_shutdown_ends_everything_and_refuses_new_goals():
     queue.release(b'1')
     queue.release(b'2')
     assert queue.wait_until_released(1.0)
+
+
+def test_an_unconfigured_node_refuses_goals_with_its_state():
+    queue = GoalQueue()
+    job = queue.register(b'a')
+    assert job.done.is_set() and not job.admitted and job.error == 'node is unconfigured'
+    assert not queue.set_ready()  # only a configured (loading or inactive) node becomes active
+
+
+def test_deactivate_refuses_new_goals_ends_waiting_ones_and_finishes_or_cancels_the_running_one():
+    for cancel_running in (False, True):
+        queue = GoalQueue()
+        queue.set_loading()
+        queue.set_ready()
+        running, waiting = accept(queue, b'a'), accept(queue, b'b')
+        queue.enqueue(running)
+        queue.enqueue(waiting)
+        assert queue.take() is running
+        queue.set_inactive('node is inactive', cancel_running=cancel_running)
+        assert waiting.done.is_set() and waiting.error == 'node is inactive'
+        assert running.cancel.cancelled == cancel_running and not running.done.is_set()
+        assert (running.error, running.finish_reason) == (('node is inactive', 'cancelled') if cancel_running
+                                                          else ('', ''))
+        late = queue.register(b'c')
+        assert late.done.is_set() and late.error == 'node is inactive'
+        queue.finished(running)
+        assert queue.set_ready()  # activate again: goals are served
+        again = accept(queue, b'd')
+        queue.enqueue(again)
+        assert queue.take() is again
+
+
+def test_cleanup_ends_every_goal_and_configure_starts_over():
+    queue = GoalQueue()
+    queue.set_loading()
+    queue.set_ready()
+    running = accept(queue, b'a')
+    queue.enqueue(running)
+    assert queue.take() is running
+    queue.set_unconfigured('node cleaned up')
+    assert running.cancel.cancelled and running.error == 'node cleaned up'
+    assert queue.register(b'b').error == 'node cleaned up'
+    assert queue.set_loading() and queue.set_ready()
+    accept(queue, b'c')

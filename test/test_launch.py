@@ -7,13 +7,12 @@ runs the bundled models on this module's own ROS domain, on localhost, with one 
 """
 
 import os
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import missing_ros2_tools
+from conftest import LaunchOutput, missing_ros2_tools
 
 if missing_ros2_tools():
     pytest.skip(missing_ros2_tools(), allow_module_level=True)
@@ -37,30 +36,6 @@ ACTION = '/robot1/gemma_spec/generate'
 HARDWARE_ID = 'launch-test-hw'
 PERIOD = 0.5  # diagnostic_updater.period in the params file (orin.yaml has 1.0)
 READY_TIMEOUT = 300.0
-
-
-class LaunchOutput:
-    """What the launched processes printed, and how they exited (filled by launch event handlers)."""
-
-    def __init__(self):
-        self._lock = threading.Condition()
-        self.text = ''
-        self.exit_codes = {}  # process name -> return code
-
-    def on_output(self, event):
-        with self._lock:
-            self.text += event.text.decode(errors='replace')
-            self._lock.notify_all()
-
-    def on_exit(self, event, context):
-        self.exit_codes[event.action.name] = event.returncode
-
-    def wait_for(self, needle, timeout):
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while needle not in self.text and time.monotonic() < deadline:
-                self._lock.wait(0.5)
-            return needle in self.text
 
 
 OUTPUT = LaunchOutput()

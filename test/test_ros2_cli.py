@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TEST_COMPILE, missing_ros2_tools
+from conftest import TEST_COMPILE, missing_ros2_tools, run_ros2
 
 if missing_ros2_tools():
     pytest.skip(missing_ros2_tools(), allow_module_level=True)
@@ -32,9 +32,7 @@ ENV = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RAN
 
 
 def ros2(*args, timeout=120):
-    """Run a ros2 CLI command on the module's domain; return (exit code, stdout + stderr)."""
-    completed = subprocess.run(('ros2',) + args, env=ENV, capture_output=True, text=True, timeout=timeout)
-    return completed.returncode, completed.stdout + completed.stderr
+    return run_ros2(ENV, *args, timeout=timeout)
 
 
 class Launch:

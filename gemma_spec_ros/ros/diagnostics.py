@@ -188,8 +188,8 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
     if state == 'loading':
         stat.summary(WARN, 'loading models ({:.0f} s){}'.format(loading_seconds, ': ' + progress if progress else ''))
         return stat
-    if state == 'shutdown' or status is None:
-        stat.summary(WARN, error or 'not serving')
+    if state in ('unconfigured', 'inactive', 'shutdown') or status is None:
+        stat.summary(WARN, error or 'not serving: the node is {}'.format(state))
         return stat
     snap = metrics.snapshot()
     if status.backend != 'local':

@@ -71,8 +71,8 @@ class GoalQueue:
         self.policy = policy
         self.fair_claim = fair_claim
         self._lock = threading.Condition()
-        self.state = 'loading'            # loading|ready|failed|shutdown
-        self.reason = ''                  # why failed / shutting down
+        self.state = 'unconfigured'       # unconfigured|loading|inactive|ready|failed|shutdown
+        self.reason = ''                  # why goals are refused (failed, inactive, shutting down)
         self._admitted = 0                # admitted goals whose execute callback has not returned
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
@@ -81,23 +81,52 @@ class GoalQueue:
         self._claims: dict[str, float] = {}       # client -> last busy refusal, in the order claims were made
         self._last_start: dict[str, float] = {}   # client -> when its last goal started running
 
-    # ---- engine state
-    def set_ready(self) -> bool:
-        """Mark the engine loaded; False when the queue already failed or shut down."""
+    # ---- the node's state: unconfigured -> loading -> inactive <-> ready; failed; shutdown
+    def set_loading(self) -> bool:
+        """Start loading (configure): goals accepted from now on wait until the node is active."""
         with self._lock:
-            if self.state != 'loading':
+            if self.state not in ('unconfigured', 'failed'):
                 return False
-            self.state = 'ready'
+            self.state, self.reason = 'loading', ''
+            return True
+
+    def set_ready(self) -> bool:
+        """Serve goals (the node is active); False when the queue failed or shut down meanwhile."""
+        with self._lock:
+            if self.state not in ('loading', 'inactive'):
+                return False
+            self.state, self.reason = 'ready', ''
             self._lock.notify_all()
             return True
 
-    def set_failed(self, reason: str) -> None:
-        """Mark the engine failed: every waiting goal ends with the reason, and so will new ones."""
+    def set_configured(self, reason: str) -> None:
+        """Mark the backend open but not serving: new goals end with reason; loading-time goals wait to activate."""
         with self._lock:
             if self.state == 'loading':
-                self.state, self.reason = 'failed', reason
+                self.state, self.reason = 'inactive', reason
+
+    def set_inactive(self, reason: str, cancel_running: bool) -> None:
+        """Stop serving (deactivate): new and waiting goals end with reason; the running one finishes or stops."""
+        self._stop_serving('inactive', reason, cancel_running)
+
+    def set_unconfigured(self, reason: str) -> None:
+        """Let go of the backend (cleanup): every goal ends with the reason, and so do new ones until configure."""
+        self._stop_serving('unconfigured', reason, cancel_running=True)
+
+    def set_failed(self, reason: str) -> None:
+        """Mark the engine failed to load: every waiting goal ends with the reason, and so will new ones."""
+        self._stop_serving('failed', reason, cancel_running=True)
+
+    def _stop_serving(self, state: str, reason: str, cancel_running: bool) -> None:
+        with self._lock:
+            if self.state == 'shutdown':
+                return
+            self.state, self.reason = state, reason
             waiting = list(self._waiting)
             self._waiting.clear()
+            if self._running is not None and cancel_running:
+                self._running.stop(reason, 'cancelled')
+            self._lock.notify_all()
         for job in waiting:
             job.finish(reason)
 
@@ -128,15 +157,22 @@ class GoalQueue:
             if invalid:
                 job.finish(invalid)
                 return job
-            refusal = SHUTDOWN_REASON if self.state == 'shutdown' else self._busy(client, now)
-            if refusal:
-                job.finish_reason = 'busy' if refusal != SHUTDOWN_REASON else ''
-                job.finish(refusal)
+            refusal = self._refusal()
+            busy = '' if refusal else self._busy(client, now)
+            if refusal or busy:
+                job.finish_reason = 'busy' if busy else ''
+                job.finish(refusal or busy)
                 return job
             job.admitted = True
             self._admitted += 1
             self._claims.pop(client, None)
         return job
+
+    def _refusal(self) -> str:
+        """Why a goal cannot be served in this state, or '' (lock held)."""
+        if self.state in ('loading', 'ready'):
+            return ''
+        return self.reason or (SHUTDOWN_REASON if self.state == 'shutdown' else 'node is {}'.format(self.state))
 
     def _busy(self, client: str, now: float) -> str:
         """'' when the client's goal may take a slot, else why not (lock held); a refusal records a claim."""
@@ -184,8 +220,9 @@ class GoalQueue:
             if job.client_cancelled or job.done.is_set():
                 job.finish()
                 return
-            if self.state in ('failed', 'shutdown'):
-                job.finish(self.reason or SHUTDOWN_REASON)
+            refusal = self._refusal()
+            if refusal:
+                job.finish(refusal)
                 return
             if self.policy == 'preempt':
                 self._preempt_all()
@@ -273,6 +310,7 @@ class GoalQueue:
         """Mark the running job done."""
         with self._lock:
             self._running = None
+            self._lock.notify_all()
         job.finish()
 
     def depth(self) -> tuple[int, bool]:
@@ -295,6 +333,17 @@ class GoalQueue:
             self._lock.notify_all()
         for job in waiting:
             job.finish(reason)
+
+    def wait_until_idle(self, timeout: float) -> bool:
+        """Wait until no goal runs; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._running is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._lock.wait(remaining)
+            return True
 
     def wait_until_released(self, timeout: float) -> bool:
         """Wait until every admitted goal's execute callback returned; False on timeout."""

@@ -16,8 +16,8 @@ from rclpy.action import ActionServer, CancelResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.qos import QoSProfile
 
-from gemma_spec_ros.engine.backend import Backend
-from gemma_spec_ros.engine.vllm_backend import SERVER_WIDE_WARNING
+from gemma_spec_ros.engine.backend import Backend, is_fatal_error
+from gemma_spec_ros.engine.backends.vllm import SERVER_WIDE_WARNING
 from gemma_spec_ros.ros.conversions import delta_to_feedback, goal_to_request, result_to_msg
 from gemma_spec_ros.ros.diagnostics import GenerationMetrics
 from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
@@ -32,8 +32,11 @@ ABORT_OUTCOMES = {'busy': 'busy', 'timeout': 'timed out'}  # finish_reason -> di
 class GoalServer:
     """The Generate action server of a node, serving goals with the backend backend() returns."""
 
-    def __init__(self, node, queue: GoalQueue, metrics: GenerationMetrics, backend: Callable[[], Backend | None]):
+    def __init__(self, node, queue: GoalQueue, metrics: GenerationMetrics, backend: Callable[[], Backend | None],
+                 on_fault: Callable[[str], None] = lambda reason: None):
+        """on_fault(reason): called from the worker when the backend failed so that it cannot serve any more."""
         self._node = node
+        self._on_fault = on_fault
         self._queue = queue
         self._metrics = metrics
         self._backend = backend
@@ -149,6 +152,9 @@ class GoalServer:
         job.feedback_times.append((time.monotonic(), 0))
         try:
             backend = self._backend()
+            if backend is None:  # let go of (cleanup) after this goal was taken
+                job.error = self._queue.reason or 'node is not configured'
+                return
             plan = job.plan if job.plan is not None else backend.validate(job.request)
             job.result = backend.generate(plan, on_delta=on_delta, cancel=job.cancel)
             if job.result.finish_reason == 'error':  # a server backend's fault: abort with the partial text
@@ -158,6 +164,8 @@ class GoalServer:
         except Exception as error:  # noqa: BLE001 (the goal is aborted, the node keeps serving)
             job.error = 'engine error: {}: {}'.format(type(error).__name__, error)
             self._logger.error('goal {}: {}\n{}'.format(job.key.hex()[:8], job.error, traceback.format_exc()))
+            if is_fatal_error(error):
+                self._on_fault(job.error)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Abort waiting goals, cancel the running one and wait until every goal has its result."""
@@ -165,6 +173,10 @@ class GoalServer:
         deadline = time.monotonic() + timeout
         self._queue.wait_until_released(timeout)
         self._worker.join(max(0.0, deadline - time.monotonic()))
+
+    def wait_until_idle(self, timeout: float = 30.0) -> bool:
+        """Wait until no goal runs (after the queue stopped serving); False on timeout."""
+        return self._queue.wait_until_idle(timeout)
 
     def destroy(self) -> None:
         self._action_server.destroy()

@@ -1,21 +1,27 @@
 """
-ROS 2 node ``gemma_spec``: the action ``~/generate`` and /diagnostics around a backend (engine.backend).
+ROS 2 node ``gemma_spec``: a managed (lifecycle) node serving the action ``~/generate`` over a backend.
 
 The node only adapts ROS to the Backend interface: parameters come from the engine config (parameters.py), the
 action and its worker live in goal_server.py (goals pass a ROS-free queue, goal_queue.py), messages are converted
 in conversions.py, and failures end goals with the reason in ``result.error``.
 
-With engine.backend vllm the engine is a VllmBackend: the vLLM server at vllm.url serves the goals, nothing loads
-here (ready at once, even while the server is down), and a server fault aborts the goal with its partial text.
+Lifecycle (REP-2010): configure opens the backend (loads the models, starts the warm-up), activate serves goals,
+deactivate refuses new goals (the running one finishes, or is cancelled with lifecycle.on_deactivate cancel),
+cleanup lets go of the backend and its memory, shutdown ends everything from any state. A fault that leaves the
+backend unable to serve (out of memory on the device) takes the node through error processing, which cleans up.
+With lifecycle.autostart (the default) the node configures and activates itself once it spins. /diagnostics
+publish in every state.
 """
 
-import threading
 import time
 
 from rcl_interfaces.msg import SetParametersResult
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.lifecycle import LifecycleNode, LifecycleNodeMixin, TransitionCallbackReturn
 from rclpy.node import Node
 
-from gemma_spec_ros.engine.backend import open_backend
+from gemma_spec_ros.engine.backend import open_backend, release_memory
+from gemma_spec_ros.engine.stats import mib, read_process_memory
 from gemma_spec_ros.ros import diagnostics, parameters
 from gemma_spec_ros.ros.goal_queue import GoalQueue
 from gemma_spec_ros.ros.goal_server import GoalServer
@@ -23,20 +29,29 @@ from gemma_spec_ros.ros.parameters import QUEUE_MAX_LENGTH_LIMIT
 
 NODE_NAME = 'gemma_spec'
 EXECUTOR_THREADS = QUEUE_MAX_LENGTH_LIMIT + 6  # every admitted goal's execute callback holds a thread
+INACTIVE_REASON = 'node {} is inactive (lifecycle): goals are refused until it is activated'
+CLEANED_UP_REASON = 'node {} was cleaned up (lifecycle): configure and activate it to serve again'
 
 __all__ = ['GemmaSpecNode', 'QUEUE_MAX_LENGTH_LIMIT']
 
 
-class GemmaSpecNode(Node):
-    """Generate action server over the speculative-decoding engine, with /diagnostics."""
+class GemmaSpecNode(LifecycleNode):
+    """Generate action server over a backend, with /diagnostics; a managed node."""
 
     def __init__(self, node_name=NODE_NAME, engine_factory=None, **kwargs):
-        super().__init__(node_name, **kwargs)
+        """engine_factory(config) -> Backend: opens the backend at configure instead of open_backend (tests)."""
+        Node.__init__(self, node_name, **kwargs)
+        # the lifecycle services and autostart in a group of their own: one transition at a time, and /diagnostics
+        # (the default group) keep publishing while configure loads the models
+        self._transitions = MutuallyExclusiveCallbackGroup()
+        LifecycleNodeMixin.__init__(self, callback_group=self._transitions)
         self._engine_factory = engine_factory
         parameters.declare(self)
         self._queue = GoalQueue(self._param('queue.max_length'), self._param('queue.policy'),
                                 self._param('queue.fair_claim'))
         self._backend = None
+        self._fault = ''  # why the backend can no longer serve: the next transition goes to error processing
+        self._lifecycle = 'unconfigured'  # the state each transition callback leaves the node in
         self._metrics = diagnostics.GenerationMetrics(self._param('diagnostics.window'))
         self._load_started = time.monotonic()
         self._load_progress = ''  # the latest loading step the engine reported
@@ -49,21 +64,130 @@ class GemmaSpecNode(Node):
         self._updater.add(diagnostics.PeriodStatus(self._updater.period))
         self.add_on_set_parameters_callback(self._on_set_parameters)
 
-        self._goals = GoalServer(self, self._queue, self._metrics, lambda: self._backend)
-        threading.Thread(target=self._open_backend, name='gemma_spec_loader', daemon=True).start()
+        self._goals = GoalServer(self, self._queue, self._metrics, lambda: self._backend, on_fault=self._on_fault)
+        if self._param('lifecycle.autostart'):
+            self._queue.set_loading()  # goals sent before the executor spins wait for the configure that follows
+            self._autostart_timer = self.create_timer(0.0, self._autostart, callback_group=self._transitions)
 
     @property
     def state(self):
-        """loading|ready|failed|shutdown."""
+        """The serving state: unconfigured|loading|inactive|ready|failed|shutdown."""
         return self._queue.state
 
     @property
+    def lifecycle_state(self) -> str:
+        """unconfigured|inactive|active|finalized, or the transition under way (configuring, ...)."""
+        return self._lifecycle
+
+    @property
     def backend(self):
-        """The Backend serving the goals (engine.backend); None until it is open."""
+        """The Backend serving the goals (engine.backend); None while unconfigured."""
         return self._backend
 
     def resolve_action_name(self):
         return '{}/{}/generate'.format(self.get_namespace().rstrip('/'), self.get_name())
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def _autostart(self):
+        self.destroy_timer(self._autostart_timer)
+        if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
+            self.trigger_activate()
+
+    def on_configure(self, state) -> TransitionCallbackReturn:
+        """Read the parameters and open the backend (load the models); FAILURE with the reason logged."""
+        logger = self.get_logger()
+        self._lifecycle = 'configuring'
+        self._queue.set_loading()
+        self._load_started, self._load_progress, self._fault = time.monotonic(), '', ''
+        rss_before = _rss()
+        try:
+            config = parameters.engine_config(self)
+            if config.backend == 'local':
+                logger.info('loading engine: target {} drafter {} device {}'.format(
+                    config.target_path, config.drafter, config.device))
+            if self._engine_factory is not None:
+                backend = self._engine_factory(config)
+            else:
+                backend = open_backend(config, parameters.vllm_config(self), progress=self._report_progress)
+        except Exception as error:  # noqa: BLE001 (any load failure fails the transition; the node stays up)
+            reason = 'engine failed to load (configure failed): {}'.format(error)
+            logger.error(reason)
+            self._queue.set_failed(reason)
+            self._lifecycle = 'unconfigured'
+            return TransitionCallbackReturn.FAILURE
+        for warning in backend.warnings:
+            logger.error(warning)
+        self._backend = backend
+        logger.info('configured in {:.1f} s: {} (process RSS {:.0f} -> {:.0f} MiB)'.format(
+            time.monotonic() - self._load_started, backend.describe(), mib(rss_before), mib(_rss())))
+        self._queue.set_configured(INACTIVE_REASON.format(self.get_fully_qualified_name()))
+        self._lifecycle = 'inactive'
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state) -> TransitionCallbackReturn:
+        if self._queue.set_ready():
+            self.get_logger().info('ready in {:.1f} s: action {} served by {}'.format(
+                time.monotonic() - self._load_started, self.resolve_action_name(), self._backend.describe()))
+        self._lifecycle = 'active'
+        return super().on_activate(state)
+
+    def on_deactivate(self, state) -> TransitionCallbackReturn:
+        cancel = self._param('lifecycle.on_deactivate') == 'cancel' or bool(self._fault)
+        self._queue.set_inactive(INACTIVE_REASON.format(self.get_fully_qualified_name()), cancel_running=cancel)
+        if self._fault:
+            return TransitionCallbackReturn.ERROR  # to error processing: on_error cleans up
+        self.get_logger().info('inactive: new goals are refused; a running goal {}'.format(
+            'is cancelled' if cancel else 'finishes'))
+        self._lifecycle = 'inactive'
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state) -> TransitionCallbackReturn:
+        self._release_backend(CLEANED_UP_REASON.format(self.get_fully_qualified_name()))
+        self._lifecycle = 'unconfigured'
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state) -> TransitionCallbackReturn:
+        self.shutdown()
+        self._release_backend('node is shutting down')
+        self._lifecycle = 'finalized'
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state) -> TransitionCallbackReturn:
+        self.get_logger().error('error processing after {}: cleaning up'.format(self._fault or 'a failed transition'))
+        self._release_backend('node failed: {}'.format(self._fault or 'a transition failed'))
+        self._lifecycle = 'unconfigured'
+        return TransitionCallbackReturn.SUCCESS
+
+    def _on_fault(self, reason: str) -> None:
+        """Leave the active state through error processing: the backend cannot serve any more (worker thread)."""
+        if not self._fault:
+            self._fault = reason
+            self.get_logger().error('{}: the node goes to error processing'.format(reason))
+            self._fault_timer = self.create_timer(0.0, self._process_fault, callback_group=self._transitions)
+
+    def _process_fault(self):
+        self.destroy_timer(self._fault_timer)
+        if self.lifecycle_state == 'active':
+            self.trigger_deactivate()
+
+    def _release_backend(self, reason: str) -> None:
+        """End every goal with reason, close the backend and let go of it; log the process memory freed."""
+        self._queue.set_unconfigured(reason)
+        self._goals.wait_until_idle()
+        backend, self._backend = self._backend, None
+        if backend is None:
+            return
+        device = backend.device
+        before = diagnostics.read_memory(device)
+        backend.close()
+        del backend
+        release_memory()
+        after = diagnostics.read_memory(device)
+        cuda = ', CUDA reserved {:.0f} -> {:.0f} MiB'.format(
+            mib(before['cuda_reserved']), mib(after['cuda_reserved'])) if 'cuda_reserved' in before else ''
+        self.get_logger().info('backend released: process RSS {:.0f} -> {:.0f} MiB{}'.format(
+            mib(before['VmRSS']), mib(after['VmRSS']), cuda))
 
     # ---- parameters --------------------------------------------------------------------------
 
@@ -74,16 +198,19 @@ class GemmaSpecNode(Node):
         try:
             for parameter in changed:
                 parameters.check(parameter.name, parameter.value)
-            engine_changes = [p for p in changed if p.name in parameters.RUNTIME_ENGINE_PARAMETERS]
-            if engine_changes and self._backend is None:
-                raise ValueError('engine is not loaded ({}); cannot change {}'.format(
-                    self.state, ', '.join(p.name for p in engine_changes)))
-            for parameter in engine_changes:
-                if parameter.name == 'engine.drafter':
-                    self._backend.set_default_drafter(parameter.value)
-                else:
-                    self._backend.set_default_num_draft_tokens(parameter.value)
-                self.get_logger().info('{} set to {!r}'.format(parameter.name, parameter.value))
+            configured = self._backend is not None or self.state == 'loading'
+            fixed = [p.name for p in changed if p.name in parameters.LOAD_TIME_PARAMETERS]
+            if fixed and configured:
+                raise ValueError('{} is read at configure and the node is {}: clean it up (ros2 lifecycle set {} '
+                                 'cleanup), set it, and configure again'.format(
+                                     ', '.join(fixed), self.lifecycle_state, self.get_fully_qualified_name()))
+            for parameter in changed:
+                if parameter.name in parameters.RUNTIME_ENGINE_PARAMETERS and self._backend is not None:
+                    if parameter.name == 'engine.drafter':
+                        self._backend.set_default_drafter(parameter.value)
+                    else:
+                        self._backend.set_default_num_draft_tokens(parameter.value)
+                    self.get_logger().info('{} set to {!r}'.format(parameter.name, parameter.value))
         except ValueError as error:
             return SetParametersResult(successful=False, reason=str(error))
         for parameter in changed:
@@ -103,31 +230,6 @@ class GemmaSpecNode(Node):
         """EngineConfig from the parameters, model paths resolved."""
         return parameters.engine_config(self)
 
-    # ---- engine loading ----------------------------------------------------------------------
-
-    def _open_backend(self):
-        logger = self.get_logger()
-        try:
-            config = self.engine_config()
-            if config.backend == 'local':
-                logger.info('loading engine: target {} drafter {} device {}'.format(
-                    config.target_path, config.drafter, config.device))
-            if self._engine_factory is not None:
-                backend = self._engine_factory(config)
-            else:
-                backend = open_backend(config, parameters.vllm_config(self), progress=self._report_progress)
-        except Exception as error:  # noqa: BLE001 (any load failure is reported, the node stays up)
-            reason = 'engine failed to load: {}'.format(error)
-            logger.error(reason)
-            self._queue.set_failed(reason)
-            return
-        for warning in backend.warnings:
-            logger.error(warning)
-        self._backend = backend
-        if self._queue.set_ready():
-            logger.info('ready in {:.1f} s: action {} served by {}'.format(
-                time.monotonic() - self._load_started, self.resolve_action_name(), backend.describe()))
-
     def _report_progress(self, message):
         """Log a loading or warm-up step; while loading it also goes to /diagnostics."""
         self._load_progress = str(message)
@@ -137,9 +239,11 @@ class GemmaSpecNode(Node):
 
     def _engine_task(self, stat):
         backend = self._backend  # status() of a server backend asks the server over HTTP: never under a lock
-        return diagnostics.fill_engine_status(
+        diagnostics.fill_engine_status(
             stat, self.state, self._queue.reason, backend.status() if backend is not None else None, self._metrics,
             loading_seconds=time.monotonic() - self._load_started, progress=self._load_progress)
+        stat.add('lifecycle', self.lifecycle_state)
+        return stat
 
     def _generation_task(self, stat):
         queued, running = self._queue.depth()
@@ -168,3 +272,7 @@ class GemmaSpecNode(Node):
         self.shutdown()
         self._goals.destroy()
         return super().destroy_node()
+
+
+def _rss() -> int:
+    return read_process_memory().get('VmRSS', 0)

@@ -1,7 +1,8 @@
 """
 The node's parameters, declared from EngineConfig's field metadata and the node-only table below.
 
-queue.* and diagnostics.* belong to the node only; vllm.* come from VllmConfig and apply with engine.backend vllm.
+queue.*, lifecycle.* and diagnostics.* belong to the node only; vllm.* come from VllmConfig and apply with
+engine.backend vllm.
 Imports no torch.
 """
 
@@ -16,6 +17,7 @@ from gemma_spec_ros.engine.types import INT32_MAX, EngineConfig, parameter_name
 
 QUEUE_MAX_LENGTH_LIMIT = 16
 QUEUE_POLICIES = ('fifo', 'preempt')
+DEACTIVATE_POLICIES = ('finish', 'cancel')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,11 @@ class NodeParameter:
 
 
 NODE_PARAMETERS = {
+    'lifecycle.autostart': NodeParameter(True, 'configure and activate once the node spins (false: wait for '
+                                         '`ros2 lifecycle set`)'),
+    'lifecycle.on_deactivate': NodeParameter('finish', 'what deactivate does to the running goal: finish it, or '
+                                             'cancel it (its client gets the partial text)',
+                                             choices=DEACTIVATE_POLICIES),
     'queue.max_length': NodeParameter(4, 'goals that may wait behind the running one; more end at once with '
                                       "finish_reason 'busy'", (0, QUEUE_MAX_LENGTH_LIMIT)),
     'queue.fair_claim': NodeParameter(2.0, 'seconds a client refused as busy keeps its claim on the next free slot '
@@ -63,6 +70,9 @@ def _config_parameters(config_class) -> dict[str, tuple[str, NodeParameter, bool
 CONFIG_PARAMETERS = _config_parameters(EngineConfig)
 VLLM_PARAMETERS = _config_parameters(VllmConfig)
 RUNTIME_ENGINE_PARAMETERS = tuple(name for name, (_, _, runtime) in CONFIG_PARAMETERS.items() if runtime)
+# read at configure: set while unconfigured (they apply at the next configure), refused once configured
+LOAD_TIME_PARAMETERS = tuple(name for name, (_, _, runtime) in (CONFIG_PARAMETERS | VLLM_PARAMETERS).items()
+                             if not runtime)
 
 
 def _rule(name: str) -> NodeParameter | None:
@@ -72,8 +82,8 @@ def _rule(name: str) -> NodeParameter | None:
     return NODE_PARAMETERS.get(name)
 
 
-def _descriptor(rule: NodeParameter, read_only: bool) -> ParameterDescriptor:
-    descriptor = ParameterDescriptor(description=rule.description, read_only=read_only)
+def _descriptor(rule: NodeParameter) -> ParameterDescriptor:
+    descriptor = ParameterDescriptor(description=rule.description)
     if rule.limits is not None and isinstance(rule.default, float):
         descriptor.floating_point_range = [FloatingPointRange(from_value=float(rule.limits[0]),
                                                               to_value=float(rule.limits[1]))]
@@ -93,22 +103,25 @@ def check(name: str, value) -> None:
 
 
 def declare(node) -> None:
-    """Declare every parameter on node and check the values it was started with; ValueError when one is bad."""
-    for name, (_, rule, runtime) in (CONFIG_PARAMETERS | VLLM_PARAMETERS).items():
-        node.declare_parameter(name, rule.default, _descriptor(rule, read_only=not runtime))
+    """
+    Declare every parameter on node and check the values it was started with; ValueError when one is bad.
+
+    None is read-only: the node refuses a change of a LOAD_TIME_PARAMETERS entry while it is configured.
+    """
+    for name, (_, rule, _) in (CONFIG_PARAMETERS | VLLM_PARAMETERS).items():
+        node.declare_parameter(name, rule.default, _descriptor(rule))
     for name, rule in NODE_PARAMETERS.items():
-        node.declare_parameter(name, rule.default, _descriptor(rule, read_only=False))
+        node.declare_parameter(name, rule.default, _descriptor(rule))
     for name in list(CONFIG_PARAMETERS) + list(VLLM_PARAMETERS) + list(NODE_PARAMETERS):
         check(name, node.get_parameter(name).value)
-    if node.get_parameter(parameter_name('backend')).value == 'local' and \
-            not node.get_parameter(parameter_name('target_path')).value:
-        raise ValueError('parameter {} is required with engine.backend local (a Gemma 4 target directory)'.format(
-            parameter_name('target_path')))
 
 
 def engine_config(node) -> EngineConfig:
-    """EngineConfig from the node's parameters, model paths resolved."""
+    """EngineConfig from the node's parameters, model paths resolved; ValueError when the target is missing."""
     values = {field: node.get_parameter(name).value for name, (field, _, _) in CONFIG_PARAMETERS.items()}
+    if values['backend'] == 'local' and not values['target_path']:
+        raise ValueError('parameter {} is required with engine.backend local (a Gemma 4 target directory)'.format(
+            parameter_name('target_path')))
     for field in MODEL_PATH_FIELDS:
         if values[field] and values['backend'] == 'local':
             values[field] = resolve_model_path(values[field])

@@ -1,0 +1,118 @@
+"""
+The managed node under launch_pytest, driven with the `ros2 lifecycle` CLI as an operator drives it.
+
+orin.launch.py with autostart:=false starts the node unconfigured on the tiny random models; every transition is
+then set with `ros2 lifecycle set` and read back with `ros2 lifecycle get`: a failed configure (bad model path)
+and its retry once the parameter is fixed, activate, deactivate, cleanup (its memory report), configure again,
+and shutdown. Goals are refused while the node is not active and served while it is.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TEST_COMPILE, LaunchOutput, missing_ros2_tools, run_ros2
+
+if missing_ros2_tools():
+    pytest.skip(missing_ros2_tools(), allow_module_level=True)
+
+import launch_pytest
+from ament_index_python.packages import get_package_share_directory
+from launch.actions import IncludeLaunchDescription, RegisterEventHandler, SetEnvironmentVariable
+from launch.event_handlers import OnProcessExit, OnProcessIO
+from launch.launch_description_sources import PythonLaunchDescriptionSource
+
+from gemma_spec_ros.tools.client import GenerateClient, make_goal
+from launch import LaunchDescription  # the launch package, not the repository folder launch/
+
+DOMAIN_ID = 11 + (os.getpid() + 47) % 80
+ENV = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST')
+NODE = '/gemma_spec'
+PROMPT = 'The robot picked up the red cube and'
+OUTPUT = LaunchOutput()
+
+
+def lifecycle(*args) -> str:
+    code, output = run_ros2(ENV, 'lifecycle', *args, timeout=180)
+    assert code == 0, output
+    return output
+
+
+@pytest.fixture(scope='module')
+def params_file(tmp_path_factory, tiny_models):
+    config = yaml.safe_load(Path(get_package_share_directory('gemma_spec_ros'), 'config', 'orin.yaml').read_text())
+    params = config['/**']['ros__parameters']
+    params['engine'].update(target_path=str(Path(tiny_models.target).parent / 'no_such_model'),
+                            draft_model_path=tiny_models.draft, assistant_path=tiny_models.assistant,
+                            drafter='ngram', num_threads=1, compile=TEST_COMPILE, dtype='float32')
+    params['diagnostic_updater']['period'] = 0.2
+    path = tmp_path_factory.mktemp('lifecycle') / 'params.yaml'
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@launch_pytest.fixture(scope='module')
+def manual_launch(params_file):
+    launch_file = Path(get_package_share_directory('gemma_spec_ros'), 'launch', 'orin.launch.py')
+    return LaunchDescription([
+        SetEnvironmentVariable('ROS_DOMAIN_ID', str(DOMAIN_ID)),
+        SetEnvironmentVariable('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST'),
+        SetEnvironmentVariable('PYTHONUNBUFFERED', '1'),
+        RegisterEventHandler(OnProcessIO(on_stdout=OUTPUT.on_output, on_stderr=OUTPUT.on_output)),
+        RegisterEventHandler(OnProcessExit(on_exit=OUTPUT.on_exit)),
+        IncludeLaunchDescription(PythonLaunchDescriptionSource(str(launch_file)), launch_arguments={
+            'params_file': str(params_file), 'device': 'cpu', 'autostart': 'false'}.items()),
+        launch_pytest.actions.ReadyToTest(),
+    ])
+
+
+@pytest.mark.launch(fixture=manual_launch)
+def test_every_transition_with_the_ros2_lifecycle_cli(context, tiny_models):
+    client = GenerateClient(NODE + '/generate', 'lifecycle_cli_client', context=context)
+    try:
+        assert client.wait_for_server(60)
+        deadline = time.monotonic() + 60
+        while NODE not in lifecycle('nodes') and time.monotonic() < deadline:  # the ros2 daemon discovers it
+            time.sleep(0.5)
+        assert NODE in lifecycle('nodes')
+        assert 'unconfigured' in lifecycle('get', NODE)
+        refused = client.send(make_goal(PROMPT, max_new_tokens=4))
+        assert refused.status == 'aborted' and 'unconfigured' in refused.result.error
+
+        # a bad model path fails configure with the reason; fixing the parameter lets it configure
+        assert 'Transitioning failed' in lifecycle('set', NODE, 'configure')
+        assert 'unconfigured' in lifecycle('get', NODE)
+        assert OUTPUT.wait_for('no_such_model does not exist', 10), OUTPUT.text[-2000:]
+        code, output = run_ros2(ENV, 'param', 'set', NODE, 'engine.target_path', tiny_models.target)
+        assert code == 0 and 'successful' in output, output
+        assert 'Transitioning successful' in lifecycle('set', NODE, 'configure')
+        assert 'inactive' in lifecycle('get', NODE)
+        inactive = client.send(make_goal(PROMPT, max_new_tokens=4))
+        assert inactive.status == 'aborted' and 'inactive' in inactive.result.error
+
+        assert 'Transitioning successful' in lifecycle('set', NODE, 'activate')
+        assert 'active' in lifecycle('get', NODE)
+        served = client.send(make_goal(PROMPT, max_new_tokens=12, drafter='none'))
+        assert served.status == 'succeeded', served.result.error
+
+        for transition, state in (('deactivate', 'inactive'), ('cleanup', 'unconfigured'),
+                                  ('configure', 'inactive'), ('activate', 'active')):
+            assert 'Transitioning successful' in lifecycle('set', NODE, transition)
+            assert state in lifecycle('get', NODE)
+        assert 'backend released: process RSS' in OUTPUT.text
+        again = client.send(make_goal(PROMPT, max_new_tokens=12, num_draft_tokens=2))
+        assert again.status == 'succeeded'
+        assert list(again.result.token_ids) == list(served.result.token_ids)  # speculative equals plain decoding
+
+        assert 'Transitioning successful' in lifecycle('set', NODE, 'shutdown')
+        assert 'finalized' in lifecycle('get', NODE)
+    finally:
+        client.close()
+        run_ros2(ENV, 'daemon', 'stop', timeout=60)
+
+
+@pytest.mark.launch(fixture=manual_launch, shutdown=True)
+def test_the_launch_ends_cleanly_after_shutdown():
+    assert OUTPUT.exit_codes and set(OUTPUT.exit_codes.values()) == {0}, (OUTPUT.exit_codes, OUTPUT.text[-2000:])
