@@ -23,7 +23,7 @@ from gemma_spec_ros.ros.node import GemmaSpecNode
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_FILE = REPO / 'launch' / 'orin.launch.py'
 CONFIG = REPO / 'config' / 'orin.yaml'
-ARGUMENTS = {'params_file', 'namespace', 'log_level', 'device', 'drafter', 'backend', 'vllm_url'}
+ARGUMENTS = {'params_file', 'namespace', 'log_level', 'autostart', 'device', 'drafter', 'backend', 'vllm_url'}
 DOMAIN_ID = 11 + (os.getpid() + 67) % 80
 
 
@@ -86,7 +86,7 @@ def test_launch_file():
     assert set(declared) == ARGUMENTS
     for name, kwargs in declared.items():
         assert isinstance(kwargs.get('description'), ast.Constant) and kwargs['description'].value, name
-    node_calls = [c for c in calls(tree, 'Node') if 'executable' in keywords(c)]
+    node_calls = [c for c in calls(tree, 'LifecycleNode') if 'executable' in keywords(c)]
     assert len(node_calls) == 1
     node_kwargs = {k: v.value for k, v in keywords(node_calls[0]).items() if isinstance(v, ast.Constant)}
     assert node_kwargs['package'] == 'gemma_spec_ros' and node_kwargs['name'] == 'gemma_spec'
@@ -186,7 +186,7 @@ def test_vllm_dev_launch_starts_the_server_and_a_node_with_backend_vllm():
     command = [''.join(part.perform(context) for part in argument) for argument in server.cmd]
     assert command[1:] == ['-m', 'gemma_spec_ros.engine.backends.vllm_server', '--port', '8123', '--ngram', '0',
                            '--venv', str(module.DEFAULT_VENV)]
-    assert type(node).__name__ == 'Node'
+    assert type(node).__name__ == 'LifecycleNode'
     context.launch_configurations['setup'] = 'true'
     command = [''.join(part.perform(context) for part in argument) for argument in
                module._server_and_node(context)[0].cmd]

@@ -22,6 +22,8 @@ ROSDEP_KEYS = {
     'action_msgs': 'action_msgs',
     'unique_identifier_msgs': 'unique_identifier_msgs',
     'rcl_interfaces': 'rcl_interfaces',
+    'lifecycle_msgs': 'lifecycle_msgs',
+    'psutil': 'python3-psutil',
     'diagnostic_msgs': 'diagnostic_msgs',
     'diagnostic_updater': 'diagnostic_updater',
     'launch': 'launch',

@@ -15,7 +15,7 @@ from ..logits.sampling import logits_to_probs, sample
 from ..logits.verify import verify
 from ..requests import RequestPlan, SamplingParams
 from ..runtime import causal_lm, models
-from ..runtime.warmup import Warmup, order_jobs
+from ..runtime.warmup import STOP_WAIT_SECONDS, Warmup, order_jobs
 from ..stats import acceptance_rate, generation_stats, tau
 from ..types import (
     REGISTRY,
@@ -96,9 +96,13 @@ class Engine(Backend):
         return self._warmup
 
     def close(self) -> None:
-        """Stop a background warm-up after the graph it is building (the engine keeps serving on what is built)."""
+        """
+        Stop a background warm-up and wait for the graph it is building (the engine serves on what is built).
+
+        Waiting lets go of the models the warm-up thread holds, so that dropping the engine frees them.
+        """
         if self._warmup is not None:
-            self._warmup.stop()
+            self._warmup.stop(timeout=STOP_WAIT_SECONDS)
 
     @property
     def tokenizer(self):

@@ -36,10 +36,11 @@ from .runner import GraphJob
 from .steps import INDUCTOR_MODES
 
 BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priority below the serving thread's
-# At interpreter exit the worker is stopped and joined: a daemon thread still inside torch's C++ when the interpreter
-# finalizes aborts the process ('terminate called without an active exception'). A graph built from the compile
-# cache takes seconds; one compiled in this process (no compile process) up to a minute.
-EXIT_WAIT_SECONDS = 90.0
+# How long stopping waits for the graph being built: a graph built from the compile cache takes seconds, one compiled
+# in this process (no compile process) up to a minute. The engine's close waits so that the models the worker holds
+# can be freed; interpreter exit waits because a daemon thread still inside torch's C++ when the interpreter
+# finalizes aborts the process ('terminate called without an active exception').
+STOP_WAIT_SECONDS = 90.0
 
 COMPILE_WORKER = 'gemma_spec_ros.engine.decoding.compile_worker'  # the compile process (python -m): loads an Engine
 
@@ -279,7 +280,7 @@ def _stop_before_exit(warmup_ref: 'weakref.ref[Warmup]') -> None:
     if warmup is None or warmup._thread is None or not warmup._thread.is_alive():
         return
     warmup._say('warm-up: stopping before exit (the graph being built ends first)')
-    warmup.stop(timeout=EXIT_WAIT_SECONDS)
+    warmup.stop(timeout=STOP_WAIT_SECONDS)
 
 
 def order_jobs(target_jobs: list[GraphJob], drafter_jobs: dict[str, list[GraphJob]], default_drafter: str
