@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-weight Gemma 4 models saved like real checkpoints (safetensors + tokenizer)."""
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -58,10 +59,72 @@ def missing_ros2_tools():
     return ''
 
 
+@contextlib.contextmanager
+def spinning_node(context, name, params, engine_factory=None, namespace='', load_timeout=120.0):
+    """
+    Spin a GemmaSpecNode as main() does; yield it with a GenerateClient for its action.
+
+    params: parameter overrides. With lifecycle.autostart (the default) it waits while the node loads.
+    """
+    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.parameter import Parameter
+
+    from gemma_spec_ros.ros.node import EXECUTOR_THREADS, GemmaSpecNode
+    from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient
+
+    node = GemmaSpecNode(name, engine_factory=engine_factory, context=context, namespace=namespace,
+                         parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+    spinner = BackgroundSpinner(node, MultiThreadedExecutor(num_threads=EXECUTOR_THREADS, context=context))
+    client = GenerateClient(node.resolve_action_name(), '_'.join(filter(None, (namespace, name, 'client'))),
+                            context=context)
+    try:
+        deadline = time.monotonic() + load_timeout
+        while node.state == 'loading' and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.wait_for_server(20), 'action server not discovered'
+        yield node, client
+    finally:
+        node.shutdown()
+        client.close()
+        spinner.stop()
+        node.destroy_node()
+
+
+def engine_status(client, name, predicate=lambda engine: True, timeout=10.0):
+    """Return the node's latest engine status (level, message, values, time) that satisfies predicate."""
+    key = name + ': engine'
+    latest = client.diagnostics_sample(name, timeout, lambda statuses: key in statuses and predicate(statuses[key]))
+    assert latest is not None, 'no engine status of {} matching within {} s'.format(name, timeout)
+    return latest[key]
+
+
 def run_ros2(env: dict, *args, timeout=120) -> tuple[int, str]:
     """Run a ros2 CLI command with env (the test module's ROS domain); return (exit code, stdout + stderr)."""
     completed = subprocess.run(('ros2',) + args, env=env, capture_output=True, text=True, timeout=timeout)
     return completed.returncode, completed.stdout + completed.stderr
+
+
+def orin_launch_description(domain_id: int, output: 'LaunchOutput', arguments: dict):
+    """Return orin.launch.py with arguments on domain_id, for launch_pytest; its output goes into output."""
+    import launch_pytest
+    from ament_index_python.packages import get_package_share_directory
+    from launch.actions import IncludeLaunchDescription, RegisterEventHandler, SetEnvironmentVariable
+    from launch.event_handlers import OnProcessExit, OnProcessIO
+    from launch.launch_description_sources import PythonLaunchDescriptionSource
+
+    from launch import LaunchDescription  # the launch package, not the repository folder launch/
+
+    launch_file = Path(get_package_share_directory('gemma_spec_ros'), 'launch', 'orin.launch.py')
+    return LaunchDescription([
+        SetEnvironmentVariable('ROS_DOMAIN_ID', str(domain_id)),
+        SetEnvironmentVariable('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST'),
+        SetEnvironmentVariable('PYTHONUNBUFFERED', '1'),
+        RegisterEventHandler(OnProcessIO(on_stdout=output.on_output, on_stderr=output.on_output)),
+        RegisterEventHandler(OnProcessExit(on_exit=output.on_exit)),
+        IncludeLaunchDescription(PythonLaunchDescriptionSource(str(launch_file)),
+                                 launch_arguments=arguments.items()),
+        launch_pytest.actions.ReadyToTest(),
+    ])
 
 
 class LaunchOutput:
@@ -201,7 +264,7 @@ def tiny_engine_off(tiny_engine_config):
 
     from gemma_spec_ros.engine import Engine
 
-    return Engine.from_config(dataclasses.replace(tiny_engine_config, compile='off'))
+    return Engine.from_config(dataclasses.replace(tiny_engine_config, compile='transformers'))
 
 
 @pytest.fixture(scope='session')

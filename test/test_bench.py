@@ -131,7 +131,7 @@ def test_compile_and_peer_options():
     assert (args.compile, args.vllm, args.vllm_ks, args.no_hf_static) == ('auto,off', True, '2,4', True)
     defaults = build_parser().parse_args([])
     assert (defaults.compile, defaults.vllm, defaults.no_hf_static) == ('auto', False, False)
-    check_compile_modes(['off', 'eager', 'inductor', 'cudagraph', 'auto'])
+    check_compile_modes(['transformers', 'eager', 'inductor', 'cudagraph', 'auto'])
     for bad in ([], ['auto', 'auto'], ['static']):
         with pytest.raises(ValueError, match='--compile must list distinct modes'):
             check_compile_modes(bad)
@@ -139,7 +139,7 @@ def test_compile_and_peer_options():
 
 def test_system_names_per_family_and_compile_mode():
     assert System('ours', 'none').name == System('ours', 'none', compile='auto').name == 'ours/none'
-    assert System('ours', 'ngram', 0, 'off').name == 'ours-off/ngram/adaptive'
+    assert System('ours', 'ngram', 0, 'transformers').name == 'ours-transformers/ngram/adaptive'
     assert System('ours', 'mtp', 4, 'eager').prefix == 'ours-eager'
     assert System('hf-static', 'draft', 2).name == 'hf-static/draft/K2'
     assert System('vllm', 'ngram', 4).name == 'vllm/ngram/K4'
@@ -234,7 +234,7 @@ def _flat_probe() -> CostProbe:
 def test_peer_ratios():
     probe = _flat_probe()
     rates = {System('ours', 'none'): 30.0, System('ours', 'ngram', 2): 45.0, System('ours', 'draft', 0): 60.0,
-             System('ours', 'none', compile='off'): 20.0, System('ours', 'draft', 2, 'off'): 50.0,
+             System('ours', 'none', compile='transformers'): 20.0, System('ours', 'draft', 2, 'transformers'): 50.0,
              System('hf', 'none'): 20.0, System('hf', 'draft', 4): 24.0, System('hf-static', 'none'): 25.0,
              System('hf-static', 'draft', 2): 40.0, System('vllm', 'none'): 15.0, System('vllm', 'ngram', 2): 16.0}
     systems = list(rates)

@@ -133,7 +133,7 @@ def test_chi_squared_detects_a_wrong_distribution(tiny_engine):
 
 def test_status_reports_the_path_and_its_memory(tiny_engine, tiny_engine_off):
     fast, off = tiny_engine.status(), tiny_engine_off.status()
-    assert (fast.compile_mode, off.compile_mode) == (TEST_COMPILE, 'off')
+    assert (fast.compile_mode, off.compile_mode) == (TEST_COMPILE, 'transformers')
     assert fast.weights_bytes == off.weights_bytes > 0
     target_cache = tiny_engine._target.cache
     assert fast.kv_cache_bytes == target_cache.nbytes + tiny_engine._drafters['draft'].kv_cache_bytes
@@ -183,7 +183,7 @@ def test_auto_runs_transformers_forward_where_the_fast_path_does_not_cover_the_m
                           num_threads=TEST_THREADS)
     messages = []
     engine = Engine.from_config(config, progress=messages.append)
-    assert isinstance(engine._target, DynamicCausalLM) and engine.status().compile_mode == 'off'
+    assert isinstance(engine._target, DynamicCausalLM) and engine.status().compile_mode == 'transformers'
     assert any('fast path not available' in message and 'MoE' in message for message in messages)
     assert engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=4)).token_ids
     with pytest.raises(ValueError, match='engine.compile=eager cannot run the target.*MoE'):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import LaunchOutput, missing_ros2_tools
+from conftest import LaunchOutput, missing_ros2_tools, orin_launch_description
 
 if missing_ros2_tools():
     pytest.skip(missing_ros2_tools(), allow_module_level=True)
@@ -20,15 +20,11 @@ if missing_ros2_tools():
 import launch_pytest
 from ament_index_python.packages import get_package_share_directory
 from diagnostic_msgs.msg import DiagnosticArray
-from launch.actions import IncludeLaunchDescription, RegisterEventHandler, SetEnvironmentVariable
-from launch.event_handlers import OnProcessExit, OnProcessIO
-from launch.launch_description_sources import PythonLaunchDescriptionSource
 from rcl_interfaces.srv import GetParameters
 from rclpy.action import get_action_names_and_types
 from rclpy.parameter import parameter_value_to_python
 
 from gemma_spec_ros.tools.client import GenerateClient, make_goal
-from launch import LaunchDescription  # the launch package, not the repository folder launch/
 
 DOMAIN_ID = 11 + (os.getpid() + 73) % 80
 NAMESPACE = 'robot1'
@@ -59,18 +55,9 @@ def params_file(tmp_path_factory):
 
 @launch_pytest.fixture(scope='module')
 def orin_launch(params_file):
-    launch_file = Path(get_package_share_directory('gemma_spec_ros'), 'launch', 'orin.launch.py')
-    return LaunchDescription([
-        SetEnvironmentVariable('ROS_DOMAIN_ID', str(DOMAIN_ID)),
-        SetEnvironmentVariable('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST'),
-        SetEnvironmentVariable('PYTHONUNBUFFERED', '1'),
-        RegisterEventHandler(OnProcessIO(on_stdout=OUTPUT.on_output, on_stderr=OUTPUT.on_output)),
-        RegisterEventHandler(OnProcessExit(on_exit=OUTPUT.on_exit)),
-        IncludeLaunchDescription(PythonLaunchDescriptionSource(str(launch_file)), launch_arguments={
-            'namespace': NAMESPACE, 'params_file': str(params_file), 'drafter': 'ngram', 'device': 'cpu',
-            'compile': 'eager', 'log_level': 'warn'}.items()),
-        launch_pytest.actions.ReadyToTest(),
-    ])
+    return orin_launch_description(DOMAIN_ID, OUTPUT, {
+        'namespace': NAMESPACE, 'params_file': str(params_file), 'drafter': 'ngram', 'device': 'cpu',
+        'compile': 'eager', 'log_level': 'warn'})
 
 
 @pytest.fixture(scope='module')

@@ -5,20 +5,17 @@ Transitions are triggered on the node itself here; test_lifecycle_cli.py walks t
 a launched node.
 """
 
-import contextlib
 import os
 import threading
 import time
 
 import pytest
-from conftest import TEST_COMPILE, missing_ros2_tools
-from rclpy.executors import MultiThreadedExecutor
+from conftest import TEST_COMPILE, engine_status, missing_ros2_tools, spinning_node
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
 from gemma_spec_ros.engine import Engine
-from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
-from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
+from gemma_spec_ros.tools.client import make_goal
 
 if missing_ros2_tools():
     pytest.skip(missing_ros2_tools(), allow_module_level=True)
@@ -37,29 +34,9 @@ def params(tiny_models, **extra):
     return values
 
 
-@contextlib.contextmanager
 def managed(context, name, values, engine_factory=None):
-    """Spin an unconfigured GemmaSpecNode; yield it with a GenerateClient for its action."""
-    node = GemmaSpecNode(name, engine_factory=engine_factory, context=context,
-                         parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
-    spinner = BackgroundSpinner(node, MultiThreadedExecutor(num_threads=QUEUE_MAX_LENGTH_LIMIT + 6,
-                                                            context=context))
-    client = GenerateClient('/{}/generate'.format(name), name + '_client', context=context)
-    try:
-        assert client.wait_for_server(20), 'action server not discovered'
-        yield node, client
-    finally:
-        node.shutdown()
-        client.close()
-        spinner.stop()
-        node.destroy_node()
-
-
-def engine_status(client, name, predicate=lambda values: True, timeout=10.0):
-    key = name + ': engine'
-    latest = client.diagnostics_sample(name, timeout, lambda statuses: key in statuses and predicate(statuses[key]))
-    assert latest is not None, 'no engine status of {} matching within {} s'.format(name, timeout)
-    return latest[key]
+    """Spin a GemmaSpecNode (unconfigured unless values autostart it); yield it with a GenerateClient."""
+    return spinning_node(context, name, values, engine_factory)
 
 
 def start_long_goal(client):

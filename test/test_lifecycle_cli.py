@@ -13,19 +13,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TEST_COMPILE, LaunchOutput, missing_ros2_tools, run_ros2
+from conftest import TEST_COMPILE, LaunchOutput, missing_ros2_tools, orin_launch_description, run_ros2
 
 if missing_ros2_tools():
     pytest.skip(missing_ros2_tools(), allow_module_level=True)
 
 import launch_pytest
 from ament_index_python.packages import get_package_share_directory
-from launch.actions import IncludeLaunchDescription, RegisterEventHandler, SetEnvironmentVariable
-from launch.event_handlers import OnProcessExit, OnProcessIO
-from launch.launch_description_sources import PythonLaunchDescriptionSource
 
 from gemma_spec_ros.tools.client import GenerateClient, make_goal
-from launch import LaunchDescription  # the launch package, not the repository folder launch/
 
 DOMAIN_ID = 11 + (os.getpid() + 47) % 80
 ENV = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST')
@@ -55,17 +51,8 @@ def params_file(tmp_path_factory, tiny_models):
 
 @launch_pytest.fixture(scope='module')
 def manual_launch(params_file):
-    launch_file = Path(get_package_share_directory('gemma_spec_ros'), 'launch', 'orin.launch.py')
-    return LaunchDescription([
-        SetEnvironmentVariable('ROS_DOMAIN_ID', str(DOMAIN_ID)),
-        SetEnvironmentVariable('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST'),
-        SetEnvironmentVariable('PYTHONUNBUFFERED', '1'),
-        RegisterEventHandler(OnProcessIO(on_stdout=OUTPUT.on_output, on_stderr=OUTPUT.on_output)),
-        RegisterEventHandler(OnProcessExit(on_exit=OUTPUT.on_exit)),
-        IncludeLaunchDescription(PythonLaunchDescriptionSource(str(launch_file)), launch_arguments={
-            'params_file': str(params_file), 'device': 'cpu', 'autostart': 'false'}.items()),
-        launch_pytest.actions.ReadyToTest(),
-    ])
+    return orin_launch_description(DOMAIN_ID, OUTPUT,
+                                   {'params_file': str(params_file), 'device': 'cpu', 'autostart': 'false'})
 
 
 @pytest.mark.launch(fixture=manual_launch)

@@ -1,6 +1,5 @@
 """The node through real rclpy: action clients against GemmaSpecNode on tiny random Gemma 4 models."""
 
-import contextlib
 import json
 import os
 import threading
@@ -8,14 +7,13 @@ import time
 
 import jsonschema
 import pytest
-from conftest import NO_DIAGNOSTIC_UPDATER, TEST_COMPILE
+from conftest import NO_DIAGNOSTIC_UPDATER, TEST_COMPILE, spinning_node
 
 pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
 
 from rcl_interfaces.msg import Parameter as ParameterMsg
 from rcl_interfaces.msg import ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
-from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
 from gemma_spec_ros.engine import Engine
@@ -23,8 +21,7 @@ from gemma_spec_ros.engine.drafters.base import Drafter
 from gemma_spec_ros.engine.drafters.none import NoneDrafter
 from gemma_spec_ros.engine.runtime import models as engine_models
 from gemma_spec_ros.engine.runtime.causal_lm import DynamicCausalLM
-from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
-from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
+from gemma_spec_ros.tools.client import GenerateClient, make_goal
 
 DOMAIN_ID = 11 + os.getpid() % 80
 STEP_SCHEMA = {'type': 'object', 'properties': {'action': {'enum': ['navigate', 'pick', 'place']},
@@ -44,25 +41,8 @@ def tiny_params(tiny_models, **extra):
     return params
 
 
-@contextlib.contextmanager
 def serving(context, name, params, engine_factory=None):
-    """Spin a GemmaSpecNode like main() does; yield it with a GenerateClient for its action."""
-    node = GemmaSpecNode(name, engine_factory=engine_factory, context=context,
-                         parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
-    spinner = BackgroundSpinner(node, MultiThreadedExecutor(num_threads=QUEUE_MAX_LENGTH_LIMIT + 6,
-                                                            context=context))
-    client = GenerateClient('/{}/generate'.format(name), name + '_client', context=context)
-    try:
-        deadline = time.monotonic() + 120
-        while node.state == 'loading' and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.wait_for_server(20), 'action server not discovered'
-        yield node, client
-    finally:
-        node.shutdown()
-        client.close()
-        spinner.stop()
-        node.destroy_node()
+    return spinning_node(context, name, params, engine_factory)
 
 
 @pytest.fixture(scope='module')

@@ -6,55 +6,28 @@ test-vllm`` creates it). Each test runs its own nodes (no model loads: they are 
 tests cut test_vllm_backend's TCP proxy in front of the server.
 """
 
-import contextlib
 import os
 import threading
 import time
 
 import pytest
-from conftest import NO_DIAGNOSTIC_UPDATER, VLLM_NGRAM_K
+from conftest import NO_DIAGNOSTIC_UPDATER, VLLM_NGRAM_K, engine_status, spinning_node
 
 pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
 
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
-from rclpy.parameter import Parameter  # noqa: E402
 from test_vllm_backend import CODE_PROMPT, REPETITIVE_PROMPT, _get_metrics, _Proxy  # noqa: E402
 
 from gemma_spec_ros.engine.backends.vllm_metrics import parse_metrics  # noqa: E402
-from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode  # noqa: E402
-from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal  # noqa: E402
+from gemma_spec_ros.tools.client import make_goal  # noqa: E402
 
 DOMAIN_ID = 90 + os.getpid() % 10
 
 
-@contextlib.contextmanager
 def serving(context, name, url, namespace=''):
     """Spin a GemmaSpecNode with backend vllm at url; yield it with a GenerateClient for its action."""
     params = {'engine.backend': 'vllm', 'vllm.url': url, 'vllm.model': 'target', 'vllm.drafter': 'ngram',
               'vllm.speculative_sampling': False, 'vllm.connect_timeout': 2.0, 'diagnostic_updater.period': 0.2}
-    node = GemmaSpecNode(name, context=context, namespace=namespace,
-                         parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
-    spinner = BackgroundSpinner(node, MultiThreadedExecutor(num_threads=QUEUE_MAX_LENGTH_LIMIT + 6,
-                                                            context=context))
-    client = GenerateClient(node.resolve_action_name(), '_'.join(filter(None, (namespace, name, 'client'))),
-                            context=context)
-    try:
-        assert node.state == 'ready' or _wait(lambda: node.state == 'ready', 10), node.state
-        assert client.wait_for_server(20), 'action server not discovered'
-        yield node, client
-    finally:
-        node.shutdown()
-        client.close()
-        spinner.stop()
-        node.destroy_node()
-
-
-def engine_status(client, name, predicate=lambda engine: True, timeout=10.0):
-    """Return the node's latest engine status (level, message, values, time) that satisfies predicate."""
-    key = name + ': engine'
-    latest = client.diagnostics_sample(name, timeout, lambda statuses: key in statuses and predicate(statuses[key]))
-    assert latest is not None, 'no engine status of {} matching within {} s'.format(name, timeout)
-    return latest[key]
+    return spinning_node(context, name, params, namespace=namespace)
 
 
 def test_a_goal_streams_and_succeeds(context, server):
@@ -147,10 +120,3 @@ def test_tau_on_diagnostics_equals_tau_from_the_server_counters(context, server)
         assert float(values['tau (lifetime)']) == pytest.approx(lifetime_tau, abs=1e-3)
         assert float(values['acceptance rate (window)']) == pytest.approx(
             accepted / (after.draft_tokens - before.draft_tokens), abs=1e-3)
-
-
-def _wait(predicate, timeout) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return predicate()

@@ -134,7 +134,7 @@ def run(args, argv: list[str]) -> Path:
         with tqdm(desc='bench --constrained', unit='gen', file=sys.stderr) as bar:
             constrained.run(settings, spec, _option(args, 'per_category'), out,
                             'python -m gemma_spec_ros bench ' + shlex.join(argv),
-                            say=lambda message: print(message, file=sys.stderr), on_step=lambda name: bar.update(),
+                            progress=lambda message: print(message, file=sys.stderr), on_step=lambda name: bar.update(),
                             json_free_whitespace=args.json_free_whitespace)
         return out
     vllm_ks = sorted(set(_parse_list(args.vllm_ks, int, '--vllm-ks'))) if args.vllm_ks else []
@@ -152,19 +152,19 @@ def run(args, argv: list[str]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_description(settings.threads)
 
-    def say(message: str) -> None:
+    def progress(message: str) -> None:
         print(message, file=sys.stderr)
 
-    bench = Bench(settings, say=say)
+    bench = Bench(settings, progress=progress)
     lengths = {prompt.id: len(bench.encode(prompt)) for prompt in prompts}
     bench.static_cache_len = max(lengths.values()) + settings.max_new_tokens
     static = not args.no_hf_static
     plain = [s for s in bench.our_systems() if s.drafter == 'none'] + [System('hf', 'none')] + (
         [System('hf-static', 'none')] if static else [])
-    say('first calls: {}'.format(', '.join(s.name for s in plain)))
+    progress('first calls: {}'.format(', '.join(s.name for s in plain)))
     startups = bench.first_calls(plain, prompts[0])
     probe_prompt = sorted(prompts, key=lambda p: lengths[p.id])[len(prompts) // 2]
-    say('probing forward costs on {} ({} tokens)'.format(probe_prompt.id, lengths[probe_prompt.id]))
+    progress('probing forward costs on {} ({} tokens)'.format(probe_prompt.id, lengths[probe_prompt.id]))
     sampler = bench.cost_sampler(probe_prompt)
     sampler.sample(settings.probe_repeats)
 
@@ -174,7 +174,7 @@ def run(args, argv: list[str]) -> Path:
     for drafter in settings.drafters if static else []:
         reason = bench.refusal(System('hf-static', drafter, settings.ks[0]), prompts[0])
         if reason:
-            say('hf-static/{}: {}'.format(drafter, reason))
+            progress('hf-static/{}: {}'.format(drafter, reason))
             skipped.append(Skipped('hf-static/{}'.format(drafter), reason))
         else:
             static_drafters.append(drafter)
@@ -209,7 +209,7 @@ def run(args, argv: list[str]) -> Path:
             bar.total += len(plans) * (1 + settings.repeats * len(prompts))
             served, server_startups, failed = vllm_peers.run_servers(
                 plans, settings, prompts, {p.id: bench.encode(p) for p in prompts}, parity_references(measurements),
-                say, step, vllm_venv)
+                progress, step, vllm_venv)
             measurements += served
             startups += server_startups
             skipped += failed

@@ -261,14 +261,14 @@ def markdown(document: dict, cells: list[Cell]) -> str:
 
 
 def run(settings: Settings, spec_path: str, per_category: int, out: Path, command: str,
-        say: Callable[[str], None], on_step: Callable[[str], None], json_free_whitespace: bool = False) -> None:
+        progress: Callable[[str], None], on_step: Callable[[str], None], json_free_whitespace: bool = False) -> None:
     """Measure the constrained category; write results.json and results.md under out."""
     started, machine = time.time(), machine_description(settings.threads)
     spec = load_spec(spec_path)
     prompts = take_per_category(spec.prompts, per_category)
     if len(settings.compile_modes) != 1:
         raise ValueError('--constrained measures one compile mode, got {}'.format(','.join(settings.compile_modes)))
-    engine = load_engine(settings, say, settings.compile_modes[0])
+    engine = load_engine(settings, progress, settings.compile_modes[0])
     engine.validate(GenerationRequest(prompt_ids=[1], max_new_tokens=1, json_schema=spec.json_schema,  # fail early
                                       json_free_whitespace=json_free_whitespace))
     samples = measure(engine, settings, spec, prompts, on_step, json_free_whitespace)

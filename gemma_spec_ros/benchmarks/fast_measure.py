@@ -31,7 +31,8 @@ TARGET = 'models/gemma4-spec-target'
 ASSISTANT = 'models/gemma4-spec-assistant'
 DRAFT = 'models/gemma4-spec-draft'
 SYSTEMS = ('hf', 'lean', 'compiled', 'compiled-dynamo', 'cudagraph')
-MODES = {'hf': 'off', 'lean': 'eager', 'compiled': 'inductor', 'compiled-dynamo': 'inductor', 'cudagraph': 'cudagraph'}
+MODES = {'hf': 'transformers', 'lean': 'eager', 'compiled': 'inductor', 'compiled-dynamo': 'inductor',
+         'cudagraph': 'cudagraph'}
 
 
 def _say(message: str) -> None:
@@ -74,12 +75,12 @@ class _System:
         self.lm.crop(-count)
 
 
-def _systems(names, model, context_limit, say):
+def _systems(names, model, context_limit, progress):
     built = []
     for name in names:
-        system = _System(name, model, context_limit, say)
+        system = _System(name, model, context_limit, progress)
         if system.warmup_seconds:
-            say('{}: warm-up {:.1f} s'.format(name, system.warmup_seconds))
+            progress('{}: warm-up {:.1f} s'.format(name, system.warmup_seconds))
         built.append(system)
     return built
 
@@ -308,7 +309,7 @@ def _compiles(args) -> bool:
     from gemma_spec_ros.engine.runtime import models
     from gemma_spec_ros.engine.runtime.steps import INDUCTOR_MODES, resolve_compile_mode
 
-    if args.compile == 'off':
+    if args.compile == 'transformers':
         return False
     return resolve_compile_mode(args.compile, models.resolve_device(args.device)) in INDUCTOR_MODES
 

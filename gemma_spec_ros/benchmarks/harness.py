@@ -138,7 +138,7 @@ def first_mismatch(tokens: list[int], reference: list[int]) -> int:
     return -1 if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
-def load_engine(settings: Settings, say: Callable[[str], None], compile_mode: str = 'auto'):
+def load_engine(settings: Settings, progress: Callable[[str], None], compile_mode: str = 'auto'):
     """Check the settings and load our engine with the drafters they name (CPU, float32, their threads)."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -150,20 +150,20 @@ def load_engine(settings: Settings, say: Callable[[str], None], compile_mode: st
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.set_num_threads(settings.threads)
-    say('loading our engine (compile {})'.format(compile_mode))
+    progress('loading our engine (compile {})'.format(compile_mode))
     return Engine.from_config(EngineConfig(
         target_path=settings.target, drafter='none',
         assistant_path=settings.assistant if 'mtp' in settings.drafters else '',
         draft_model_path=settings.draft if 'draft' in settings.drafters else '',
         device='cpu', dtype='float32', max_draft_tokens=max(settings.ks),
         max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads,
-        compile=compile_mode, warmup='blocking'), progress=say)  # measured at full speed
+        compile=compile_mode, warmup='blocking'), progress=progress)  # measured at full speed
 
 
 class Bench:
     """Loaded models, our engines (one per compile mode) and the runners of every system."""
 
-    def __init__(self, settings: Settings, say: Callable[[str], None]):
+    def __init__(self, settings: Settings, progress: Callable[[str], None]):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -172,9 +172,9 @@ class Bench:
         self.load_s: dict[str, float] = {}  # system prefix -> seconds to load
         for mode in settings.compile_modes:
             started = time.perf_counter()
-            self.engines[mode] = load_engine(settings, say, mode)
+            self.engines[mode] = load_engine(settings, progress, mode)
             self.load_s[System('ours', 'none', compile=mode).prefix] = time.perf_counter() - started
-        say('loading transformers models')
+        progress('loading transformers models')
         started = time.perf_counter()
 
         def load(path):

@@ -95,7 +95,7 @@ class VllmRunner:
 
 
 def run_servers(plans: list[ServerPlan], settings: Settings, prompts: list[Prompt], encoded: dict[str, list[int]],
-                references: dict[str, list[int]], say: Callable[[str], None], on_step: Callable[[str], None],
+                references: dict[str, list[int]], progress: Callable[[str], None], on_step: Callable[[str], None],
                 venv: str) -> tuple[list[Measurement], list[Startup], list[Skipped]]:
     """Each plan: start its server, warm up, measure every prompt ``repeats`` times, stop it."""
     from gemma_spec_ros.engine.backends.vllm import VllmBackend, VllmConfig
@@ -111,10 +111,10 @@ def run_servers(plans: list[ServerPlan], settings: Settings, prompts: list[Promp
             speculative_config=plan.speculative_config, threads=settings.threads, log_requests=False,
             extra_args=['--no-enable-prefix-caching']))  # repeated prompts must not skip their prefill
         try:
-            server.start(progress=say)
+            server.start(progress=progress)
         except RuntimeError:
             reason = startup_failure(server.log_text())
-            say('{}: the server did not start: {}'.format(name, reason))
+            progress('{}: the server did not start: {}'.format(name, reason))
             skipped.append(Skipped(name, 'the vLLM server did not start: {}'.format(reason)))
             continue
         try:

@@ -15,7 +15,7 @@ DEVICES = ('auto', 'cpu', 'cuda')
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 # how decode steps run: the lean forward on a static KV cache, eager, inductor-compiled or captured as CUDA graphs;
 # off: transformers' own forward on a DynamicCache (the reference path, and the one for MoE checkpoints)
-COMPILE_MODES = ('auto', 'inductor', 'inductor-gemm', 'cudagraph', 'eager', 'off')
+COMPILE_MODES = ('auto', 'inductor', 'inductor-gemm', 'cudagraph', 'eager', 'transformers')
 # when compiled decode steps are built (runtime/warmup.py): background (serve on eager steps at once, swap each graph
 # in when ready), blocking (all before the first request) or off (each on first use, inside that request)
 WARMUP_POLICIES = ('background', 'blocking', 'off')
@@ -89,7 +89,7 @@ class EngineConfig:
                               'lean forward does not cover), inductor, inductor-gemm (CPU: verify passes through '
                               "inductor's GEMM template on frozen weights; faster, one more copy of the weights and "
                               'a compile at every start), cudagraph, eager (lean forward, static cache) '
-                              "or off (transformers' forward)", choices=COMPILE_MODES)
+                              "or transformers (transformers' own forward and DynamicCache)", choices=COMPILE_MODES)
     warmup: str = config_field('background', 'when compiled decode steps are built: background (serve at once on eager '
                              'steps, each graph takes over when ready), blocking (all before the first request: '
                              'minutes with a cold compile cache) or off (each on first use, inside that request)',
@@ -244,7 +244,7 @@ class EngineStatus:
     drafter: str = 'none'              # configured default drafter
     device: str = 'cpu'
     dtype: str = 'float32'
-    compile_mode: str = 'off'          # how decode steps run (engine.compile resolved for this device and model)
+    compile_mode: str = 'transformers'  # how decode steps run (engine.compile resolved for this device and model)
     warmup: WarmupState = field(default_factory=WarmupState)
     weights_bytes: int = 0             # parameters of every loaded model
     kv_cache_bytes: int = 0            # static KV caches (preallocated for engine.context_limit; 0 when off)

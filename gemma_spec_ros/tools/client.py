@@ -311,7 +311,7 @@ class GenerateClient:
         response ('Ignoring unexpected goal response'); on the executor's own thread it cannot.
         """
         outer = self._spinner.executor.create_task(function, *args, **kwargs)
-        return _Chained(outer)
+        return _ResultOfTask(outer)
 
     def close(self):
         self._spinner.stop()
@@ -319,7 +319,7 @@ class GenerateClient:
         self._node.destroy_node()
 
 
-class _Chained:
+class _ResultOfTask:
     """The future returned by the future that a task returns."""
 
     def __init__(self, outer):

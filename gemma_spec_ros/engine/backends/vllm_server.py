@@ -101,14 +101,14 @@ class VllmServer:
 
     def start(self, timeout: float = 600.0, progress=None) -> 'VllmServer':
         """Start the server and wait until it serves; RuntimeError with the log tail if it exits or times out."""
-        say = progress or (lambda message: None)
+        progress = progress or (lambda message: None)
         if not self.python.exists():
             raise RuntimeError('no vLLM environment at {}: run scripts/setup_vllm.sh'.format(self.config.venv))
         started = time.monotonic()
         self._log = open(self.log_path, 'wb')  # noqa: SIM115 (closed in stop)
         self._process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                          env=self.environment(), start_new_session=True)
-        say('vllm server: starting on {} (pid {}, log {})'.format(self.url, self._process.pid, self.log_path))
+        progress('vllm server: starting on {} (pid {}, log {})'.format(self.url, self._process.pid, self.log_path))
         last_report = started
         while True:
             if self._process.poll() is not None:
@@ -117,7 +117,7 @@ class VllmServer:
                     self._process.returncode, self.log_tail()))
             if self.ready():
                 self.startup_seconds = time.monotonic() - started
-                say('vllm server: ready on {} after {:.0f} s'.format(self.url, self.startup_seconds))
+                progress('vllm server: ready on {} after {:.0f} s'.format(self.url, self.startup_seconds))
                 return self
             now = time.monotonic()
             if now - started > timeout:
@@ -125,7 +125,7 @@ class VllmServer:
                 raise RuntimeError('vLLM server not ready after {:.0f} s:\n{}'.format(timeout, self.log_tail()))
             if now - last_report >= 15.0:
                 last_report = now
-                say('vllm server: waiting ({:.0f} s): {}'.format(now - started, self.log_tail(1).strip()))
+                progress('vllm server: waiting ({:.0f} s): {}'.format(now - started, self.log_tail(1).strip()))
             time.sleep(0.5)
 
     def ready(self) -> bool:

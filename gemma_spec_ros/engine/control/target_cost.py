@@ -86,7 +86,7 @@ class TargetCost:
     def relative(self) -> list[float | None]:
         """Load-free seconds per pass for 0..max tokens: measured, else interpolated, else extrapolated."""
         if self._relative is None:
-            estimates = _fill(self._shape) if any(s is not None for s in self._shape) else []
+            estimates = _complete_shape(self._shape) if any(s is not None for s in self._shape) else []
             # non-decreasing: verifying more tokens never costs less, whatever load noise measured
             self._relative = list(itertools.accumulate(estimates, max)) or [None] * len(self._shape)
         return self._relative
@@ -104,7 +104,7 @@ class TargetCost:
         return num_tokens < len(self._shape) and self._shape[num_tokens] is not None
 
 
-def _fill(shape: list[float | None]) -> list[float]:
+def _complete_shape(shape: list[float | None]) -> list[float]:
     """Every size's shape: measured, else interpolated between neighbours, else extrapolated (last slope, or flat)."""
     if None not in shape[1:]:  # every size timed (the engine calibrates them all): at most size 0 to fill
         return [shape[1] if shape[0] is None else shape[0], *shape[1:]]

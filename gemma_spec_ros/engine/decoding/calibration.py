@@ -95,9 +95,9 @@ def calibrate_verify_costs(engine: 'Engine', rounds: int = CALIBRATION_ROUNDS) -
     return medians
 
 
-def calibrate(engine: 'Engine', say) -> None:
-    """Calibrate the verify costs when the engine speculates, and say the curve (at load, after warm-up)."""
+def calibrate(engine: 'Engine', progress) -> None:
+    """Calibrate the verify costs when the engine speculates, and report the curve (at load, after warm-up)."""
     if engine._controllers:
         curve = engine.calibrate_verify_costs()
-        say('verify passes of 1..{} tokens: {} ms'.format(len(curve), ' / '.join(
+        progress('verify passes of 1..{} tokens: {} ms'.format(len(curve), ' / '.join(
             '{:.1f}'.format(seconds * 1e3) for _, seconds in sorted(curve.items()))))

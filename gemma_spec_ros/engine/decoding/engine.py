@@ -31,7 +31,7 @@ from ..types import (
 )
 from . import calibration
 from .calibration import Stopwatch
-from .run import Run, cut
+from .run import Run, end_of_output
 from .stream import IncrementalDetokenizer, StopStrings
 
 
@@ -225,7 +225,7 @@ class Engine(Backend):
 
     def _prefill(self, run: Run) -> list[int]:
         """Start the drafter, run the prompt through the target in one pass and pick the first token."""
-        self._guard(run, lambda: run.drafter.start(run.tokens))
+        self._call_drafter(run, lambda: run.drafter.start(run.tokens))
         if run.controller is not None:
             with self._measure_lock:
                 # a new text: a gate paused on the previous one probes at once (unless the request pins K)
@@ -236,8 +236,8 @@ class Engine(Backend):
         logits = out.logits[0, -1:]  # [1, vocab]
         if run.constraint is not None:
             logits = mask_logits(logits, run.constraint.next_mask(self._device))
-        first = self._pick(logits, run.plan.sampling, run.generator)
-        self._guard(run, lambda: run.drafter.observe(out, 1, 1))  # out holds the last prompt position
+        first = self._first_token(logits, run.plan.sampling, run.generator)
+        self._call_drafter(run, lambda: run.drafter.observe(out, 1, 1))  # out holds the last prompt position
         run.last_token = first
         token = first.item()
         run.tally.add_prefill(time.perf_counter())
@@ -257,7 +257,7 @@ class Engine(Backend):
         if k > 0:
             context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator,
                                    decision.min_confidence, run.constraint)
-            proposal = self._guard(run, lambda: run.drafter.propose(context, k))
+            proposal = self._call_drafter(run, lambda: run.drafter.propose(context, k))
         num_drafted = 0 if proposal is None else proposal.tokens.shape[0]
         drafted_at = run.stopwatch.mark()
 
@@ -282,7 +282,7 @@ class Engine(Backend):
 
         # accept / roll back: crop the rejected K/V from the target, and let the drafter do the same
         self._target.crop(-(num_drafted - accepted))
-        self._guard(run, lambda: run.drafter.observe(out, num_drafted + 1, accepted + 1))
+        self._call_drafter(run, lambda: run.drafter.observe(out, num_drafted + 1, accepted + 1))
         with self._measure_lock:
             self._target_cost.record(num_drafted + 1, run.stopwatch.seconds(drafted_at, verified_at))
             if run.controller is not None:
@@ -306,7 +306,7 @@ class Engine(Backend):
                                           run.generator)
         return torch.cat([num_accepted, draft_tokens, next_token])
 
-    def _guard(self, run: Run, drafter_call):
+    def _call_drafter(self, run: Run, drafter_call):
         """Run a drafter call; a drafter that raises must not fail the request: plain decoding takes over."""
         try:
             return drafter_call()
@@ -316,7 +316,8 @@ class Engine(Backend):
 
     def _emit(self, run: Run, new_tokens: list[int], on_delta: DeltaCallback | None) -> None:
         """Append a round's tokens, apply EOS / max_new_tokens / stop strings, and stream the new text."""
-        new_tokens, run.finish = cut(new_tokens, self._eos_ids, len(run.generated), run.plan.max_new_tokens)
+        new_tokens, run.finish = end_of_output(new_tokens, self._eos_ids, len(run.generated),
+                                               run.plan.max_new_tokens)
         if run.constraint is not None:
             run.constraint.accept(new_tokens)
         run.tokens += new_tokens
@@ -340,7 +341,7 @@ class Engine(Backend):
             on_delta(StreamDelta(text, token_ids, len(run.generated),
                                  tau(len(run.generated), run.tally.target_passes)))
 
-    def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+    def _first_token(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         """Pick the first token from prefill logits [1, vocab] -> [1]."""
         if sampling.greedy:
             return logits.argmax(dim=-1)

@@ -27,18 +27,18 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
     the whole engine; requests for it run plain decoding with a warning. The target is always required.
     start_warmup: False leaves a background warm-up to warmup.start() or its build calls (benchmarks, tests).
     """
-    say = progress or (lambda message: None)
+    progress = progress or (lambda message: None)
     requests.check_config(config)
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     device = models.resolve_device(config.device)
     dtype = models.resolve_dtype(config.dtype, device)
-    say('loading target {} on {} ({})'.format(config.target_path, device, str(dtype).replace('torch.', '')))
+    progress('loading target {} on {} ({})'.format(config.target_path, device, str(dtype).replace('torch.', '')))
     target = models.load_causal_lm(config.target_path, 'target', device, dtype)
     tokenizer = models.load_tokenizer(config.target_path)
     target_lm = causal_lm.build_causal_lm(target, config.compile, models.context_limit(config, target),
-                                          config.max_draft_tokens + 1, 'target', say)
-    context = LoadContext(config, target_lm, tokenizer, device, dtype, say)
+                                          config.max_draft_tokens + 1, 'target', progress)
+    context = LoadContext(config, target_lm, tokenizer, device, dtype, progress)
     drafters, errors = {}, {}
     for name, spec in REGISTRY.items():
         if spec.path_field and not getattr(config, spec.path_field):
@@ -49,17 +49,17 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
             if not tolerate_drafter_errors:
                 raise
             errors[name] = DisabledDrafter(name, spec.role, getattr(config, spec.path_field), str(exc))
-            say(errors[name].describe())
+            progress(errors[name].describe())
     engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, errors)
     background = config.warmup == 'background' and engine._graph_jobs
     if config.warmup == 'blocking' or (config.warmup == 'background' and not background):
-        engine._warmup_state = warm_up_blocking(target_lm, drafters, say)
+        engine._warmup_state = warm_up_blocking(target_lm, drafters, progress)
     if background:
-        engine._warmup = Warmup(engine._graph_jobs, say, on_compiled=lambda: calibrate(engine, say),
+        engine._warmup = Warmup(engine._graph_jobs, progress, on_compiled=lambda: calibrate(engine, progress),
                                 default_path=engine._default_path_jobs, compile_process=config)
     if config.warmup != 'off':  # timing every pass size would compile each graph now, not on first use
-        calibrate(engine, say)
-    say('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
+        calibrate(engine, progress)
+    progress('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
         '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, engine.status().warmup.serving,
                              'in the background ({} graphs)'.format(len(engine._graph_jobs)) if background else
                              '{:.1f} s'.format(engine._warmup_state.seconds),

@@ -1,4 +1,4 @@
-"""The state of one generation (Run), and where a round's tokens end it (cut)."""
+"""The state of one generation (Run), and where a round's tokens end it (end_of_output)."""
 
 from dataclasses import dataclass, field
 
@@ -40,7 +40,7 @@ class Run:
         self.drafter, self.controller = plain, None
 
 
-def cut(new_tokens: list[int], eos_ids: set[int], num_generated: int, max_new: int) -> tuple[list[int], str]:
+def end_of_output(new_tokens: list[int], eos_ids: set[int], num_generated: int, max_new: int) -> tuple[list[int], str]:
     """Truncate a round's tokens at EOS (kept) or at max_new_tokens; returns (tokens, finish reason or '')."""
     for index, token in enumerate(new_tokens):
         if token in eos_ids and num_generated + index < max_new:

@@ -218,7 +218,7 @@ class GrammarConstraint:
 
     def next_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Return the allowed tokens [1, vocab] bool for the next token (the first one after prefill)."""
-        self._fill(0)
+        self._fill_mask_row(0)
         return unpack_bitmask(self._bitmask[:1], self.vocab_size, device)
 
     def masks_along(self, draft_tokens: Sequence[int] | torch.Tensor,
@@ -234,7 +234,7 @@ class GrammarConstraint:
         rows = len(draft) + 1
         if self._bitmask.shape[0] < rows:
             self._bitmask = xgrammar.allocate_token_bitmask(rows, self.vocab_size)
-        self._fill(0)
+        self._fill_mask_row(0)
         allowed, filled = 0, 1
         for token in draft:
             if not self._matcher.accept_token(token):
@@ -242,7 +242,7 @@ class GrammarConstraint:
             allowed += 1
             if self._matcher.is_terminated():  # a stop token: nothing may follow
                 break
-            self._fill(allowed)
+            self._fill_mask_row(allowed)
             filled += 1
         self._matcher.rollback(allowed)
         self._bitmask[filled:rows] = self._bitmask[filled - 1]
@@ -278,7 +278,7 @@ class GrammarConstraint:
         # False (nothing changes) when the grammar refuses the token or has terminated
         return not self._matcher.is_terminated() and self._matcher.accept_token(int(token))
 
-    def _fill(self, row: int) -> None:
+    def _fill_mask_row(self, row: int) -> None:
         assert not self._matcher.is_terminated(), 'no token may follow a stop token'
         self._matcher.fill_next_token_bitmask(self._bitmask, row)
 

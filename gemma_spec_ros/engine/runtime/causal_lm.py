@@ -2,8 +2,8 @@
 A Gemma 4 causal LM (the target or the draft model) with its KV cache, behind one interface for both paths.
 
 - ``FastCausalLM`` (runner.py): the lean forward on a static cache, eager, compiled or captured.
-- ``DynamicCausalLM`` (here): transformers' own forward on a DynamicCache, for engine.compile off and for models the
-  lean forward does not cover (MoE).
+- ``DynamicCausalLM`` (here): transformers' own forward on a DynamicCache, for engine.compile transformers and for
+  models the lean forward does not cover (MoE).
 
 Both: ``reset()`` per request, ``prefill(ids, logits_to_keep, want_states)`` for the prompt, ``append(...)`` for a
 step, ``crop(-n)`` to roll back, ``length``, ``nbytes`` (the preallocated cache), ``mode``, ``warmup()`` and
@@ -34,7 +34,7 @@ def single_token_masks(token_ids: torch.Tensor) -> dict | None:
 class DynamicCausalLM:
     """transformers' forward on a DynamicCache; rolled-back sliding K/V is kept until the next crop."""
 
-    mode = 'off'
+    mode = 'transformers'
     nbytes = 0  # the cache grows with the context instead of being preallocated
 
     def __init__(self, model):
@@ -88,12 +88,12 @@ class DynamicCausalLM:
 def build_causal_lm(model, compile_mode: str, context_limit: int, max_query: int, role: str,
                     progress: Callable[[str], None]) -> 'FastCausalLM | DynamicCausalLM':
     """
-    Build the runner engine.compile asks for: transformers' forward for off, else the fast path.
+    Build the runner engine.compile asks for: transformers' forward for 'transformers', else the fast path.
 
     With auto, a model the lean forward does not cover (it raises ValueError saying why) runs transformers' forward,
     and progress says so; with an explicit mode that is an error.
     """
-    if compile_mode == 'off':
+    if compile_mode == 'transformers':
         return DynamicCausalLM(model)
     try:
         return FastCausalLM(model, context_limit, max_query, compile_mode)

@@ -107,7 +107,7 @@ class Warmup:
     each graph before the worker builds it (None: the worker compiles).
     """
 
-    def __init__(self, jobs: list[GraphJob], say: Callable[[str], None],
+    def __init__(self, jobs: list[GraphJob], progress: Callable[[str], None],
                  on_compiled: Callable[[], None] | None = None, default_path: int = 0,
                  compile_process: EngineConfig | None = None):
         self._pending = list(jobs)
@@ -117,7 +117,7 @@ class Warmup:
         self._ready = 0
         self._failed: list[str] = []
         self._steps = list({id(job.steps): job.steps for job in jobs}.values())
-        self._say = say
+        self._progress = progress
         self._on_compiled = on_compiled
         self._compile_process_config = compile_process
         self._compiler: CompileProcess | None = None
@@ -202,10 +202,11 @@ class Warmup:
             built = job.build()
         except Exception as exc:  # noqa: BLE001 (a graph that fails to build leaves its steps eager)
             self._failed.append(job.name)
-            self._say('warm-up: {} failed ({}: {}); its steps stay eager'.format(job.name, type(exc).__name__, exc))
+            self._progress('warm-up: {} failed ({}: {}); its steps stay eager'.format(
+                job.name, type(exc).__name__, exc))
         else:
             self._ready += 1
-            self._say('warm-up: {} ready{} ({} of {} graphs, {:.1f} s for it, {:.0f} s so far)'.format(
+            self._progress('warm-up: {} ready{} ({} of {} graphs, {:.1f} s for it, {:.0f} s so far)'.format(
                 job.name, '' if built else ' but not callable directly (stays eager)', self._ready, self._total,
                 time.perf_counter() - started, time.perf_counter() - self._started))
         if not any(other.owner is job.owner for other in self._pending):
@@ -213,7 +214,7 @@ class Warmup:
         if self._default_path_done is None and self._default_path.isdisjoint(self._pending):
             self._default_path_done = time.perf_counter()
             if self._pending:
-                self._say('warm-up: the target and the default drafter run compiled after {:.1f} s; {} graphs of '
+                self._progress('warm-up: the target and the default drafter run compiled after {:.1f} s; {} graphs of '
                           'other drafters follow'.format(self._default_path_done - self._started, len(self._pending)))
             if self._on_compiled is not None:
                 self._on_compiled()
@@ -236,7 +237,7 @@ class Warmup:
                 if self._stop.is_set():
                     break
                 if why:
-                    self._say('warm-up: the compile process did not build {} ({}); building it here'.format(
+                    self._progress('warm-up: the compile process did not build {} ({}); building it here'.format(
                         job.name, why))
                     if not self._compiler.alive:
                         self._compiler = None
@@ -260,17 +261,17 @@ class Warmup:
         try:
             self._compiler = CompileProcess(self._compile_process_config)  # stop() can end it while it loads
         except OSError as exc:
-            self._say('warm-up: no compile process ({}); compiling in this process'.format(exc))
+            self._progress('warm-up: no compile process ({}); compiling in this process'.format(exc))
             return
         if self._stop.is_set() or not self._compiler.wait_ready():  # stopped before the process could be ended
             self._compiler.close()
             self._compiler = None
             if not self._stop.is_set():
-                self._say('warm-up: the compile process did not load the models; compiling in this process')
+                self._progress('warm-up: the compile process did not load the models; compiling in this process')
 
     def _finish(self) -> None:
         self._finished = time.perf_counter()
-        self._say('warm-up: full speed after {:.1f} s ({} graphs{})'.format(
+        self._progress('warm-up: full speed after {:.1f} s ({} graphs{})'.format(
             self._finished - self._started, self._ready,
             ', {} failed'.format(len(self._failed)) if self._failed else ''))
 
@@ -279,7 +280,7 @@ def _stop_before_exit(warmup_ref: 'weakref.ref[Warmup]') -> None:
     warmup = warmup_ref()
     if warmup is None or warmup._thread is None or not warmup._thread.is_alive():
         return
-    warmup._say('warm-up: stopping before exit (the graph being built ends first)')
+    warmup._progress('warm-up: stopping before exit (the graph being built ends first)')
     warmup.stop(timeout=STOP_WAIT_SECONDS)
 
 
@@ -295,16 +296,16 @@ def order_jobs(target_jobs: list[GraphJob], drafter_jobs: dict[str, list[GraphJo
     return default_path + others, len(default_path)
 
 
-def warm_up_blocking(target_lm, drafters: dict, say: Callable[[str], None]) -> WarmupState:
+def warm_up_blocking(target_lm, drafters: dict, progress: Callable[[str], None]) -> WarmupState:
     """Compile or capture the decode steps of the target and every drafter before the first request."""
     started = time.perf_counter()
     if target_lm.mode in INDUCTOR_MODES:
-        say('warm-up: compiling the decode steps ({}) before serving; a cold compile cache ({}) takes minutes on '
+        progress('warm-up: compiling the decode steps ({}) before serving; a cold compile cache ({}) takes minutes on '
             'a small CPU'.format(target_lm.mode, compile_cache_dir()))
     elif target_lm.mode == 'cudagraph':
-        say('warm-up: capturing the decode steps as CUDA graphs')
-    graphs = target_lm.warmup(logits_to_keep=0, progress=say).graphs
+        progress('warm-up: capturing the decode steps as CUDA graphs')
+    graphs = target_lm.warmup(logits_to_keep=0, progress=progress).graphs
     for drafter in drafters.values():
-        graphs += drafter.warmup(say)
+        graphs += drafter.warmup(progress)
     return WarmupState('blocking', graphs, graphs, time.perf_counter() - started)
 
