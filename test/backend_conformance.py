@@ -57,7 +57,7 @@ class BackendConformance:
     def test_a_goal_streams_its_text_and_token_ids(self, conforming):
         deltas = []
         result = conforming.generate(GenerationRequest(prompt=PROMPT, max_new_tokens=12), on_delta=deltas.append)
-        assert result.finish_reason == 'length' and len(result.token_ids) == 12
+        assert result.finish_reason == 'length' and len(result.token_ids) == 12 and not result.structure_complete
         assert result.stats.new_tokens == 12 and result.stats.prompt_tokens > 0
         assert ''.join(d.text for d in deltas) == result.text
         assert [t for d in deltas for t in d.token_ids] == result.token_ids
@@ -132,7 +132,7 @@ class BackendConformance:
             result = conforming.generate(GenerationRequest(
                 prompt='Answer in JSON. ' + PROMPT, max_new_tokens=120, json_schema=json.dumps(SCHEMA),
                 json_free_whitespace=free_whitespace))
-            assert result.finish_reason == 'stop', (result.finish_reason, result.text)
+            assert result.finish_reason == 'stop' and result.structure_complete, (result.finish_reason, result.text)
             jsonschema.validate(json.loads(result.text), SCHEMA)
             if not free_whitespace:
                 assert ' ' not in result.text and '\n' not in result.text, result.text
@@ -141,6 +141,9 @@ class BackendConformance:
         result = conforming.generate(GenerationRequest(prompt='Yes or no? ' + PROMPT, max_new_tokens=8,
                                                        grammar=GRAMMAR))
         assert result.finish_reason == 'stop' and result.text in ('yes', 'no'), (result.finish_reason, result.text)
+        assert result.structure_complete
+        cut = conforming.generate(GenerationRequest(prompt=PROMPT, max_new_tokens=3, json_schema=json.dumps(SCHEMA)))
+        assert cut.finish_reason == 'length' and not cut.structure_complete  # the length limit came first
 
     def test_cancel_ends_the_goal_with_its_partial_text(self, conforming):
         cancel, deltas = CancelToken(), []

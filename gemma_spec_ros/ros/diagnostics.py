@@ -125,7 +125,7 @@ class GenerationMetrics:
     def snapshot(self) -> dict:
         with self._lock:
             window = list(self._window)
-            window = dict(self._counts, drafter_fallbacks=self._drafter_fallbacks,
+            figures = dict(self._counts, drafter_fallbacks=self._drafter_fallbacks,
                         last_warning=self._last_warning, goals_in_window=len(window))
         passes = sum(g['target_passes'] for g in window)
         drafted = sum(g['drafted'] for g in window)
@@ -133,14 +133,14 @@ class GenerationMetrics:
         gaps = [gap for g in window for gap in g['gaps']]
         ttfts = [g['ttft'] for g in window if is_known(g['ttft'])]
         waits = [g['queue_wait'] for g in window if is_known(g['queue_wait'])]
-        window.update(
+        figures.update(
             tau=tau(sum(g['tokens'] for g in window), passes),
             acceptance_rate=acceptance_rate(sum(g['accepted'] for g in window), drafted),
             tokens_per_second=tokens_per_second(sum(g['decode_tokens'] for g in window), decode_time),
             ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),
             queue_wait_p50=percentile(waits, 50), queue_wait_p95=percentile(waits, 95),
             itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
-        return window
+        return figures
 
 
 def _figure(value, digits=3) -> str:
@@ -148,7 +148,7 @@ def _figure(value, digits=3) -> str:
     return format_figure(value, '{{:.{}f}}'.format(digits))
 
 
-def fill_server_status(stat, status, window):
+def fill_server_status(stat, status, figures):
     """Fill the engine task of a server backend (VllmStatus): ERROR with the URL while the server is unreachable."""
     if not status.reachable:
         stat.summary(ERROR, status.error or 'vLLM server at {} is unreachable'.format(status.url))
@@ -162,13 +162,13 @@ def fill_server_status(stat, status, window):
             ('requests running', status.requests_running), ('requests waiting', status.requests_waiting),
             ('KV-cache usage', _figure(status.kv_cache_usage)),
             ('requests in flight (this node)', status.requests_in_flight),
-            ('tau (window)', _figure(window['tau'])),
+            ('tau (window)', _figure(figures['tau'])),
             ('tau (lifetime)', _figure(status.tau_lifetime)),
-            ('acceptance rate (window)', _figure(window['acceptance_rate'])),
+            ('acceptance rate (window)', _figure(figures['acceptance_rate'])),
             ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime))):
         stat.add(key, str(value))
-    if window['last_warning']:
-        stat.add('last warning', str(window['last_warning']))
+    if figures['last_warning']:
+        stat.add('last warning', str(figures['last_warning']))
     return stat
 
 
@@ -191,9 +191,9 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
     if state in ('unconfigured', 'inactive', 'shutdown') or status is None:
         stat.summary(WARN, error or 'not serving: the node is {}'.format(state))
         return stat
-    window = metrics.snapshot()
+    figures = metrics.snapshot()
     if status.backend != 'local':
-        return fill_server_status(stat, status, window)
+        return fill_server_status(stat, status, figures)
     disabled = {d.name: d for d in status.disabled_drafters}
     if status.drafter == 'none':
         speculation = 'off'
@@ -228,16 +228,16 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
             ('speculation', speculation), ('K', status.num_draft_tokens),
             ('draft cost ratio c', '{:.3f}'.format(status.draft_cost_ratio)),
             ('break-even tau', '{:.3f}'.format(status.break_even_tau)),
-            ('tau (window)', _figure(window['tau'])),
+            ('tau (window)', _figure(figures['tau'])),
             ('tau (lifetime)', _figure(status.tau_lifetime)),
-            ('acceptance rate (window)', _figure(window['acceptance_rate'])),
+            ('acceptance rate (window)', _figure(figures['acceptance_rate'])),
             ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime)),
-            ('drafter fallbacks', window['drafter_fallbacks'])):
+            ('drafter fallbacks', figures['drafter_fallbacks'])):
         stat.add(key, str(value))
     for drafter in disabled.values():
         stat.add('disabled drafter ' + drafter.name, '{} {}: {}'.format(drafter.role, drafter.path, drafter.cause))
-    if window['last_warning']:
-        stat.add('last warning', str(window['last_warning']))
+    if figures['last_warning']:
+        stat.add('last warning', str(figures['last_warning']))
     return stat
 
 
@@ -248,29 +248,29 @@ def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inte
 
     Time to first token is measured from the goal's acceptance, queue wait included, as the planner waits.
     """
-    window = metrics.snapshot()
+    figures = metrics.snapshot()
     limit = '' if queue_limit is None else ' of {}'.format(queue_limit)
     stat.summary(OK, 'generating, {}{} waiting'.format(queued, limit) if running else 'idle')
-    if ttft_budget > 0 and window['goals_in_window'] and window['ttft_p95'] > ttft_budget:
+    if ttft_budget > 0 and figures['goals_in_window'] and figures['ttft_p95'] > ttft_budget:
         stat.mergeSummary(WARN, 'time to first token p95 {:.3f} s (queue wait p95 {:.3f} s) over budget {:.3f} s'
-                          .format(window['ttft_p95'], window['queue_wait_p95'], ttft_budget))
-    if inter_token_latency_budget > 0 and window['itl_p95'] > inter_token_latency_budget:
+                          .format(figures['ttft_p95'], figures['queue_wait_p95'], ttft_budget))
+    if inter_token_latency_budget > 0 and figures['itl_p95'] > inter_token_latency_budget:
         stat.mergeSummary(WARN, 'inter-token latency p95 {:.3f} s over budget {:.3f} s'.format(
-            window['itl_p95'], inter_token_latency_budget))
+            figures['itl_p95'], inter_token_latency_budget))
     for key, value in (
             ('queue depth', queued), ('queue limit', '-' if queue_limit is None else queue_limit),
             ('running', running),
-            ('decode tokens/s', _figure(window['tokens_per_second'], 2)),
-            ('queue wait p50 (s)', _figure(window['queue_wait_p50'], 4)),
-            ('queue wait p95 (s)', _figure(window['queue_wait_p95'], 4)),
-            ('time to first token p50 (s)', _figure(window['ttft_p50'], 4)),
-            ('time to first token p95 (s)', _figure(window['ttft_p95'], 4)),
-            ('inter-token latency p50 (s)', _figure(window['itl_p50'], 4)),
-            ('inter-token latency p95 (s)', _figure(window['itl_p95'], 4)),
-            ('goals in window', window['goals_in_window'])):
+            ('decode tokens/s', _figure(figures['tokens_per_second'], 2)),
+            ('queue wait p50 (s)', _figure(figures['queue_wait_p50'], 4)),
+            ('queue wait p95 (s)', _figure(figures['queue_wait_p95'], 4)),
+            ('time to first token p50 (s)', _figure(figures['ttft_p50'], 4)),
+            ('time to first token p95 (s)', _figure(figures['ttft_p95'], 4)),
+            ('inter-token latency p50 (s)', _figure(figures['itl_p50'], 4)),
+            ('inter-token latency p95 (s)', _figure(figures['itl_p95'], 4)),
+            ('goals in window', figures['goals_in_window'])):
         stat.add(key, str(value))
     for outcome in GenerationMetrics.OUTCOMES:
-        stat.add('goals ' + outcome, str(window[outcome]))
+        stat.add('goals ' + outcome, str(figures[outcome]))
     return stat
 
 

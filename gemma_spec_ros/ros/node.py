@@ -5,12 +5,12 @@ The node only adapts ROS to the Backend interface: parameters come from the engi
 action and its worker live in goal_server.py (goals pass a ROS-free queue, goal_queue.py), messages are converted
 in conversions.py, and failures end goals with the reason in ``result.error``.
 
-Lifecycle (REP-2010): configure opens the backend (loads the models, starts the warm-up), activate serves goals,
-deactivate refuses new goals (the running one finishes, or is cancelled with lifecycle.on_deactivate cancel),
-cleanup lets go of the backend and its memory, shutdown ends everything from any state. A fault that leaves the
-backend unable to serve (out of memory on the device) takes the node through error processing, which cleans up.
-With lifecycle.autostart (the default) the node configures and activates itself once it spins. /diagnostics
-publish in every state.
+Lifecycle (a ROS 2 managed node): configure opens the backend (loads the models, starts the warm-up), activate
+serves goals, deactivate refuses new goals (the running one finishes, or is cancelled with lifecycle.on_deactivate
+cancel), cleanup lets go of the backend and its memory, shutdown ends everything from any state. A fault that
+leaves the backend unable to serve (out of memory on the device) takes the node through error processing, which
+cleans up. With lifecycle.autostart (the default) the node configures and activates itself once it spins.
+/diagnostics publish in every state.
 """
 
 import time
@@ -143,7 +143,8 @@ class GemmaSpecNode(LifecycleNode):
         return super().on_deactivate(state)
 
     def on_cleanup(self, state) -> TransitionCallbackReturn:
-        self._release_backend(CLEANED_UP_REASON.format(self.get_fully_qualified_name()))
+        self._release_backend('node failed: {}'.format(self._fault) if self._fault else
+                              CLEANED_UP_REASON.format(self.get_fully_qualified_name()))
         self._lifecycle = 'unconfigured'
         return TransitionCallbackReturn.SUCCESS
 
@@ -169,7 +170,9 @@ class GemmaSpecNode(LifecycleNode):
     def _process_fault(self):
         self.destroy_timer(self._fault_timer)
         if self.lifecycle_state == 'active':
-            self.trigger_deactivate()
+            self.trigger_deactivate()  # its callback returns ERROR: error processing cleans up
+        elif self.lifecycle_state == 'inactive':  # a goal that finished after deactivate: no error transition left
+            self.trigger_cleanup()
 
     def _release_backend(self, reason: str) -> None:
         """End every goal with reason, close the backend and let go of it; log the process memory freed."""

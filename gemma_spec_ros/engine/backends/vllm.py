@@ -300,6 +300,8 @@ class VllmBackend(Backend):
         stats = self._stats(collected, new_tokens, started, finished)
         result = VllmResult(''.join(collected.pieces), collected.token_ids, finish_reason, stats, error=error,
                             request_id=collected.request_id)
+        # the server's structured outputs allow EOS only where the grammar is complete: an EOS stop completed it
+        result.structure_complete = bool(plan.grammar) and finish_reason == 'stop' and not collected.stop_string
         if after is not None or self.drafter == 'none':
             self._fill_speculation(result, before, after, new_tokens, overlapped or after is None or after.busy)
         return result

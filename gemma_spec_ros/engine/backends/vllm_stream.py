@@ -36,6 +36,7 @@ class Collected:
     completion_tokens: int = UNKNOWN_INT
     finish_reason: str = ''
     server_reason: str = ''          # vLLM's finish_reason when it is not one of ours
+    stop_string: str = ''            # the stop string that ended the text ('' when EOS or the length did)
     request_id: str = ''
 
 class _CancelWatch:
@@ -178,6 +179,8 @@ class ServerClient:
             if reason:
                 collected.finish_reason = _FINISH_REASONS.get(reason, '')
                 collected.server_reason = reason
+                stop_reason = choice.get('stop_reason')  # the matched stop string, a stop token id, or None (EOS)
+                collected.stop_string = stop_reason if isinstance(stop_reason, str) else ''
             if not text and not token_ids:
                 continue
             collected.pieces.append(text)
