@@ -120,7 +120,7 @@ def test_bad_options_exit_with_message(capsys, tiny_models):
                  '--assistant', tiny_models.assistant]) == 2
     assert 'K values must be >= 1' in capsys.readouterr().err
     assert main(['--quick', '--compile', 'auto,fast', '--target', tiny_models.target]) == 2
-    assert ('--compile must list distinct modes of auto, inductor, inductor-gemm, cudagraph, eager, off'
+    assert ('--compile must list distinct modes of auto, inductor, inductor-gemm, cudagraph, eager, transformers'
             in capsys.readouterr().err)
     assert main(['--quick', '--vllm-ks', '0', '--target', tiny_models.target]) == 2
     assert '--vllm-ks values must be >= 1' in capsys.readouterr().err

@@ -39,30 +39,32 @@ def _children_mib(process: psutil.Process) -> float:
 class LifecycleDriver:
     """The node's change_state and get_state services, called from this process."""
 
-    def __init__(self, node, name: str):
+    def __init__(self, node, name: str, process: subprocess.Popen):
         self._change = node.create_client(ChangeState, '/{}/change_state'.format(name))
         self._get = node.create_client(GetState, '/{}/get_state'.format(name))
+        self._process = process
 
     def wait(self, timeout: float) -> bool:
         return self._change.wait_for_service(timeout_sec=timeout) and self._get.wait_for_service(timeout_sec=timeout)
 
     def change(self, transition_id: int, timeout: float = 900.0) -> None:
-        response = _call(self._change, ChangeState.Request(transition=Transition(id=transition_id)), timeout)
+        response = self._call(self._change, ChangeState.Request(transition=Transition(id=transition_id)), timeout)
         if not response.success:
-            raise RuntimeError('transition {} failed: see the node log'.format(transition_id))
+            raise RuntimeError('transition {} failed'.format(transition_id))
 
     def state(self) -> str:
-        return _call(self._get, GetState.Request(), 30.0).current_state.label
+        return self._call(self._get, GetState.Request(), 30.0).current_state.label
 
-
-def _call(client, request, timeout: float):
-    future = client.call_async(request)
-    deadline = time.monotonic() + timeout
-    while not future.done():
-        if time.monotonic() > deadline:
-            raise TimeoutError('no answer from {} within {} s'.format(client.srv_name, timeout))
-        time.sleep(0.02)
-    return future.result()
+    def _call(self, client, request, timeout: float):
+        future = client.call_async(request)
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            if self._process.poll() is not None:
+                raise RuntimeError('the node exited with code {}'.format(self._process.returncode))
+            if time.monotonic() > deadline:
+                raise TimeoutError('no answer from {} within {} s'.format(client.srv_name, timeout))
+            time.sleep(0.02)
+        return future.result()
 
 
 def main(argv=None) -> int:
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     rclpy.init()
     node = rclpy.create_node('lifecycle_memory_driver')
     spinner = BackgroundSpinner(node)
-    driver = LifecycleDriver(node, NODE_NAME)
+    driver = LifecycleDriver(node, NODE_NAME, node_process)
     client = GenerateClient('/{}/generate'.format(NODE_NAME), 'lifecycle_memory_client')
     rows = []
 
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
 
     try:
         if not driver.wait(120):
-            raise RuntimeError('the node did not come up; see {}'.format(log_path))
+            raise RuntimeError('the node did not come up')
         measure('started')
         for cycle in range(1, args.cycles + 1):
             started = time.monotonic()
@@ -118,6 +120,9 @@ def main(argv=None) -> int:
         driver.change(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
         measure('shut down')
         return 0
+    except (RuntimeError, TimeoutError) as error:
+        print('lifecycle_memory: {} (node log: {})'.format(error, log_path), file=sys.stderr)
+        return 1
     finally:
         client.close()
         spinner.stop()
