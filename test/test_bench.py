@@ -244,7 +244,7 @@ def test_peer_ratios():
     assert ratios['our plain vs transformers eager plain'].value == pytest.approx(1.5)
     assert ratios['our plain vs transformers static+compile plain'].value == pytest.approx(1.2)
     assert ratios['our plain vs vLLM plain'].value == pytest.approx(2.0)
-    assert ratios['ours-off plain vs our plain'].value == pytest.approx(20 / 30)
+    assert ratios['ours-transformers plain vs our plain'].value == pytest.approx(20 / 30)
     best = ratios["our best speculative vs vLLM's best speculative"]
     assert (best.numerator, best.denominator, best.value) == ('ours/draft/adaptive', 'vllm/ngram/K2',
                                                               pytest.approx(60 / 16))
@@ -252,7 +252,7 @@ def test_peer_ratios():
     assert (same.denominator, same.value) == ('hf-static/draft/K2', pytest.approx(1.5))
     assert ratios['our best speculative vs our plain'].value == pytest.approx(2.0)
     # Our rows compare with plain decoding in their own compile mode, peers with "our plain".
-    assert summary.cell('ours-off/draft/K2').speedup_vs_ours_plain == pytest.approx(2.5)
+    assert summary.cell('ours-transformers/draft/K2').speedup_vs_ours_plain == pytest.approx(2.5)
     assert summary.cell('vllm/none').speedup_vs_ours_plain == pytest.approx(0.5)
     # A peer that was not measured leaves its ratio empty.
     summary = summarize(systems[:7], [_timed(s, 'code', rates[s]) for s in systems[:7]], ['code'], probe)

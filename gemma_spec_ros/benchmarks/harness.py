@@ -99,7 +99,7 @@ class Measurement:
 class Startup:
     """What a family costs before its first measured token."""
 
-    name: str                      # system prefix: ours, ours-off, hf, hf-static, or a vllm server's system
+    name: str                      # system prefix: ours, ours-transformers, hf, hf-static, or a vllm server's system
     load_s: float                  # engine load / model loading / server start until it answers
     first_call_s: float            # first full-length generation (compile, capture, one-time initialization)
     note: str = ''

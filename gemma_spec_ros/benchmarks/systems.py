@@ -39,7 +39,7 @@ class System:
 
     @property
     def prefix(self) -> str:
-        """The family, for ours with the compile mode unless it is auto: ours, ours-off, ours-eager, ..."""
+        """The family, for ours with the compile mode unless it is auto: ours, ours-transformers, ours-eager, ..."""
         if self.family == 'ours' and self.compile not in ('', 'auto'):
             return 'ours-' + self.compile
         return self.family
