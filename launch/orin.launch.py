@@ -54,8 +54,8 @@ def generate_launch_description():
         DeclareLaunchArgument('drafter', default_value='',
                               description="override engine.drafter: none|mtp|draft|ngram ('' = keep the file's)"),
         DeclareLaunchArgument('compile', default_value='',
-                              description='override engine.compile: auto|inductor|inductor-gemm|cudagraph|eager|off '
-                                          "('' = keep the file's)"),
+                              description='override engine.compile: auto|inductor|inductor-gemm|cudagraph|eager|'
+                                          "transformers ('' = keep the file's)"),
         DeclareLaunchArgument('warmup', default_value='',
                               description='override engine.warmup: background (serve at once on eager steps) | '
                                           "blocking (compile before serving) | off ('' = keep the file's)"),

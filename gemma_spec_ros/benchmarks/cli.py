@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--quick', action='store_true', help='short smoke run: 1 prompt per category, K=2, 16 tokens')
     parser.add_argument('--compile', default='auto', metavar='MODES',
                         help='comma-separated engine compile modes, one engine each: auto, inductor, inductor-gemm, '
-                             "cudagraph, eager, off; the first is \"ours\", the others ours-MODE (default auto)")
+                             'cudagraph, eager, transformers; the first is "ours", the others ours-MODE '
+                             '(default auto)')
     parser.add_argument('--no-hf-static', action='store_true',
                         help="leave out transformers' static cache + torch.compile rows (their compile takes minutes "
                              'on a CPU)')
