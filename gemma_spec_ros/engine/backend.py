@@ -1,7 +1,7 @@
 """
 The backend interface: what serves a goal, whether the local speculative engine or a vLLM server.
 
-The ROS node and its diagnostics see only this interface (open_backend picks the implementation from
+The ROS node and its diagnostics see only this interface (factory.open_backend picks the implementation from
 engine.backend). Every backend takes the same GenerationRequest and either honours each field or refuses it in
 validate() with a ValueError that names the field; its results carry the same GenerationStats, with tau and
 acceptance as engine.stats defines them.
@@ -12,10 +12,9 @@ import ctypes
 import ctypes.util
 import gc
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from .types import CancelToken, DeltaCallback, EngineConfig, EngineStatus, GenerationRequest, GenerationResult
+from .types import CancelToken, DeltaCallback, EngineStatus, GenerationRequest, GenerationResult
 
 
 @dataclass(frozen=True)
@@ -80,22 +79,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop background work (a warm-up); goals already running finish."""
-
-
-def open_backend(config: EngineConfig, vllm=None, progress: Callable[[str], None] | None = None) -> Backend:
-    """
-    Open the backend config.backend names.
-
-    'local' loads the models here (minutes with a cold compile cache); 'vllm' connects lazily to the server vllm
-    (a VllmConfig) names and is ready at once.
-    """
-    if config.backend == 'vllm':
-        from .backends.vllm import VllmBackend, VllmConfig
-
-        return VllmBackend(config, vllm if vllm is not None else VllmConfig())
-    from .decoding.engine import Engine
-
-    return Engine.from_config(config, progress=progress, tolerate_drafter_errors=True)
 
 
 def is_fatal_error(error: BaseException) -> bool:

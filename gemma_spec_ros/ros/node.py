@@ -20,7 +20,8 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.lifecycle import LifecycleNode, LifecycleNodeMixin, TransitionCallbackReturn
 from rclpy.node import Node
 
-from gemma_spec_ros.engine.backend import open_backend, release_memory
+from gemma_spec_ros.engine.backend import release_memory
+from gemma_spec_ros.engine.factory import open_backend
 from gemma_spec_ros.engine.stats import mib, read_process_memory
 from gemma_spec_ros.ros import diagnostics, parameters
 from gemma_spec_ros.ros.goal_queue import GoalQueue

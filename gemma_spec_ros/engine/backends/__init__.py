@@ -1,7 +1,7 @@
 """
 Backends other than the local engine, behind engine/backend.py's Backend interface.
 
-The local backend is decoding.Engine (engine/decoding/engine.py); open_backend (engine/backend.py) picks one.
+The local backend is decoding.Engine (engine/decoding/engine.py); open_backend (engine/factory.py) picks one.
 
 - vllm.py: VllmBackend, a vLLM server over its OpenAI-compatible streaming API; VllmConfig, VllmPlan, VllmResult,
   VllmStatus. No torch at module level (grammar only for a constrained goal).
