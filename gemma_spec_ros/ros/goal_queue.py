@@ -336,22 +336,10 @@ class GoalQueue:
 
     def wait_until_idle(self, timeout: float) -> bool:
         """Wait until no goal runs; False on timeout."""
-        deadline = time.monotonic() + timeout
         with self._lock:
-            while self._running is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._lock.wait(remaining)
-            return True
+            return self._lock.wait_for(lambda: self._running is None, timeout)
 
     def wait_until_released(self, timeout: float) -> bool:
         """Wait until every admitted goal's execute callback returned; False on timeout."""
-        deadline = time.monotonic() + timeout
         with self._lock:
-            while self._admitted > 0:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._lock.wait(remaining)
-            return True
+            return self._lock.wait_for(lambda: self._admitted <= 0, timeout)
