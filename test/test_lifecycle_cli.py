@@ -25,7 +25,8 @@ from gemma_spec_ros.tools.client import GenerateClient, make_goal
 DOMAIN_ID = 11 + (os.getpid() + 47) % 80
 ENV = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST')
 NODE = '/gemma_spec'
-DISCOVERY_ATTEMPTS = 3  # a CLI call that has not discovered the node yet says 'Node not found'
+DISCOVERY_ATTEMPTS = 6  # a CLI call that has not discovered the node yet says 'Node not found'
+DISCOVERY_SECONDS = '4'  # how long each CLI call waits to discover nodes; a loaded 2-core machine needs more than 2
 PROMPT = 'The robot picked up the red cube and'
 OUTPUT = LaunchOutput()
 
@@ -33,7 +34,7 @@ OUTPUT = LaunchOutput()
 def lifecycle(verb, *args) -> str:
     """Run `ros2 lifecycle VERB ...` without the ros2 daemon (it discovers the node itself); its output."""
     for _ in range(DISCOVERY_ATTEMPTS):
-        code, output = run_ros2(ENV, 'lifecycle', verb, '--no-daemon', '--spin-time', '2', *args, timeout=180)
+        code, output = run_ros2(ENV, 'lifecycle', verb, '--no-daemon', '--spin-time', DISCOVERY_SECONDS, *args, timeout=180)
         if 'Node not found' not in output and (verb != 'nodes' or NODE in output):
             break
     assert code == 0, output
