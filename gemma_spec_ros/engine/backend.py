@@ -26,6 +26,7 @@ class Capabilities:
     num_draft_tokens_per_goal: bool     # a goal may pin K (num_draft_tokens); else only 0 (the backend's K)
     structured_output: bool = True      # json_schema, grammar and json_free_whitespace
     loads_models: bool = True           # opening it loads models into this process (seconds to minutes)
+    max_concurrent_goals: int = 1       # generate() calls it serves at once (from several threads); more wait
 
 
 class Backend(abc.ABC):

@@ -94,6 +94,8 @@ class EngineConfig:
                              'steps, each graph takes over when ready), blocking (all before the first request: '
                              'minutes with a cold compile cache) or off (each on first use, inside that request)',
                              choices=WARMUP_POLICIES)
+    max_batch: int = config_field(1, 'goals decoded together (continuous batching: a goal joins and leaves at a round '
+                                'boundary); 1 = one goal at a time', limits=(1, 64))
     context_limit: int = config_field(4096, 'most tokens (prompt + generated) of one request; the static KV cache is '
                                     "preallocated for it (at most the model's max_position_embeddings)",
                                     limits=(16, INT32_MAX))
