@@ -266,3 +266,153 @@ def test_cleanup_ends_every_goal_and_configure_starts_over():
     assert queue.register(b'b').error == 'node cleaned up'
     assert queue.set_loading() and queue.set_ready()
     accept(queue, b'c')
+
+
+def serving_queue(max_running, **kwargs):
+    queue = GoalQueue(**kwargs)
+    queue.set_loading()
+    queue.set_ready()
+    assert queue.set_max_running(max_running) == max_running
+    return queue
+
+
+def take_in_thread(queue):
+    """Start a worker's take(); return (thread, list that receives the job)."""
+    taken = []
+    thread = threading.Thread(target=lambda: taken.append(queue.take()), daemon=True)
+    thread.start()
+    return thread, taken
+
+
+def test_two_goals_run_at_once_and_the_third_waits_for_a_slot():
+    queue = serving_queue(2, max_waiting=1)
+    jobs = [accept(queue, key) for key in (b'1', b'2', b'3')]
+    busy = queue.register(b'4')
+    assert busy.finish_reason == 'busy' and busy.error.startswith('busy: 3 of 3 slots taken (2 running + up to '
+                                                                  'queue.max_length 1 waiting)')
+    for job in jobs:
+        queue.enqueue(job)
+    assert queue.take() is jobs[0] and queue.take() is jobs[1] and queue.depth() == (1, 2)
+    worker, taken = take_in_thread(queue)
+    worker.join(0.2)
+    assert worker.is_alive() and not taken            # both slots are held
+    queue.finished(jobs[1])
+    worker.join(5)
+    assert taken == [jobs[2]] and queue.depth() == (0, 2)
+    assert jobs[1].done.is_set() and not jobs[0].done.is_set()
+
+
+def test_fair_admission_picks_who_runs_in_each_slot():
+    queue = serving_queue(2, max_waiting=4)
+    jobs = [accept(queue, key, client) for key, client in
+            ((b'a1', 'a'), (b'a2', 'a'), (b'a3', 'a'), (b'b1', 'b'), (b'c1', 'c'))]
+    for job in jobs:
+        queue.enqueue(job)
+    first, second = queue.take(), queue.take()
+    assert [first.key, second.key] == [b'a1', b'b1']   # one slot each, not both to the client that came first
+    queue.finished(first)
+    assert queue.take().key == b'c1'
+    queue.finished(second)
+    assert queue.take().key == b'a2'
+
+
+def test_cancel_of_one_running_goal_leaves_the_others():
+    queue = serving_queue(2)
+    first, second, waiting = accept(queue, b'1'), accept(queue, b'2'), accept(queue, b'3')
+    for job in (first, second, waiting):
+        queue.enqueue(job)
+    assert queue.take() is first and queue.take() is second
+    queue.cancel(b'1')
+    assert first.cancel.cancelled and not first.done.is_set()
+    assert not second.cancel.cancelled and second.error == '' and not waiting.done.is_set()
+    queue.finished(first)                             # the worker ended it within a round
+    assert queue.take() is waiting and not second.cancel.cancelled
+
+
+def test_time_limit_and_orphans_stop_only_their_running_goal():
+    queue = serving_queue(2)
+    old, young = accept(queue, b'1', listeners={b'gone'}, now=0.0), accept(queue, b'2', listeners={b'me'}, now=5.0)
+    queue.enqueue(old)
+    queue.enqueue(young)
+    assert queue.take() is old and queue.take() is young
+    assert queue.drop_orphans({b'me'}, now=LISTENER_GRACE + 6.0) == [old]
+    assert old.cancel.cancelled and not young.cancel.cancelled
+    assert queue.expire(10.0, now=16.0) == [young] and young.finish_reason == 'timeout'
+
+
+def test_preempt_with_several_slots_takes_the_oldest_running_goal_only_when_all_are_held():
+    queue = serving_queue(2, policy='preempt')
+    first, second, third, fourth = (accept(queue, key) for key in (b'1', b'2', b'3', b'4'))
+    queue.enqueue(first)
+    assert queue.take() is first
+    queue.enqueue(second)                             # a slot is free: nothing is preempted
+    assert not first.preempted and queue.take() is second
+    queue.enqueue(third)                              # both slots held: the oldest running goal makes room
+    assert first.preempted and first.cancel.cancelled and first.error == PREEMPTED_REASON
+    assert not second.cancel.cancelled and queue.take() is third   # first only ends its round
+    queue.enqueue(fourth)
+    assert second.preempted and not third.cancel.cancelled and queue.take() is fourth
+    assert queue.depth() == (0, 4)
+    for job in (first, second):
+        queue.finished(job)
+    assert queue.depth() == (0, 2)
+
+
+def test_preempt_spares_running_goals_that_are_already_stopping():
+    queue = serving_queue(2, policy='preempt')
+    first, second, newest = accept(queue, b'1'), accept(queue, b'2'), accept(queue, b'3')
+    for job in (first, second):   # one at a time: under preempt a new goal aborts the waiting ones
+        queue.enqueue(job)
+        assert queue.take() is job
+    queue.cancel(b'2')                                # its slot frees within a round
+    queue.enqueue(newest)
+    assert not first.preempted and not first.cancel.cancelled and not second.preempted
+    queue.finished(second)
+    assert queue.take() is newest
+
+
+def test_shutdown_and_deactivate_end_every_running_goal():
+    for stop in ('shutdown', 'finish', 'cancel'):
+        queue = serving_queue(2)
+        jobs = [accept(queue, key) for key in (b'1', b'2', b'3')]
+        for job in jobs:
+            queue.enqueue(job)
+        running = [queue.take(), queue.take()]
+        if stop == 'shutdown':
+            queue.shutdown()
+        else:
+            queue.set_inactive('node is inactive', cancel_running=stop == 'cancel')
+        reason = SHUTDOWN_REASON if stop == 'shutdown' else 'node is inactive'
+        assert jobs[2].done.is_set() and jobs[2].error == reason
+        assert all(job.cancel.cancelled == (stop != 'finish') for job in running)
+        assert all(job.error == ('' if stop == 'finish' else reason) for job in running)
+        assert not queue.wait_until_idle(0.05)        # waits for both running goals
+        queue.finished(running[0])
+        assert not queue.wait_until_idle(0.05)
+        queue.finished(running[1])
+        assert queue.wait_until_idle(1.0)
+
+
+def test_shutdown_wakes_every_waiting_worker():
+    queue = serving_queue(3)
+    workers = [take_in_thread(queue) for _ in range(3)]
+    queue.shutdown()
+    for thread, taken in workers:
+        thread.join(5)
+        assert taken == [None]
+
+
+def test_fewer_slots_let_the_running_goals_finish_before_the_next_starts():
+    queue = serving_queue(2)
+    jobs = [accept(queue, key) for key in (b'1', b'2', b'3')]
+    for job in jobs:
+        queue.enqueue(job)
+    running = [queue.take(), queue.take()]
+    assert queue.set_max_running(1) == 1 and queue.set_max_running(0) == 1   # at least one slot
+    worker, taken = take_in_thread(queue)
+    queue.finished(running[0])
+    worker.join(0.2)
+    assert worker.is_alive() and not taken and not running[1].cancel.cancelled
+    queue.finished(running[1])
+    worker.join(5)
+    assert taken == [jobs[2]]

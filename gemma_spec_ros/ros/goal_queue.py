@@ -1,17 +1,23 @@
 """
 The node's goal queue, free of ROS: fair admission, FIFO or preemption, cancels, time limits, orphaned goals.
 
-One goal runs at a time (the engine serves one generation at a time); up to ``max_waiting`` wait behind it. Every
-goal is accepted; one that finds the queue full ends at once as busy (``Job.finish_reason == 'busy'``).
+Up to ``max_running`` goals run at once (the backend's ``Capabilities.max_concurrent_goals``: 1 for an engine that
+serves one generation at a time, more for one that batches); up to ``max_waiting`` wait behind them. Every goal is
+accepted; one that finds the queue full ends at once as busy (``Job.finish_reason == 'busy'``).
 
 Fair admission (clients named by the goal's ``client_id``): a client refused as busy holds a claim for
 ``fair_claim`` seconds after its last refusal. A free slot goes to the claims in the order they were made, so a
 client that just got its result cannot take the slot back ahead of clients that were refused; it queues a claim
 of its own. Waiting goals run round-robin: the next goal is the oldest one of the client that started a goal
-least recently. Goals without a client_id count as one anonymous client.
+least recently. Goals without a client_id count as one anonymous client. Each running goal is on its own: a
+cancel, a time limit or an orphaned client stops that goal and leaves the others running.
 
-The node maps ActionServer callbacks onto these calls; the worker thread takes goals with ``take`` and a timer
-calls ``expire`` and ``drop_orphans``.
+Preemption (policy 'preempt'): a new goal aborts every waiting goal and, when every running slot is held by a goal
+that is not already stopping, the running goal that started first. The preempted goal hands its slot to the new
+goal at once and stops within a round. With one slot that is nav2's rule: the new goal replaces the running one.
+
+The node maps ActionServer callbacks onto these calls; its worker threads (one per running slot) take goals with
+``take`` and a timer calls ``expire`` and ``drop_orphans``.
 """
 
 import threading
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from gemma_spec_ros.engine.types import CancelToken
 
 HARD_LIMIT = 16   # waiting goals under the preempt policy, so that executor threads never run out
+MAX_RUNNING_LIMIT = 64   # running slots at most (engine.max_batch's limit): each holds an executor thread too
 SHUTDOWN_REASON = 'node is shutting down'
 PREEMPTED_REASON = 'preempted by a newer goal (queue.policy preempt)'
 ORPHANED_REASON = ('no client is left to receive this goal: every feedback and status subscriber present when it '
@@ -38,7 +45,7 @@ class Job:
     handle: object = None                        # the ActionServer's goal handle (opaque here)
     client: str = ''                             # the goal's client_id ('' = anonymous)
     accepted_at: float = field(default_factory=time.monotonic)
-    started_at: float = 0.0                      # when the worker took it (0 = it never ran)
+    started_at: float = 0.0                      # when a worker took it (0 = it never ran)
     admitted: bool = False                       # holds a queue slot (False: refused as busy or shutting down)
     listeners: set = field(default_factory=set)  # graph endpoints (gids) that may receive the goal
     cancel: CancelToken = field(default_factory=CancelToken)
@@ -68,6 +75,7 @@ class GoalQueue:
 
     def __init__(self, max_waiting: int = 4, policy: str = 'fifo', fair_claim: float = 2.0):
         self.max_waiting = max_waiting
+        self.max_running = 1              # goals that run at once: set_max_running
         self.policy = policy
         self.fair_claim = fair_claim
         self._lock = threading.Condition()
@@ -75,7 +83,7 @@ class GoalQueue:
         self.reason = ''                  # why goals are refused (failed, inactive, shutting down)
         self._admitted = 0                # admitted goals whose execute callback has not returned
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: list[Job] = []     # in the order they started
         self._jobs: dict[bytes, Job] = {}
         self._early_cancels: set[bytes] = set()
         self._claims: dict[str, float] = {}       # client -> last busy refusal, in the order claims were made
@@ -105,8 +113,19 @@ class GoalQueue:
             if self.state == 'loading':
                 self.state, self.reason = 'inactive', reason
 
+    def set_max_running(self, slots: int) -> int:
+        """
+        Run up to slots goals at once (1..MAX_RUNNING_LIMIT); return the number set.
+
+        Fewer slots than goals running now: those finish, and no goal starts until the running ones fit.
+        """
+        with self._lock:
+            self.max_running = max(1, min(int(slots), MAX_RUNNING_LIMIT))
+            self._lock.notify_all()   # a larger number lets waiting goals start at once
+            return self.max_running
+
     def set_inactive(self, reason: str, cancel_running: bool) -> None:
-        """Stop serving (deactivate): new and waiting goals end with reason; the running one finishes or stops."""
+        """Stop serving (deactivate): new and waiting goals end with reason; running goals finish or stop."""
         self._stop_serving('inactive', reason, cancel_running)
 
     def set_unconfigured(self, reason: str) -> None:
@@ -124,15 +143,15 @@ class GoalQueue:
             self.state, self.reason = state, reason
             waiting = list(self._waiting)
             self._waiting.clear()
-            if self._running is not None and cancel_running:
-                self._running.stop(reason, 'cancelled')
+            for job in self._running if cancel_running else ():
+                job.stop(reason, 'cancelled')
             self._lock.notify_all()
         for job in waiting:
             job.finish(reason)
 
     @property
     def limit(self) -> int:
-        """Goals that may wait behind the running one now."""
+        """Goals that may wait behind the running ones now."""
         return self.max_waiting if self.policy == 'fifo' else HARD_LIMIT
 
     # ---- ActionServer callbacks
@@ -179,7 +198,7 @@ class GoalQueue:
         for other, refused_at in list(self._claims.items()):
             if now - refused_at > self.fair_claim:
                 del self._claims[other]
-        capacity = 1 + self.limit
+        capacity = self.max_running + self.limit
         free = capacity - self._admitted
         ahead = []
         for other in self._claims:
@@ -190,8 +209,8 @@ class GoalQueue:
             return ''
         if self.fair_claim > 0:
             self._claims[client] = now   # a client that already claims keeps its place
-        taken = '{} of {} slots taken (1 running + up to queue.max_length {} waiting)'.format(
-            self._admitted, capacity, self.limit)
+        taken = '{} of {} slots taken ({} running + up to queue.max_length {} waiting)'.format(
+            self._admitted, capacity, self.max_running, self.limit)
         if free <= 0:
             return 'busy: {}; retry later'.format(taken)
         return 'busy: {}, and the free slot is held for {} client(s) refused earlier (queue.fair_claim {:g} s); ' \
@@ -202,7 +221,7 @@ class GoalQueue:
             return self._jobs[key]
 
     def cancel(self, key: bytes) -> None:
-        """Cancel a goal: a waiting goal leaves the queue, the running one stops within a round."""
+        """Cancel a goal: a waiting goal leaves the queue, a running one stops within a round (the others run on)."""
         with self._lock:
             job = self._jobs.get(key)
             if job is None:
@@ -225,19 +244,22 @@ class GoalQueue:
                 job.finish(refusal)
                 return
             if self.policy == 'preempt':
-                self._preempt_all()
+                self._preempt()
             self._waiting.append(job)
             self._lock.notify_all()
 
-    def _preempt_all(self) -> None:
-        """Abort the running and waiting goals in favour of a newer one (lock held)."""
-        for other in list(self._waiting) + ([self._running] if self._running else []):
+    def _preempt(self) -> None:
+        """Make room for a newer goal: abort the waiting goals and, when no slot frees otherwise, the oldest running."""
+        # a goal already stopping (cancelled, timed out, preempted) leaves its slot within a round on its own
+        going_on = [job for job in self._running if not job.cancel.cancelled]
+        oldest = going_on[0] if len(going_on) >= self.max_running else None
+        for other in list(self._waiting) + ([oldest] if oldest is not None else []):
             other.preempted = True
             other.cancel.cancel()
         while self._waiting:
             self._waiting.popleft().finish(PREEMPTED_REASON)
-        if self._running is not None:
-            self._running.error = PREEMPTED_REASON
+        if oldest is not None:
+            oldest.error = PREEMPTED_REASON
 
     def release(self, key: bytes) -> None:
         """Forget a goal whose execute callback returned."""
@@ -289,12 +311,12 @@ class GoalQueue:
             self._waiting.remove(job)
             job.finish()
 
-    # ---- worker
+    # ---- workers
     def take(self) -> Job | None:
-        """Block until a goal may run (engine ready) and return it (round-robin by client); None once shut down."""
+        """Block until a goal may run (engine ready, a slot free); return it (round-robin by client); None at end."""
         with self._lock:
-            while self.state != 'shutdown' and not (self.state == 'ready' and self._waiting):
-                self._lock.wait()
+            self._lock.wait_for(lambda: self.state == 'shutdown' or (
+                self.state == 'ready' and self._waiting and self._slots_taken() < self.max_running))
             if self.state == 'shutdown':
                 return None
             job = min(self._waiting, key=lambda j: (self._last_start.get(j.client, float('-inf')), j.accepted_at))
@@ -303,33 +325,37 @@ class GoalQueue:
             self._last_start[job.client] = job.started_at
             if len(self._last_start) > MAX_REMEMBERED_CLIENTS:
                 del self._last_start[min(self._last_start, key=self._last_start.get)]
-            self._running = job
+            self._running.append(job)
             return job
 
+    def _slots_taken(self) -> int:
+        """Count the slots held (lock held): a preempted goal gave its slot to the newer one and only ends its round."""
+        return sum(not job.preempted for job in self._running)
+
     def finished(self, job: Job) -> None:
-        """Mark the running job done."""
+        """Mark a running job done: its slot is free."""
         with self._lock:
-            self._running = None
+            self._running.remove(job)
             self._lock.notify_all()
         job.finish()
 
-    def depth(self) -> tuple[int, bool]:
-        """Return (waiting goals, whether one is running)."""
+    def depth(self) -> tuple[int, int]:
+        """Return (waiting goals, running goals)."""
         with self._lock:
-            return len(self._waiting), self._running is not None
+            return len(self._waiting), len(self._running)
 
     # ---- shutdown
     def shutdown(self, reason: str = SHUTDOWN_REASON) -> None:
-        """Stop: waiting goals end with the reason, the running one is cancelled; new goals are refused."""
+        """Stop: waiting goals end with the reason, running ones are cancelled; new goals are refused."""
         with self._lock:
             if self.state == 'shutdown':
                 return
             self.state, self.reason = 'shutdown', reason
             waiting = list(self._waiting)
             self._waiting.clear()
-            if self._running is not None:
-                self._running.error = reason
-                self._running.cancel.cancel()
+            for job in self._running:
+                job.error = reason
+                job.cancel.cancel()
             self._lock.notify_all()
         for job in waiting:
             job.finish(reason)
@@ -337,7 +363,7 @@ class GoalQueue:
     def wait_until_idle(self, timeout: float) -> bool:
         """Wait until no goal runs; False on timeout."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._running is None, timeout)
+            return self._lock.wait_for(lambda: not self._running, timeout)
 
     def wait_until_released(self, timeout: float) -> bool:
         """Wait until every admitted goal's execute callback returned; False on timeout."""
