@@ -242,15 +242,17 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
 
 
 def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inter_token_latency_budget=0.0,
-                           queue_limit=None):
+                           queue_limit=None, max_running=1):
     """
-    Fill the generation task: throughput, latency percentiles, queue and counts; WARN over a latency budget.
+    Fill the generation task: throughput, latency percentiles, queue, batch occupancy and counts; WARN over a budget.
 
-    Time to first token is measured from the goal's acceptance, queue wait included, as the planner waits.
+    running: the goals running now, of max_running that may run at once (batch occupancy; 'running' says whether
+    any does). Time to first token is measured from the goal's acceptance, queue wait included, as the planner waits.
     """
     figures = metrics.snapshot()
     limit = '' if queue_limit is None else ' of {}'.format(queue_limit)
-    stat.summary(OK, 'generating, {}{} waiting'.format(queued, limit) if running else 'idle')
+    batch = ' {} of {} goals'.format(int(running), max_running) if max_running > 1 else ''
+    stat.summary(OK, 'generating{}, {}{} waiting'.format(batch, queued, limit) if running else 'idle')
     if ttft_budget > 0 and figures['goals_in_window'] and figures['ttft_p95'] > ttft_budget:
         stat.mergeSummary(WARN, 'time to first token p95 {:.3f} s (queue wait p95 {:.3f} s) over budget {:.3f} s'
                           .format(figures['ttft_p95'], figures['queue_wait_p95'], ttft_budget))
@@ -259,7 +261,8 @@ def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inte
             figures['itl_p95'], inter_token_latency_budget))
     for key, value in (
             ('queue depth', queued), ('queue limit', '-' if queue_limit is None else queue_limit),
-            ('running', running),
+            ('running', bool(running)),
+            ('batch occupancy', '{} of {}'.format(int(running), max_running)),
             ('decode tokens/s', _figure(figures['tokens_per_second'], 2)),
             ('queue wait p50 (s)', _figure(figures['queue_wait_p50'], 4)),
             ('queue wait p95 (s)', _figure(figures['queue_wait_p95'], 4)),

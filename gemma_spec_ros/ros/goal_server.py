@@ -1,9 +1,11 @@
 """
-The action ``~/generate`` of the node: goals in, through the goal queue and one worker thread, to the backend.
+The action ``~/generate`` of the node: goals in, through the goal queue and its worker threads, to the backend.
 
-Every goal is accepted: an invalid one ends at once with the reason, a full queue ends it as busy. The worker runs
-one goal at a time on the backend and streams its text as feedback. A timer ends goals past queue.goal_timeout and
-goals whose every possible receiver (the action's feedback and status subscribers at acceptance) left the ROS graph.
+Every goal is accepted: an invalid one ends at once with the reason, a full queue ends it as busy. One worker thread
+per running slot (the backend's ``Capabilities.max_concurrent_goals``, set with ``set_max_running``) takes goals from
+the queue, runs each on the backend (``generate`` blocks, so each concurrent goal needs a thread of its own) and
+streams its text as feedback. A timer ends goals past queue.goal_timeout and goals whose every possible receiver
+(the action's feedback and status subscribers at acceptance) left the ROS graph.
 """
 
 import threading
@@ -34,7 +36,7 @@ class GoalServer:
 
     def __init__(self, node, queue: GoalQueue, metrics: GenerationMetrics, backend: Callable[[], Backend | None],
                  on_fault: Callable[[str], None] = lambda reason: None):
-        """on_fault(reason): called from the worker when the backend failed so that it cannot serve any more."""
+        """on_fault(reason): called from a worker when the backend failed so that it cannot serve any more."""
         self._node = node
         self._on_fault = on_fault
         self._queue = queue
@@ -52,11 +54,24 @@ class GoalServer:
         action = node.resolve_action_name()
         self._receiver_topics = (action + '/_action/feedback', action + '/_action/status')
         node.create_timer(SUPERVISE_PERIOD, self._supervise, callback_group=MutuallyExclusiveCallbackGroup())
-        self._worker = threading.Thread(target=self._work, name='gemma_spec_worker', daemon=True)
-        self._worker.start()
+        self._workers: list[threading.Thread] = []
+        self._workers_lock = threading.Lock()
+        self.set_max_running(queue.max_running)
 
     def _param(self, name):
         return self._node.get_parameter(name).value
+
+    def set_max_running(self, slots: int) -> int:
+        """Run up to slots goals at once on the backend; return the number set (GoalQueue.set_max_running)."""
+        slots = self._queue.set_max_running(slots)
+        with self._workers_lock:
+            # workers are never stopped: with fewer slots later the spare ones wait in take() until shutdown
+            while len(self._workers) < slots:
+                worker = threading.Thread(target=self._work, name='gemma_spec_worker_{}'.format(len(self._workers)),
+                                          daemon=True)
+                worker.start()
+                self._workers.append(worker)
+        return slots
 
     def handle_accepted_callback(self, goal_handle):
         """Validate the goal (when the engine is ready) and admit it; an invalid or busy goal ends at once."""
@@ -70,7 +85,7 @@ class GoalServer:
         goal_handle.execute()
 
     def cancel_callback(self, goal_handle):
-        """Accept every cancel: a waiting goal leaves the queue, the running one stops within a round."""
+        """Accept every cancel: a waiting goal leaves the queue, a running one stops within a round."""
         self._queue.cancel(_key(goal_handle))
         return CancelResponse.ACCEPT
 
@@ -168,11 +183,14 @@ class GoalServer:
                 self._on_fault(job.error)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Abort waiting goals, cancel the running one and wait until every goal has its result."""
+        """Abort waiting goals, cancel the running ones and wait until every goal has its result."""
         self._queue.shutdown()
         deadline = time.monotonic() + timeout
         self._queue.wait_until_released(timeout)
-        self._worker.join(max(0.0, deadline - time.monotonic()))
+        with self._workers_lock:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
 
     def wait_until_idle(self, timeout: float = 30.0) -> bool:
         """Wait until no goal runs (after the queue stopped serving); False on timeout."""

@@ -2,17 +2,19 @@
 ROS 2 node ``gemma_spec``: a managed (lifecycle) node serving the action ``~/generate`` over a backend.
 
 The node only adapts ROS to the Backend interface: parameters come from the engine config (parameters.py), the
-action and its worker live in goal_server.py (goals pass a ROS-free queue, goal_queue.py), messages are converted
+action and its workers live in goal_server.py (goals pass a ROS-free queue, goal_queue.py), messages are converted
 in conversions.py, and failures end goals with the reason in ``result.error``.
 
 Lifecycle (a ROS 2 managed node): configure opens the backend (loads the models, starts the warm-up), activate
-serves goals, deactivate refuses new goals (the running one finishes, or is cancelled with lifecycle.on_deactivate
-cancel), cleanup lets go of the backend and its memory, shutdown ends everything from any state. A fault that
-leaves the backend unable to serve (out of memory on the device) takes the node through error processing, which
-cleans up. With lifecycle.autostart (the default) the node configures and activates itself once it spins.
+serves goals (as many at once as the backend's Capabilities.max_concurrent_goals), deactivate refuses new goals
+(running ones finish, or are cancelled with lifecycle.on_deactivate cancel), cleanup lets go of the backend and its
+memory, shutdown ends everything from any state. A fault that leaves the backend unable to serve (out of memory on
+the device) takes the node through error processing, which cleans up. With lifecycle.autostart (the default) the
+node configures and activates itself once it spins.
 /diagnostics publish in every state.
 """
 
+import threading
 import time
 
 from rcl_interfaces.msg import SetParametersResult
@@ -24,12 +26,13 @@ from gemma_spec_ros.engine.backend import release_memory
 from gemma_spec_ros.engine.factory import open_backend
 from gemma_spec_ros.engine.stats import mib, read_process_memory
 from gemma_spec_ros.ros import diagnostics, parameters
-from gemma_spec_ros.ros.goal_queue import GoalQueue
+from gemma_spec_ros.ros.goal_queue import MAX_RUNNING_LIMIT, GoalQueue
 from gemma_spec_ros.ros.goal_server import GoalServer
 from gemma_spec_ros.ros.parameters import QUEUE_MAX_LENGTH_LIMIT
 
 NODE_NAME = 'gemma_spec'
-EXECUTOR_THREADS = QUEUE_MAX_LENGTH_LIMIT + 6  # every admitted goal's execute callback holds a thread
+# every admitted goal's execute callback holds a thread (running and waiting ones), and 5 serve everything else
+EXECUTOR_THREADS = MAX_RUNNING_LIMIT + QUEUE_MAX_LENGTH_LIMIT + 5
 INACTIVE_REASON = 'node {} is inactive (lifecycle): goals are refused until it is activated'
 CLEANED_UP_REASON = 'node {} was cleaned up (lifecycle): configure and activate it to serve again'
 
@@ -52,6 +55,7 @@ class GemmaSpecNode(LifecycleNode):
                                 self._param('queue.fair_claim'))
         self._backend = None
         self._fault = ''  # why the backend can no longer serve: the next transition goes to error processing
+        self._fault_lock = threading.Lock()  # concurrent goals' workers may report faults at once
         self._lifecycle = 'unconfigured'  # the state each transition callback leaves the node in
         self._metrics = diagnostics.GenerationMetrics(self._param('diagnostics.window'))
         self._load_started = time.monotonic()
@@ -120,8 +124,9 @@ class GemmaSpecNode(LifecycleNode):
         for warning in backend.warnings:
             logger.error(warning)
         self._backend = backend
-        logger.info('configured in {:.1f} s: {} (process RSS {:.0f} -> {:.0f} MiB)'.format(
-            time.monotonic() - self._load_started, backend.describe(), mib(rss_before), mib(_rss())))
+        slots = self._goals.set_max_running(backend.capabilities.max_concurrent_goals)
+        logger.info('configured in {:.1f} s: {}, {} goal(s) at once (process RSS {:.0f} -> {:.0f} MiB)'.format(
+            time.monotonic() - self._load_started, backend.describe(), slots, mib(rss_before), mib(_rss())))
         self._queue.set_configured(INACTIVE_REASON.format(self.get_fully_qualified_name()))
         self._lifecycle = 'inactive'
         return TransitionCallbackReturn.SUCCESS
@@ -138,8 +143,8 @@ class GemmaSpecNode(LifecycleNode):
         self._queue.set_inactive(INACTIVE_REASON.format(self.get_fully_qualified_name()), cancel_running=cancel)
         if self._fault:
             return TransitionCallbackReturn.ERROR  # to error processing: on_error cleans up
-        self.get_logger().info('inactive: new goals are refused; a running goal {}'.format(
-            'is cancelled' if cancel else 'finishes'))
+        self.get_logger().info('inactive: new goals are refused; running goals {}'.format(
+            'are cancelled' if cancel else 'finish'))
         self._lifecycle = 'inactive'
         return super().on_deactivate(state)
 
@@ -162,11 +167,13 @@ class GemmaSpecNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def _on_fault(self, reason: str) -> None:
-        """Leave the active state through error processing: the backend cannot serve any more (worker thread)."""
-        if not self._fault:
+        """Leave the active state through error processing: the backend cannot serve any more (a worker thread)."""
+        with self._fault_lock:  # one timer for the first fault: _process_fault destroys the one it knows
+            if self._fault:
+                return
             self._fault = reason
-            self.get_logger().error('{}: the node goes to error processing'.format(reason))
             self._fault_timer = self.create_timer(0.0, self._process_fault, callback_group=self._transitions)
+        self.get_logger().error('{}: the node goes to error processing'.format(reason))
 
     def _process_fault(self):
         self.destroy_timer(self._fault_timer)
@@ -252,7 +259,7 @@ class GemmaSpecNode(LifecycleNode):
     def _generation_task(self, stat):
         queued, running = self._queue.depth()
         return diagnostics.fill_generation_status(
-            stat, self._metrics, queued, running, queue_limit=self._queue.limit,
+            stat, self._metrics, queued, running, queue_limit=self._queue.limit, max_running=self._queue.max_running,
             ttft_budget=self._param('diagnostics.ttft_budget'),
             inter_token_latency_budget=self._param('diagnostics.inter_token_latency_budget'))
 
@@ -267,7 +274,7 @@ class GemmaSpecNode(LifecycleNode):
     # ---- shutdown ----------------------------------------------------------------------------
 
     def shutdown(self, timeout=5.0):
-        """Stop serving: abort waiting goals, cancel the running one, wait for their results; end the warm-up."""
+        """Stop serving: abort waiting goals, cancel the running ones, wait for their results; end the warm-up."""
         if self._backend is not None:
             self._backend.close()
         self._goals.shutdown(timeout)
