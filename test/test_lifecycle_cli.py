@@ -31,12 +31,23 @@ PROMPT = 'The robot picked up the red cube and'
 OUTPUT = LaunchOutput()
 
 
-def lifecycle(verb, *args) -> str:
-    """Run `ros2 lifecycle VERB ...` without the ros2 daemon (it discovers the node itself); its output."""
+def ros2(command: str, verb: str, *args) -> tuple[int, str]:
+    """
+    Run `ros2 COMMAND VERB ...` without the ros2 daemon (the CLI discovers the node itself); exit code and output.
+
+    A call that has not discovered the node yet says 'Node not found': it is tried again.
+    """
     for _ in range(DISCOVERY_ATTEMPTS):
-        code, output = run_ros2(ENV, 'lifecycle', verb, '--no-daemon', '--spin-time', DISCOVERY_SECONDS, *args, timeout=180)
+        code, output = run_ros2(ENV, command, verb, '--no-daemon', '--spin-time', DISCOVERY_SECONDS, *args,
+                                timeout=180)
         if 'Node not found' not in output and (verb != 'nodes' or NODE in output):
             break
+    return code, output
+
+
+def lifecycle(verb, *args) -> str:
+    """Run `ros2 lifecycle VERB ...` (see ros2); its output."""
+    code, output = ros2('lifecycle', verb, *args)
     assert code == 0, output
     return output
 
@@ -74,7 +85,7 @@ def test_every_transition_with_the_ros2_lifecycle_cli(context, tiny_models):
         assert 'Transitioning failed' in lifecycle('set', NODE, 'configure')
         assert 'unconfigured' in lifecycle('get', NODE)
         assert OUTPUT.wait_for('no_such_model does not exist', 10), OUTPUT.text[-2000:]
-        code, output = run_ros2(ENV, 'param', 'set', NODE, 'engine.target_path', tiny_models.target)
+        code, output = ros2('param', 'set', NODE, 'engine.target_path', tiny_models.target)
         assert code == 0 and 'successful' in output, output
         assert 'Transitioning successful' in lifecycle('set', NODE, 'configure')
         assert 'inactive' in lifecycle('get', NODE)
