@@ -14,7 +14,8 @@ from ..logits.grammar import ConstraintCompiler, mask_logits
 from ..logits.sampling import logits_to_probs, sample
 from ..logits.verify import verify
 from ..requests import RequestPlan, SamplingParams
-from ..runtime import causal_lm, models
+from ..runtime import FastCausalLM, causal_lm, models
+from ..runtime.rows import FastRows
 from ..runtime.warmup import STOP_WAIT_SECONDS, Warmup, order_jobs
 from ..stats import acceptance_rate, generation_stats, tau
 from ..types import (
@@ -30,9 +31,8 @@ from ..types import (
     WarmupState,
 )
 from . import calibration
-from .calibration import Stopwatch
+from .batch import BatchScheduler, new_run
 from .run import Run, end_of_output
-from .stream import IncrementalDetokenizer, StopStrings
 
 
 class Engine(Backend):
@@ -52,7 +52,7 @@ class Engine(Backend):
         self.drafter_errors = dict(drafter_errors or {})  # drafter -> why its model failed to load (disabled)
         self._device = device
         self._dtype = dtype
-        self._lock = threading.Lock()          # one generation at a time
+        self._lock = threading.Lock()          # one single-goal generation, or one batched round, at a time
         self._measure_lock = threading.Lock()  # controllers and lifetime counters, read by status()
         self._default_drafter = config.drafter
         self._default_k = config.num_draft_tokens
@@ -61,13 +61,21 @@ class Engine(Backend):
         self._eos_ids = models.eos_token_ids(target_lm.model, tokenizer)
         self._warmup_state = warmup or WarmupState(config.warmup)
         self._warmup: Warmup | None = None  # a background warm-up, while and after it runs
+        # continuous batching: the target's batched steps over one KV-cache slot per goal (fast path only)
+        self._rows = FastRows(target_lm.lean, target_lm.mode, config.max_batch, self._context_limit,
+                              target_lm.max_query) if config.max_batch > 1 and isinstance(target_lm, FastCausalLM) \
+            else None
+        self._batch = None if self._rows is None else BatchScheduler(self, self._rows, self._lock)
         self._graph_jobs, self._default_path_jobs = order_jobs(
             target_lm.graph_jobs('target'), {name: drafter.graph_jobs() for name, drafter in drafters.items()},
             config.drafter)
+        if self._rows is not None:
+            self._graph_jobs += self._rows.graph_jobs('target batch')
         self._step_runners = list({id(job.steps): job.steps for job in self._graph_jobs}.values())
         self._weights_bytes = causal_lm.parameter_bytes(target_lm.model) + sum(
             drafter.weights_bytes for drafter in drafters.values())
-        self._kv_cache_bytes = target_lm.nbytes + sum(drafter.kv_cache_bytes for drafter in drafters.values())
+        self._kv_cache_bytes = target_lm.nbytes + sum(drafter.kv_cache_bytes for drafter in drafters.values()) + (
+            0 if self._rows is None else self._rows.nbytes)
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos_ids)  # EOS ends a grammar
         self._target_cost = TargetCost(config.max_draft_tokens + 1)
         self._controllers = {name: SpeculationController(config.max_draft_tokens, self._target_cost,
@@ -124,7 +132,8 @@ class Engine(Backend):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities('local', tuple(sorted(self._usable_drafters())), num_draft_tokens_per_goal=True)
+        return Capabilities('local', tuple(sorted(self._usable_drafters())), num_draft_tokens_per_goal=True,
+                            max_concurrent_goals=1 if self._batch is None else self._batch.num_slots)
 
     @property
     def device(self) -> str:
@@ -136,8 +145,12 @@ class Engine(Backend):
 
     @property
     def warnings(self) -> list[str]:
-        return ['{}; goals asking for it run plain decoding'.format(disabled.describe())
-                for disabled in self.drafter_errors.values()]
+        warnings = ['{}; goals asking for it run plain decoding'.format(disabled.describe())
+                    for disabled in self.drafter_errors.values()]
+        if self.config.max_batch > 1 and self._batch is None:
+            warnings.append('engine.max_batch {} needs the fast path (engine.compile {} runs transformers\' forward): '
+                            'goals run one at a time'.format(self.config.max_batch, self._target.mode))
+        return warnings
 
     def _usable_drafters(self):
         return set(self._drafters) | set(self.drafter_errors)  # a broken drafter runs plain, with a warning
@@ -181,8 +194,11 @@ class Engine(Backend):
                  cancel: CancelToken | None = None) -> GenerationResult:
         """Run one request (or a plan from validate); one StreamDelta per verify round. One request at a time."""
         plan = request if isinstance(request, RequestPlan) else self.validate(request)
+        run = self._new_run(plan)
+        if self._batch is not None and self._batch.takes(run.drafter):
+            return self._batch.generate(run, on_delta, cancel, self._step_calls())
         with self._lock, torch.inference_mode():
-            return self._run(plan, on_delta, cancel)
+            return self._run(run, on_delta, cancel)
 
     # verify-cost calibration (calibration.py): functions of an engine, offered as its methods
     time_target_passes = calibration.time_target_passes
@@ -190,22 +206,23 @@ class Engine(Backend):
     calibrate_verify_costs = calibration.calibrate_verify_costs
 
     # ----------------------------------------------------------------------------------------------- the loop
-    def _run(self, plan: RequestPlan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> GenerationResult:
-        started = time.perf_counter()
-        steps_before = self._step_calls()
-        if self._device.type == 'cuda':
-            torch.cuda.reset_peak_memory_stats(self._device)
-        self._target.reset()
-        run = Run(plan=plan, drafter=self._drafters['none'], controller=None,
-                  generator=torch.Generator(device=self._device).manual_seed(plan.seed),
-                  detokenizer=IncrementalDetokenizer(self._tokenizer), stops=StopStrings(plan.stops),
-                  tokens=list(plan.prompt_ids), stopwatch=Stopwatch(self._device))
+    def _new_run(self, plan: RequestPlan) -> Run:
+        """Make the state of a generation, with its drafter (plain, with a warning, if that one failed to load)."""
+        run = new_run(plan, self._drafters['none'], self._tokenizer, self._device)
         if plan.compiled_grammar is not None:
             run.constraint = self._constraints.matcher(plan.compiled_grammar)
         if plan.drafter in self.drafter_errors:
             run.warnings.append('{}; ran plain decoding'.format(self.drafter_errors[plan.drafter].describe()))
         else:
             run.drafter, run.controller = self._drafters[plan.drafter], self._controllers.get(plan.drafter)
+        return run
+
+    def _run(self, run: Run, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> GenerationResult:
+        started = time.perf_counter()
+        steps_before = self._step_calls()
+        if self._device.type == 'cuda':
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._target.reset()
         if cancel is not None and cancel.cancelled:  # cancelled while it waited for the engine: nothing runs
             run.finish = 'cancelled'
             return self._result(run, started, steps_before)

@@ -74,6 +74,14 @@ class Drafter(ABC):
         """Build the drafter for a loaded target; ValueError naming the model and path when it does not fit."""
         return cls()
 
+    def for_batch(self) -> 'Drafter | None':
+        """
+        Return a drafter for one goal of a batch (continuous batching): its own per-goal state, this one's models.
+
+        None: this drafter's steps are not batched, and its goals run one at a time.
+        """
+        return None
+
     def start(self, prompt_ids: list[int]) -> None:  # noqa: B027 (optional hook)
         """Begin a request (forget the previous one); called before the target's prefill."""
 

@@ -8,5 +8,8 @@ class NoneDrafter(Drafter):
 
     name = 'none'
 
+    def for_batch(self) -> 'NoneDrafter':
+        return self  # no state
+
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         return None

@@ -73,6 +73,19 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     return out[0].transpose(0, 1).reshape(query.shape[0], -1)
 
 
+def _attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """
+    Attend each batch row's query to its own keys and values (scale 1).
+
+    query [B * Q, heads, d], keys/values [B, kv_heads, L, d], mask [B, Q, L] -> [B * Q, heads * d].
+    """
+    rows, length = mask.shape[0], mask.shape[1]
+    query = query.view(rows, length, query.shape[1], query.shape[2]).transpose(1, 2)  # [B, heads, Q, d]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=1.0,
+                                         enable_gqa=keys.shape[1] != query.shape[1])
+    return out.transpose(1, 2).reshape(rows * length, -1)
+
+
 def _compiling_for_cpu(x: torch.Tensor) -> bool:
     return x.device.type == 'cpu' and torch.compiler.is_compiling()
 
@@ -204,3 +217,28 @@ def _step_layer(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_inpu
     return _finish(shape, w, hidden, _attend(query, keys, values, mask), per_layer_input)
 
 
+
+
+def _slot_rows(tensor: torch.Tensor, rows: int, per_slot: int, length: int) -> torch.Tensor:
+    """Cache keys or values [kv_heads, slots * per_slot, d] as [rows, kv_heads, length, d]: slots 0..rows-1."""
+    heads, total, dim = tensor.shape
+    return tensor.view(heads, total // per_slot, per_slot, dim)[:, :rows, :length].transpose(0, 1)
+
+
+def _step_layer_rows(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_input: torch.Tensor | None,
+                     cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, slots: torch.Tensor, per_slot: int) -> torch.Tensor:
+    """
+    Run one decoder layer of a batched step: B rows of Q tokens, hidden [B * Q, hidden], row b in cache slot b.
+
+    The products run over every row at once (one read of the weights); new K/V are written at slots [B * Q] of the
+    cache's keys/values [kv_heads, slots * per_slot, d]; each row then attends to the first L keys of its own slot,
+    where mask [B, Q, L].
+    """
+    query, new_keys, new_values = _project(shape, w, hidden, cos, sin)
+    if new_keys is not None:
+        keys.index_copy_(1, slots, new_keys)
+        values.index_copy_(1, slots, new_values)
+    rows, length = mask.shape[0], mask.shape[-1]
+    return _finish(shape, w, hidden, _attend_rows(query, _slot_rows(keys, rows, per_slot, length),
+                                                  _slot_rows(values, rows, per_slot, length), mask), per_layer_input)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cache import EMPTY_POSITION, FULL, SLIDING, KvLayerSpec, StaticKvCache
+from .cache import EMPTY_POSITION, FULL, SLIDING, KvLayerSpec, SlottedKvCache, StaticKvCache
 from .layers import BLOCKED_BATCH_MAX_ROWS as BLOCKED_BATCH_MAX_ROWS
 from .layers import (
     ROW_PRODUCT_MAX_ROWS,
@@ -33,6 +33,7 @@ from .layers import (
     _project,
     _rms_norm,
     _step_layer,
+    _step_layer_rows,
 )
 from .layers import ROW_PRODUCT_MAX_ROWS_ENV as ROW_PRODUCT_MAX_ROWS_ENV
 from .layers import _mkl_runs_tuned_code as _mkl_runs_tuned_code
@@ -153,6 +154,21 @@ class _Decoder:
                 keys, values = torch.cat((keys, new_keys), dim=1), torch.cat((values, new_values), dim=1)
             hidden = _finish(layer.shape, weights, hidden, _attend(query, keys, values, state.masks[kind]),
                              per_layer_input)
+        return hidden
+
+
+    def _layers_rows(self, hidden: torch.Tensor, cache: SlottedKvCache, positions: torch.Tensor,
+                     rope: dict[str, tuple[torch.Tensor, torch.Tensor]], masks: dict[str, torch.Tensor],
+                     per_layer: torch.Tensor | None) -> torch.Tensor:
+        """Run the layers of a batched step: hidden [B * Q, hidden] at positions [B, Q], row b in cache slot b."""
+        slots = {kind: cache.write_slots(kind, positions) for kind in (FULL, SLIDING)}
+        for index, layer in enumerate(self.layers):
+            kind = layer.shape.layer_type
+            cos, sin = rope[kind]
+            hidden = _step_layer_rows(layer.shape, self.tensors.each(layer.weights), hidden,
+                                      None if per_layer is None else per_layer[:, index], cos, sin, masks[kind],
+                                      cache.keys[layer.kv_index], cache.values[layer.kv_index], slots[kind],
+                                      cache.slot_len(kind))
         return hidden
 
 
@@ -277,6 +293,32 @@ class LeanGemma4(_Decoder):
                  SLIDING: (ring <= query_positions) & (ring > query_positions - self.sliding_window)}
         hidden = self._layers(hidden, _Pass(cache, positions, self.rope.at(positions), masks, kv_len), per_layer)
         return self._head(hidden[-logits_to_keep:])
+
+    def new_slotted_cache(self, num_slots: int, context_limit: int, max_query: int) -> SlottedKvCache:
+        """Make a cache of num_slots sequences for batched steps (step_rows)."""
+        return SlottedKvCache(self.kv_specs, num_slots, context_limit, self.sliding_window, max_query, self.device,
+                              self.dtype)
+
+    def step_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: SlottedKvCache, kv_len: int,
+                  logits_to_keep: int) -> StepOutput:
+        """
+        One static-shape batched pass: row b's tokens input_ids[b] [Q] at positions[b] (consecutive) in cache slot b.
+
+        Like step, per row: full layers attend over the slot's first kv_len positions, sliding layers over its ring.
+        Returns logits [B, logits_to_keep, vocab] and hidden states of each row's last logits_to_keep positions.
+        The caller records each row's write in its slot (``cache.slots[b].advance``).
+        """
+        rows, width = input_ids.shape
+        hidden, per_layer = self._inputs(input_ids.flatten())
+        cache.ring_positions.index_copy_(0, cache.write_slots(SLIDING, positions), positions.flatten())
+        query_positions = positions[:, :, None]                               # [B, Q, 1]
+        ring = cache.ring_view(rows)[:, None, :]                             # [B, 1, ring]
+        masks = {FULL: cache.key_positions[None, None, :kv_len] <= query_positions,
+                 SLIDING: (ring <= query_positions) & (ring > query_positions - self.sliding_window)}
+        hidden = self._layers_rows(hidden, cache, positions, self.rope.at(positions.flatten()), masks, per_layer)
+        kept = hidden.view(rows, width, -1)[:, -logits_to_keep:].flatten(0, 1)
+        out = self._head(kept)
+        return StepOutput(out.logits.view(rows, logits_to_keep, -1), out.hidden.view(rows, logits_to_keep, -1))
 
     def prefill(self, input_ids: torch.Tensor, cache: StaticKvCache, start: int, logits_to_keep: int) -> StepOutput:
         """

@@ -296,8 +296,8 @@ def order_jobs(target_jobs: list[GraphJob], drafter_jobs: dict[str, list[GraphJo
     return default_path + others, len(default_path)
 
 
-def warm_up_blocking(target_lm, drafters: dict, progress: Callable[[str], None]) -> WarmupState:
-    """Compile or capture the decode steps of the target and every drafter before the first request."""
+def warm_up_blocking(target_lm, drafters: dict, progress: Callable[[str], None], rows=None) -> WarmupState:
+    """Compile or capture the decode steps of the target, every drafter and rows.FastRows (if batching)."""
     started = time.perf_counter()
     if target_lm.mode in INDUCTOR_MODES:
         progress('warm-up: compiling the decode steps ({}) before serving; a cold compile cache ({}) takes minutes on '
@@ -307,5 +307,7 @@ def warm_up_blocking(target_lm, drafters: dict, progress: Callable[[str], None])
     graphs = target_lm.warmup(logits_to_keep=0, progress=progress).graphs
     for drafter in drafters.values():
         graphs += drafter.warmup(progress)
+    if rows is not None:
+        graphs += rows.warmup(progress)
     return WarmupState('blocking', graphs, graphs, time.perf_counter() - started)
 

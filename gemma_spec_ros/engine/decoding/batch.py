@@ -1,0 +1,212 @@
+"""
+Continuous batching (engine.max_batch > 1): goals decoded together, one target pass per round for all of them.
+
+A goal's generate() call hands it to the scheduler thread and waits. Between rounds the scheduler admits waiting
+goals (each prompt is prefilled into a free KV-cache slot) and drops finished and cancelled ones; a round then
+drafts per goal, verifies every goal's drafts in one batched target pass (runtime/rows.py: row b in slot b, rows
+padded to the longest), and accepts, rolls back and streams per goal. Nothing waits for the whole batch to end.
+
+Each goal keeps its own sampling parameters and seed (its own generator: a seeded goal gives the same tokens
+whatever shares its batch), stop strings, max tokens, grammar and stream. Drafters whose steps are batched
+(Drafter.for_batch: none, ngram) run here; a goal asking for another (mtp, draft) runs one at a time on the
+single-goal path, which shares the rounds' lock: it runs between rounds, and the batch waits for it.
+
+In a batch, K is the goal's pinned K, else BATCH_NUM_DRAFT_TOKENS: the single-goal controller's costs and profit
+gate are measured on unbatched passes, which a batched pass does not cost.
+"""
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters.base import DraftContext, Drafter, Proposal
+from ..logits.grammar import mask_logits
+from ..requests import RequestPlan
+from ..runtime.rows import FastRows, row_bucket
+from ..types import CancelToken, DeltaCallback, GenerationResult
+from .calibration import Stopwatch
+from .run import Run
+from .stream import IncrementalDetokenizer, StopStrings
+
+BATCH_NUM_DRAFT_TOKENS = 4
+
+
+@dataclass(eq=False)
+class BatchGoal:
+    """One goal in the scheduler: its generation state, its slot, and how its caller waits."""
+
+    run: Run
+    on_delta: DeltaCallback | None
+    cancel: CancelToken | None
+    started: float
+    steps_before: tuple[int, int]
+    slot: int = -1                                   # its KV-cache slot once admitted
+    proposal: Proposal | None = None                 # this round's drafts
+    done: threading.Event = field(default_factory=threading.Event)
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+class BatchScheduler:
+    """Runs the rounds of up to rows.cache.num_slots goals at once, in a thread of its own (started on first use)."""
+
+    def __init__(self, engine, rows: FastRows, round_lock: threading.Lock):
+        self._engine = engine          # decoding.Engine: its emit / verify / result steps serve both paths
+        self._rows = rows
+        self._round_lock = round_lock  # also held by a single-goal generation, for the whole of it
+        self._condition = threading.Condition()
+        self._waiting: deque[BatchGoal] = deque()
+        self._slots: list[BatchGoal | None] = [None] * rows.cache.num_slots
+        self._thread: threading.Thread | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def takes(self, drafter: Drafter) -> bool:
+        """Whether a goal with this drafter is decoded in the batch (else it runs on the single-goal path)."""
+        return drafter.for_batch() is not None
+
+    def generate(self, run: Run, on_delta: DeltaCallback | None, cancel: CancelToken | None,
+                 steps_before: tuple[int, int]) -> GenerationResult:
+        """Decode one goal in the batch; returns when it ends (raises what its decoding raised)."""
+        run.drafter = run.drafter.for_batch()
+        goal = BatchGoal(run, on_delta, cancel, time.perf_counter(), steps_before)
+        with self._condition:
+            self._waiting.append(goal)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name='gemma_spec_batch', daemon=True)
+                self._thread.start()
+            self._condition.notify()
+        goal.done.wait()
+        if goal.error is not None:
+            raise goal.error
+        return goal.result
+
+    # ----------------------------------------------------------------------------------------------- the loop
+    def _serve(self) -> None:
+        while True:
+            with self._condition:
+                self._condition.wait_for(lambda: self._waiting or any(self._slots))
+            with self._round_lock, torch.inference_mode():
+                self._admit()
+                goals = [goal for goal in self._slots if goal is not None]
+                if goals:
+                    self._run_round(goals)
+
+    def _admit(self) -> None:
+        """Give waiting goals the free slots (lowest first, which keeps the rows few), prefilling each."""
+        while True:
+            with self._condition:
+                free = next((slot for slot, goal in enumerate(self._slots) if goal is None), None)
+                if free is None or not self._waiting:
+                    return
+                goal = self._waiting.popleft()
+                goal.slot = free
+                self._slots[free] = goal
+            try:
+                if goal.cancel is not None and goal.cancel.cancelled:  # cancelled while it waited: nothing runs
+                    goal.run.finish = 'cancelled'
+                    self._end(goal)
+                    continue
+                self._prefill(goal)
+            except Exception as exc:  # noqa: BLE001 (the goal's caller gets it; the others go on)
+                self._end(goal, exc)
+
+    def _prefill(self, goal: BatchGoal) -> None:
+        """Put the goal's prompt into its slot and pick (and stream) its first token."""
+        engine, run = self._engine, goal.run
+        engine._call_drafter(run, lambda: run.drafter.start(run.tokens))
+        out = self._rows.prefill(goal.slot, torch.tensor([run.tokens], device=engine._device))
+        logits = out.logits[0, -1:]  # [1, vocab]
+        if run.constraint is not None:
+            logits = mask_logits(logits, run.constraint.next_mask(engine._device))
+        run.last_token = engine._first_token(logits, run.plan.sampling, run.generator)
+        run.tally.add_prefill(time.perf_counter())
+        self._emit(goal, [run.last_token.item()])
+
+    def _run_round(self, goals: list[BatchGoal]) -> None:
+        """Draft per goal, verify every goal in one batched pass, then accept, roll back and stream per goal."""
+        engine, rows = self._engine, self._rows
+        rows.adopt()  # graphs built since the last round take over: the whole round runs on them
+        for goal in goals:
+            goal.proposal = self._propose(goal)
+        width = max(1 + self._num_drafted(goal) for goal in goals)
+        batch = row_bucket(max(goal.slot for goal in goals) + 1, self.num_slots)
+        input_ids = torch.zeros((batch, width), dtype=torch.long, device=engine._device)
+        starts = [0] * batch
+        for goal in goals:
+            tokens = self._row_tokens(goal)
+            input_ids[goal.slot, :tokens.shape[0]] = tokens
+            starts[goal.slot] = rows.cache.slots[goal.slot].length
+        logits = rows.step(input_ids, starts).logits  # [batch, width, vocab]
+        for goal in goals:
+            try:
+                self._accept(goal, logits[goal.slot], starts[goal.slot], width)
+            except Exception as exc:  # noqa: BLE001 (the goal's caller gets it; the others go on)
+                self._end(goal, exc)
+
+    def _propose(self, goal: BatchGoal) -> Proposal | None:
+        engine, run = self._engine, goal.run
+        budget = min(run.plan.max_new_tokens - len(run.generated), engine._context_limit - len(run.tokens)) - 1
+        k = min(run.plan.pinned_k or BATCH_NUM_DRAFT_TOKENS, budget, self._rows.max_query - 1)
+        if k <= 0:
+            return None
+        context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator, 0.0, run.constraint)
+        return engine._call_drafter(run, lambda: run.drafter.propose(context, k))
+
+    @staticmethod
+    def _num_drafted(goal: BatchGoal) -> int:
+        return 0 if goal.proposal is None else goal.proposal.tokens.shape[0]
+
+    def _row_tokens(self, goal: BatchGoal) -> torch.Tensor:
+        """Return the goal's row: its last token and its drafts [1 + k]."""
+        run = goal.run
+        return run.last_token if goal.proposal is None else torch.cat([run.last_token, goal.proposal.tokens])
+
+    def _accept(self, goal: BatchGoal, logits: torch.Tensor, start: int, width: int) -> None:
+        """Verify the goal's drafts against its row's logits [width, vocab]; keep the accepted K/V; stream."""
+        run, num_drafted = goal.run, self._num_drafted(goal)
+        draft_tokens = self._row_tokens(goal)[1:]
+        row = self._engine._verify(run, goal.proposal, draft_tokens, logits[:num_drafted + 1])
+        run.last_token = row[-1:]
+        row = row.tolist()
+        accepted = row[0]
+        slot = self._rows.cache.slots[goal.slot]
+        slot.advance(start, width)                 # the whole padded row was written ...
+        slot.crop(-(width - accepted - 1))         # ... the last token and the accepted drafts stay
+        run.tally.add_round(num_drafted, accepted, time.perf_counter())
+        self._emit(goal, row[1:1 + accepted] + row[-1:])
+
+    def _emit(self, goal: BatchGoal, new_tokens: list[int]) -> None:
+        """Stream the goal's new tokens; end it when they finish it or it was cancelled."""
+        engine, run = self._engine, goal.run
+        engine._emit(run, new_tokens, goal.on_delta)
+        if not run.finish and goal.cancel is not None and goal.cancel.cancelled:
+            tail = engine._release_held_text(run)
+            if tail:
+                engine._send(run, tail, [], goal.on_delta)
+            run.finish = 'cancelled'
+        if run.finish:
+            self._end(goal)
+
+    def _end(self, goal: BatchGoal, error: BaseException | None = None) -> None:
+        """Free the goal's slot and wake its caller with its result (or error)."""
+        with self._condition:
+            if goal.slot >= 0 and self._slots[goal.slot] is goal:
+                self._slots[goal.slot] = None
+        if error is None:
+            goal.result = self._engine._result(goal.run, goal.started, goal.steps_before)
+        goal.error = error
+        goal.done.set()
+
+
+def new_run(plan: RequestPlan, drafter: Drafter, tokenizer, device: torch.device) -> Run:
+    """Make the Run of a plan (its generator seeded, its stream state fresh), drafting with drafter."""
+    return Run(plan=plan, drafter=drafter, controller=None,
+               generator=torch.Generator(device=device).manual_seed(plan.seed),
+               detokenizer=IncrementalDetokenizer(tokenizer), stops=StopStrings(plan.stops),
+               tokens=list(plan.prompt_ids), stopwatch=Stopwatch(device))

@@ -1,0 +1,162 @@
+"""
+The target's batched steps for continuous batching (FastRows): B rows of Q tokens, row b in KV-cache slot b.
+
+A round of several goals is one pass: each goal's last token and drafts fill a row, padded to the longest row, over
+a SlottedKvCache with one slot per goal. The products read the weights once for every row, which is what batching
+buys where decoding is bound by memory bandwidth. The step tables (steps._Steps) are the causal LM's: eager, compiled
+per (rows, query variant) on CPU, captured per (rows, q, key-length bucket) on CUDA, and built by a background
+warm-up on a shadow (runner._Shadowed) like the single-goal steps.
+
+Rows come in buckets (row_bucket): a batch of 3 goals runs the 4-row step with an idle row, so that few graphs serve
+every batch.
+"""
+
+import functools
+import time
+
+import torch
+
+from .cache import SlottedKvCache
+from .model import LeanGemma4, StepOutput
+from .runner import GraphJob, _Shadowed, _stage_shadow_graphs
+from .steps import _Steps, query_variant
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """
+    Row counts batched steps are built for: powers of two from 2 below max_rows, then max_rows.
+
+    A goal alone in the batch runs the 2-row step with an idle row (its products cost about what one row's do), so
+    that no graph is built for a batch of one.
+    """
+    sizes, size = [], 2
+    while size < max_rows:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_rows]
+
+
+def row_bucket(rows: int, max_rows: int) -> int:
+    """Return the smallest bucket that holds rows."""
+    return next(size for size in row_buckets(max_rows) if size >= rows)
+
+
+class FastRows(_Shadowed):
+    """
+    Batched steps of a target over a cache of num_slots slots (one per running goal); not thread-safe.
+
+    The target's lean model (and so its weights) is shared with the single-goal runner (runner.FastCausalLM).
+    """
+
+    def __init__(self, lean: LeanGemma4, mode: str, num_slots: int, context_limit: int, max_query: int):
+        self.lean = lean
+        self.mode = mode
+        self.max_query = max_query
+        self.cache: SlottedKvCache = lean.new_slotted_cache(num_slots, context_limit, max_query)
+        self._tables = self._new_tables()
+
+    def _new_tables(self) -> dict[int, _Steps]:
+        """
+        Make a step table per row bucket.
+
+        A step's products run over rows x q token rows: a table's static query variants (steps.query_variant) are
+        the q whose products are multiply-reduces (layers._linear), and always q = 1 (the dynamic variant starts at
+        2: torch specialises a dimension of size 1).
+        """
+        rows_max = self.lean.row_product_max_rows
+        return {rows: _Steps(self.mode, self.lean.device, self.cache.capacity, self.lean.inlines_layers,
+                             max(1, rows_max // rows)) for rows in row_buckets(self.cache.num_slots)}
+
+    def adopt(self) -> None:
+        """Take over the graphs a background warm-up staged (between rounds)."""
+        for table in self._tables.values():
+            table.adopt()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slotted KV cache."""
+        return self.cache.nbytes
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, input_ids: torch.Tensor) -> StepOutput:
+        """Put a goal's prompt input_ids [1, n] into a freshly reset slot (eager); the last position's logits."""
+        cache = self.cache.slots[slot]
+        cache.reset()
+        return self.lean.prefill(input_ids, cache, 0, 1)
+
+    @torch.inference_mode()
+    def step(self, input_ids: torch.Tensor, starts: list[int]) -> StepOutput:
+        """
+        Run rows input_ids [B, Q] (B a row bucket), row b at positions starts[b].. in slot b; logits [B, Q, vocab].
+
+        The caller records in each slot what stays (``cache.slots[b].advance`` and ``crop``): a padded row writes
+        past its own tokens, and those positions are provisional like rejected drafts.
+        """
+        rows, width = input_ids.shape
+        if not 1 <= width <= self.max_query:
+            raise ValueError('a batched step takes rows of 1..{} tokens (max_query), got {}'.format(self.max_query,
+                                                                                                 width))
+        positions = torch.tensor(starts, device=self.lean.device)[:, None] + torch.arange(width,
+                                                                                         device=self.lean.device)
+        kv_positions = self.cache.key_positions[:self._tables[rows].key_length(max(starts) + width)]
+        logits, hidden = self._tables[rows].run(('rows', rows), lambda: self._step_function(),
+                                                (input_ids, positions), kv_positions, dynamic_dims=(1, 1))
+        return StepOutput(logits, hidden)
+
+    def _step_function(self):
+        lean, cache = self.lean, self.cache
+
+        def step(input_ids, positions, kv_positions):
+            out = lean.step_rows(input_ids, positions, cache, kv_positions.shape[0], input_ids.shape[1])
+            return out.logits, out.hidden
+        return step
+
+    def graph_jobs(self, role: str) -> list[GraphJob]:
+        """List the batched step graphs a background warm-up builds: per row bucket, per query variant (its ends)."""
+        jobs = []
+        for rows, table in self._tables.items():
+            if not table.dynamic:
+                continue
+            ranges: dict[int, list[int]] = {}
+            for q in range(1, self.max_query + 1):
+                ranges.setdefault(query_variant(q, table.row_product_max_rows), []).append(q)
+            for members in ranges.values():
+                ends = tuple(sorted({members[0], members[-1]}))
+                name = '{} rows={} q={}'.format(role, rows, '..'.join(str(q) for q in ends))
+                keys = tuple(table.variant_key(('rows', rows), q, 0) for q in ends)
+                jobs.append(GraphJob(name, self, table, keys, functools.partial(self._build_on_shadow, rows, ends)))
+        return jobs
+
+    @torch.inference_mode()
+    def warmup(self, progress) -> int:
+        """Compile or capture every batched step before the first goal (blocking warm-up); returns the graphs."""
+        started = time.perf_counter()
+        for rows, table in self._tables.items():
+            queries = range(1, self.max_query + 1)
+            if table.dynamic:  # each variant at both ends, as the single-goal steps (runner.FastCausalLM.warmup)
+                ranges: dict[int, list[int]] = {}
+                for q in queries:
+                    ranges.setdefault(query_variant(q, table.row_product_max_rows), []).append(q)
+                queries = sorted({end for members in ranges.values() for end in (members[0], members[-1])})
+            for q in queries:
+                for length in table.key_lengths():
+                    self.step(torch.zeros((rows, q), dtype=torch.long, device=self.lean.device),
+                              [max(0, length - q - 1)] * rows)
+            progress('warm-up: batched steps of {} rows done ({} mode, {:.1f} s)'.format(
+                rows, self.mode, time.perf_counter() - started))
+        for slot in self.cache.slots:
+            slot.reset()
+        return sum(table.count for table in self._tables.values())
+
+    @torch.inference_mode()
+    def _build_on_shadow(self, rows: int, queries: tuple[int, ...]) -> int:
+        shadow = self.shadow()
+        for q in queries:
+            shadow.step(torch.zeros((rows, q), dtype=torch.long, device=self.lean.device), [0] * rows)
+        return _stage_shadow_graphs(self._tables[rows], shadow._tables[rows], self.cache, shadow.cache)
+
+    def _new_steps(self):
+        return self._new_tables()
+
+    def _give_shadow_a_cache(self, shadow: 'FastRows') -> None:
+        shadow.cache = self.lean.new_slotted_cache(self.cache.num_slots, self.cache.context_limit, self.max_query)

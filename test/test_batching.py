@@ -1,0 +1,238 @@
+"""
+Continuous batching on tiny random Gemma 4 models: batched steps, and goals decoded together, lossless.
+
+A goal inside a batch must yield what it yields alone: the same greedy tokens as transformers' plain decoding (with
+every drafter and K, goals joining mid-way, a cancel mid-batch, across sliding-window boundaries), the same tokens
+for a seed whatever shares its batch, and the target's distribution when sampled.
+"""
+
+import dataclasses
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from conftest import SLIDING_WINDOW, chi_squared_p_value, target_distribution
+
+from gemma_spec_ros.engine import CancelToken, Engine, GenerationRequest
+from gemma_spec_ros.engine.drafters.base import Drafter, Proposal
+from gemma_spec_ros.engine.runtime import models
+from gemma_spec_ros.engine.runtime.model import LeanGemma4
+from gemma_spec_ros.engine.runtime.rows import row_bucket, row_buckets
+
+STORY_PROMPT = 'The robot picked up the red cube and'
+CODE_PROMPT = 'def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n'
+LONG = 4 * SLIDING_WINDOW + 8  # new tokens: the ring wraps several times
+MAX_BATCH = 4
+
+
+@pytest.fixture(scope='module')
+def batch_engine(tiny_engine_config):
+    engine = Engine.from_config(dataclasses.replace(tiny_engine_config, max_batch=MAX_BATCH))
+    yield engine
+    engine.close()
+
+
+class Recorder:
+    """The order in which goals streamed, to tell that they were decoded together."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.order: list[str] = []
+
+    def on_delta(self, name):
+        def record(delta):
+            with self.lock:
+                self.order.append(name)
+        return record
+
+    def interleaved(self, first: str, second: str) -> bool:
+        """Whether a delta of second arrived between two deltas of first."""
+        positions = [index for index, name in enumerate(self.order) if name == first]
+        return any(name == second for name in self.order[positions[0]:positions[-1]])
+
+
+def run_together(engine, requests: dict, recorder: Recorder, cancels: dict | None = None,
+                 start_after: dict | None = None) -> dict:
+    """Generate each named request in a thread of its own, all at once (or once another goal streamed n deltas)."""
+    results, threads = {}, []
+
+    def run(name):
+        if start_after and name in start_after:
+            waited_for, deltas = start_after[name]
+            while recorder.order.count(waited_for) < deltas:
+                threading.Event().wait(0.01)
+        results[name] = engine.generate(requests[name], on_delta=recorder.on_delta(name),
+                                        cancel=(cancels or {}).get(name))
+
+    for name in requests:
+        threads.append(threading.Thread(target=run, args=(name,)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(300)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+def test_row_buckets():
+    assert row_buckets(2) == [2] and row_buckets(4) == [2, 4] and row_buckets(6) == [2, 4, 6]
+    assert [row_bucket(rows, 6) for rows in range(1, 7)] == [2, 2, 4, 4, 6, 6]
+
+
+def test_batched_step_matches_single_sequence_steps(tiny_models):
+    # rows of different lengths, padded, in slots of different lengths, across the sliding window, with rollbacks
+    model = models.load_causal_lm(tiny_models.target, 'target', torch.device('cpu'), torch.float32)
+    lean = LeanGemma4(model)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (1, length), generator=generator) for length in (3, 25, 11)]
+    singles = [lean.new_cache(256, 5) for _ in prompts]
+    slotted = lean.new_slotted_cache(4, 256, 5)
+    with torch.inference_mode():
+        for index, prompt in enumerate(prompts):
+            lean.prefill(prompt, singles[index], 0, 1)
+            lean.prefill(prompt, slotted.slots[index], 0, 1)
+        for round_index in range(40):
+            widths = [1 + (round_index + index) % 5 for index in range(len(prompts))]
+            width = max(widths)
+            input_ids = torch.zeros((len(prompts), width), dtype=torch.long)
+            starts = [slotted.slots[index].length for index in range(len(prompts))]
+            expected = []
+            for index, cache in enumerate(singles):
+                tokens = torch.randint(3, 1000, (1, widths[index]), generator=generator)
+                positions = torch.arange(cache.length, cache.length + widths[index])
+                expected.append(lean.step(tokens, positions, cache, cache.length + widths[index], 0).logits[0])
+                cache.advance(cache.length, widths[index])
+                input_ids[index, :widths[index]] = tokens[0]
+            positions = torch.tensor(starts)[:, None] + torch.arange(width)
+            logits = lean.step_rows(input_ids, positions, slotted, max(starts) + width, width).logits
+            for index, cache in enumerate(singles):
+                slot = slotted.slots[index]
+                slot.advance(starts[index], width)
+                slot.crop(-(width - widths[index]))  # the padding is dropped like rejected drafts
+                torch.testing.assert_close(logits[index, :widths[index]], expected[index], rtol=1e-4, atol=1e-4)
+                if round_index % 4 == index:  # a rejected draft: both roll back one token
+                    cache.crop(-1)
+                    slot.crop(-1)
+    assert min(cache.length for cache in singles) > 3 * SLIDING_WINDOW
+
+
+def test_engine_serves_several_goals_at_once(batch_engine, tiny_engine):
+    assert batch_engine.capabilities.max_concurrent_goals == MAX_BATCH
+    assert tiny_engine.capabilities.max_concurrent_goals == 1
+    assert batch_engine.status().kv_cache_bytes > tiny_engine.status().kv_cache_bytes  # the slots are reported
+
+
+@pytest.mark.parametrize('k', [1, 3, 8])
+def test_greedy_goals_in_a_batch_match_plain_decoding(batch_engine, reference, k):
+    # different drafters (model drafters run between the batch's rounds), K, prompts and lengths
+    ids = batch_engine.tokenizer
+    requests = {
+        'story-none': GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=LONG, drafter='none'),
+        'code-ngram': GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=LONG - 20, drafter='ngram',
+                                        num_draft_tokens=k),
+        'story-ngram': GenerationRequest(prompt=STORY_PROMPT + ' then', max_new_tokens=30, drafter='ngram',
+                                         num_draft_tokens=k),
+        'code-mtp': GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=20, drafter='mtp', num_draft_tokens=k),
+        'story-draft': GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=20, drafter='draft',
+                                         num_draft_tokens=k),
+    }
+    recorder = Recorder()
+    results = run_together(batch_engine, requests, recorder)
+    for name, request in requests.items():
+        expected = reference(ids(request.prompt).input_ids, request.max_new_tokens)
+        assert results[name].token_ids == expected, name
+    assert recorder.interleaved('story-none', 'code-ngram') or recorder.interleaved('code-ngram', 'story-none')
+
+
+def test_a_goal_joins_a_running_batch_and_a_cancel_leaves_the_others_exact(batch_engine, reference):
+    ids = batch_engine.tokenizer
+    requests = {
+        'first': GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=LONG, drafter='none'),
+        'joins': GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=40, drafter='ngram', num_draft_tokens=4),
+        'cancelled': GenerationRequest(prompt=STORY_PROMPT + ' a', max_new_tokens=LONG, drafter='none'),
+    }
+    cancel = CancelToken()
+    recorder = Recorder()
+    original = recorder.on_delta
+
+    def on_delta(name):
+        record = original(name)
+
+        def both(delta):
+            record(delta)
+            if name == 'cancelled' and recorder.order.count('cancelled') == 5:
+                cancel.cancel()
+        return both
+
+    recorder.on_delta = on_delta
+    results = run_together(batch_engine, requests, recorder, cancels={'cancelled': cancel},
+                           start_after={'joins': ('first', 10)})
+    assert results['first'].token_ids == reference(ids(STORY_PROMPT).input_ids, LONG)
+    assert results['joins'].token_ids == reference(ids(CODE_PROMPT).input_ids, 40)
+    assert recorder.interleaved('first', 'joins')
+    cancelled = results['cancelled']
+    assert cancelled.finish_reason == 'cancelled' and 5 <= len(cancelled.token_ids) < LONG
+    expected = reference(ids(STORY_PROMPT + ' a').input_ids, LONG)
+    assert cancelled.token_ids == expected[:len(cancelled.token_ids)]
+
+
+def test_a_seeded_goal_gives_the_same_tokens_whatever_shares_its_batch(batch_engine):
+    request = GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=40, temperature=0.9, top_k=40, seed=11,
+                                drafter='ngram', num_draft_tokens=3)
+    alone = batch_engine.generate(request).token_ids
+    others = {'seeded': request}
+    for index in range(MAX_BATCH - 1):
+        others['other{}'.format(index)] = GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=30 + 7 * index,
+                                                            temperature=1.0, seed=index, drafter='none')
+    results = run_together(batch_engine, others, Recorder())
+    assert results['seeded'].token_ids == alone
+    assert len({tuple(result.token_ids) for result in results.values()}) == len(results)
+
+
+class RepeatingDrafter(Drafter):
+    """
+    Propose one token k times (a deterministic proposal).
+
+    Sampled verification accepts it with the target's probability and draws the recovered token from the rest.
+    """
+
+    name = 'ngram'
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def for_batch(self) -> 'RepeatingDrafter':
+        return self
+
+    def propose(self, context, k):
+        return Proposal(torch.full((k,), self.token, dtype=torch.long), None)
+
+
+def test_sampled_goals_in_a_batch_follow_the_target_distribution(batch_engine, monkeypatch):
+    temperature, top_k, length, samples = 2.0, 3, 3, 800
+    prompt_ids = batch_engine.tokenizer('the the the cube the the').input_ids
+    expected = target_distribution(batch_engine._target.model, prompt_ids, temperature, top_k, length)
+    likely_second = Counter()  # drafting the likeliest second token gets drafts accepted and rejected
+    for outcome, probability in expected.items():
+        likely_second[outcome[1]] += probability
+    monkeypatch.setitem(batch_engine._drafters, 'ngram', RepeatingDrafter(likely_second.most_common(1)[0][0]))
+    observed, drafted, accepted, lock = Counter(), [0], [0], threading.Lock()
+
+    def sample(seeds):
+        for seed in seeds:
+            result = batch_engine.generate(GenerationRequest(
+                prompt_ids=prompt_ids, max_new_tokens=length, temperature=temperature, top_k=top_k, seed=seed,
+                drafter='ngram', num_draft_tokens=2))
+            with lock:
+                observed[tuple(result.token_ids)] += 1
+                drafted[0] += result.stats.drafted_tokens
+                accepted[0] += result.stats.accepted_tokens
+
+    threads = [threading.Thread(target=sample, args=(range(start, samples, MAX_BATCH),))
+               for start in range(MAX_BATCH)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    assert sum(observed.values()) == samples and 0 < accepted[0] < drafted[0]
+    assert chi_squared_p_value(observed, expected) > 1e-3
