@@ -170,3 +170,17 @@ def test_shutdown_ends_every_running_goal(context, tiny_models):
         for outcome in outcomes(sent):
             assert outcome.status == 'aborted' and outcome.result.error == SHUTDOWN_REASON
             assert outcome.result.finish_reason == 'cancelled' and outcome.result.stats.new_tokens < LONG
+
+
+def test_the_batched_local_engine_serves_two_goals_together_through_the_node(context, tiny_models):
+    # engine.max_batch 2: the node runs two workers, the engine decodes both goals in one batch; each gets what it
+    # gets alone (greedy)
+    goals = [make_goal('The robot picked up the red cube and', max_new_tokens=30),
+             make_goal('def add(a, b):\n    return a + b\n', max_new_tokens=24, drafter='ngram')]
+    with spinning_node(context, NAME + '_batched', {**params(tiny_models), 'engine.max_batch': 2}) as (node, client):
+        assert node.backend.capabilities.max_concurrent_goals == 2
+        alone = [client.send(goal) for goal in goals]
+        together = outcomes([send_in_thread(client, goal) for goal in goals])
+    for single, batched in zip(alone, together, strict=True):
+        assert single.status == batched.status == 'succeeded', batched.result.error
+        assert batched.result.text == single.result.text and batched.streamed_text == batched.result.text
