@@ -17,7 +17,7 @@ from conftest import SLIDING_WINDOW, chi_squared_p_value, target_distribution
 from gemma_spec_ros.engine import CancelToken, Engine, GenerationRequest
 from gemma_spec_ros.engine.drafters.base import Drafter, Proposal
 from gemma_spec_ros.engine.runtime import models
-from gemma_spec_ros.engine.runtime.model import LeanGemma4
+from gemma_spec_ros.engine.runtime.model import LeanAssistant, LeanGemma4
 from gemma_spec_ros.engine.runtime.rows import row_bucket, row_buckets
 
 STORY_PROMPT = 'The robot picked up the red cube and'
@@ -116,6 +116,29 @@ def test_batched_step_matches_single_sequence_steps(tiny_models):
     assert min(cache.length for cache in singles) > 3 * SLIDING_WINDOW
 
 
+@pytest.mark.parametrize('assistant', ['assistant', 'assistant_ordered'])
+def test_batched_mtp_step_matches_single_steps(tiny_models, assistant):
+    # each row drafts from its own slot of the target's slotted cache, as the single step does from that slot
+    target = LeanGemma4(models.load_causal_lm(tiny_models.target, 'target', torch.device('cpu'), torch.float32))
+    lean = LeanAssistant(models.load_assistant(getattr(tiny_models, assistant), torch.device('cpu'), torch.float32),
+                         target)
+    generator = torch.Generator().manual_seed(1)
+    slotted = target.new_slotted_cache(4, 256, 5)
+    lengths = (7, 3 * SLIDING_WINDOW + 5, 20)
+    with torch.inference_mode():
+        for slot, length in enumerate(lengths):
+            target.prefill(torch.randint(3, 1000, (1, length), generator=generator), slotted.slots[slot], 0, 1)
+        token_ids = torch.randint(3, 1000, (4, 1), generator=generator)
+        hidden = torch.randn((4, 1, target.hidden_size), generator=generator)
+        positions = torch.tensor([[length] for length in lengths] + [[1]])
+        rows = lean.step_rows(token_ids, hidden, positions, slotted, max(lengths) + 1)
+        for slot, length in enumerate(lengths):
+            single = lean.step(token_ids[slot:slot + 1], hidden[slot:slot + 1], positions[slot], slotted.slots[slot],
+                               length + 1)
+            torch.testing.assert_close(rows.logits[slot], single.logits[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(rows.hidden[slot], single.hidden[0], rtol=1e-4, atol=1e-4)
+
+
 def test_engine_serves_several_goals_at_once(batch_engine, tiny_engine):
     assert batch_engine.capabilities.max_concurrent_goals == MAX_BATCH
     assert tiny_engine.capabilities.max_concurrent_goals == 1
@@ -208,21 +231,23 @@ class RepeatingDrafter(Drafter):
         return Proposal(torch.full((k,), self.token, dtype=torch.long), None)
 
 
-def test_sampled_goals_in_a_batch_follow_the_target_distribution(batch_engine, monkeypatch):
+@pytest.mark.parametrize('drafter', ['repeating', 'mtp'])
+def test_sampled_goals_in_a_batch_follow_the_target_distribution(batch_engine, monkeypatch, drafter):
     temperature, top_k, length, samples = 2.0, 3, 3, 800
     prompt_ids = batch_engine.tokenizer('the the the cube the the').input_ids
     expected = target_distribution(batch_engine._target.model, prompt_ids, temperature, top_k, length)
     likely_second = Counter()  # drafting the likeliest second token gets drafts accepted and rejected
     for outcome, probability in expected.items():
         likely_second[outcome[1]] += probability
-    monkeypatch.setitem(batch_engine._drafters, 'ngram', RepeatingDrafter(likely_second.most_common(1)[0][0]))
+    if drafter == 'repeating':  # in place of the n-gram drafter
+        monkeypatch.setitem(batch_engine._drafters, 'ngram', RepeatingDrafter(likely_second.most_common(1)[0][0]))
     observed, drafted, accepted, lock = Counter(), [0], [0], threading.Lock()
 
     def sample(seeds):
         for seed in seeds:
             result = batch_engine.generate(GenerationRequest(
                 prompt_ids=prompt_ids, max_new_tokens=length, temperature=temperature, top_k=top_k, seed=seed,
-                drafter='ngram', num_draft_tokens=2))
+                drafter='ngram' if drafter == 'repeating' else drafter, num_draft_tokens=2))
             with lock:
                 observed[tuple(result.token_ids)] += 1
                 drafted[0] += result.stats.drafted_tokens
@@ -234,5 +259,7 @@ def test_sampled_goals_in_a_batch_follow_the_target_distribution(batch_engine, m
         thread.start()
     for thread in threads:
         thread.join(600)
-    assert sum(observed.values()) == samples and 0 < accepted[0] < drafted[0]
+    assert sum(observed.values()) == samples and drafted[0] > 0
+    if drafter == 'repeating':  # the random assistant's sampled drafts are rarely accepted: this one's are
+        assert 0 < accepted[0] < drafted[0]
     assert chi_squared_p_value(observed, expected) > 1e-3

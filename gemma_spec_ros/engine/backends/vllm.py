@@ -156,8 +156,10 @@ class VllmBackend(Backend):
     # ----------------------------------------------------------------------------------------------- settings
     @property
     def capabilities(self) -> Capabilities:
+        # generate() is thread-safe (a connection per call, _in_flight under the lock, the learnt model name
+        # idempotent) and the server batches: engine.max_batch says how many goals this node sends at once
         return Capabilities('vllm', (self.drafter,) if self.drafter else (), num_draft_tokens_per_goal=False,
-                            loads_models=False)
+                            loads_models=False, max_concurrent_goals=self.config.max_batch)
 
     @property
     def device(self) -> str:

@@ -4,6 +4,7 @@ The local engine: the decode loop (Engine, the local Backend) and what only it u
 - engine.py: Engine, prefill -> draft -> verify -> accept / roll back -> stream, one verify round at a time.
 - loading.py: load_engine, an Engine from an EngineConfig (Engine.from_config): models, drafters, warm-up.
 - calibration.py: timing target passes of every size, the controllers' verify-cost curve; Stopwatch.
+- batch.py: BatchScheduler, continuous batching (engine.max_batch): goals decoded together, one pass per round.
 - run.py: Run, the state of one generation, and end_of_output (EOS, max_new_tokens).
 - stream.py: incremental detokenizing and stop strings.
 - compile_worker.py: the compile process of a background warm-up (``python -m``; it loads an Engine).

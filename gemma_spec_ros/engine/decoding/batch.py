@@ -7,9 +7,11 @@ drafts per goal, verifies every goal's drafts in one batched target pass (runtim
 padded to the longest), and accepts, rolls back and streams per goal. Nothing waits for the whole batch to end.
 
 Each goal keeps its own sampling parameters and seed (its own generator: a seeded goal gives the same tokens
-whatever shares its batch), stop strings, max tokens, grammar and stream. Drafters whose steps are batched
-(Drafter.for_batch: none, ngram) run here; a goal asking for another (mtp, draft) runs one at a time on the
-single-goal path, which shares the rounds' lock: it runs between rounds, and the batch waits for it.
+whatever shares its batch), stop strings, max tokens, grammar and stream. Drafters that joined the batch
+(Drafter.join_batch: none, ngram, and mtp on the fast path) run here: a goal's drafter is its own
+(Drafter.for_batch), and the goals whose drafters share a model draft together, a step for all their rows at once
+(DraftRows). A goal asking for another drafter (draft) runs one at a time on the single-goal path, which shares
+the rounds' lock: it runs between rounds, and the batch waits for it.
 
 In a batch, K is the goal's pinned K, else BATCH_NUM_DRAFT_TOKENS: the single-goal controller's costs and profit
 gate are measured on unbatched passes, which a batched pass does not cost.
@@ -22,9 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.base import DraftContext, Drafter, Proposal
+from ..drafters.base import DraftContext, Drafter, Proposal, RowRequest
 from ..logits.grammar import mask_logits
 from ..requests import RequestPlan
+from ..runtime.model import StepOutput
 from ..runtime.rows import FastRows, row_bucket
 from ..types import CancelToken, DeltaCallback, GenerationResult
 from .calibration import Stopwatch
@@ -45,6 +48,7 @@ class BatchGoal:
     steps_before: tuple[int, int]
     slot: int = -1                                   # its KV-cache slot once admitted
     proposal: Proposal | None = None                 # this round's drafts
+    drafts: list[int] = field(default_factory=list)  # ... as token ids
     done: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     error: BaseException | None = None
@@ -53,9 +57,11 @@ class BatchGoal:
 class BatchScheduler:
     """Runs the rounds of up to rows.cache.num_slots goals at once, in a thread of its own (started on first use)."""
 
-    def __init__(self, engine, rows: FastRows, round_lock: threading.Lock):
+    def __init__(self, engine, rows: FastRows, round_lock: threading.Lock, drafters: set[str]):
+        """drafters: the names of the drafters that joined the batch (Drafter.join_batch)."""
         self._engine = engine          # decoding.Engine: its emit / verify / result steps serve both paths
         self._rows = rows
+        self._drafters = drafters
         self._round_lock = round_lock  # also held by a single-goal generation, for the whole of it
         self._condition = threading.Condition()
         self._waiting: deque[BatchGoal] = deque()
@@ -68,7 +74,7 @@ class BatchScheduler:
 
     def takes(self, drafter: Drafter) -> bool:
         """Whether a goal with this drafter is decoded in the batch (else it runs on the single-goal path)."""
-        return drafter.for_batch() is not None
+        return drafter.name in self._drafters
 
     def generate(self, run: Run, on_delta: DeltaCallback | None, cancel: CancelToken | None,
                  steps_before: tuple[int, int]) -> GenerationResult:
@@ -121,6 +127,7 @@ class BatchScheduler:
         engine, run = self._engine, goal.run
         engine._call_drafter(run, lambda: run.drafter.start(run.tokens))
         out = self._rows.prefill(goal.slot, torch.tensor([run.tokens], device=engine._device))
+        engine._call_drafter(run, lambda: run.drafter.observe(out, 1, 1))  # out holds the last prompt position
         logits = out.logits[0, -1:]  # [1, vocab]
         if run.constraint is not None:
             logits = mask_logits(logits, run.constraint.next_mask(engine._device))
@@ -131,55 +138,73 @@ class BatchScheduler:
     def _run_round(self, goals: list[BatchGoal]) -> None:
         """Draft per goal, verify every goal in one batched pass, then accept, roll back and stream per goal."""
         engine, rows = self._engine, self._rows
-        rows.adopt()  # graphs built since the last round take over: the whole round runs on them
-        for goal in goals:
-            goal.proposal = self._propose(goal)
-        width = max(1 + self._num_drafted(goal) for goal in goals)
+        if engine._warmup is not None:
+            engine._warmup.adopt()  # graphs built since the last round take over: the whole round runs on them
         batch = row_bucket(max(goal.slot for goal in goals) + 1, self.num_slots)
-        input_ids = torch.zeros((batch, width), dtype=torch.long, device=engine._device)
-        starts = [0] * batch
+        self._propose(goals, batch)
+        width = max(1 + len(goal.drafts) for goal in goals)
+        token_rows, starts = [[0] * width for _ in range(batch)], [0] * batch  # idle rows: any token, position 0
         for goal in goals:
-            tokens = self._row_tokens(goal)
-            input_ids[goal.slot, :tokens.shape[0]] = tokens
+            row = [goal.run.tokens[-1]] + goal.drafts
+            token_rows[goal.slot] = row + [0] * (width - len(row))
             starts[goal.slot] = rows.cache.slots[goal.slot].length
-        logits = rows.step(input_ids, starts).logits  # [batch, width, vocab]
+        out = rows.step(torch.tensor(token_rows, device=engine._device), starts)  # logits, hidden [batch, width, ...]
+        picks = out.logits.argmax(dim=-1).tolist()  # the target's greedy pick at every position: the round's sync
         for goal in goals:
             try:
-                self._accept(goal, logits[goal.slot], starts[goal.slot], width)
+                self._accept(goal, out, picks[goal.slot], starts[goal.slot], width)
             except Exception as exc:  # noqa: BLE001 (the goal's caller gets it; the others go on)
                 self._end(goal, exc)
 
-    def _propose(self, goal: BatchGoal) -> Proposal | None:
-        engine, run = self._engine, goal.run
-        budget = min(run.plan.max_new_tokens - len(run.generated), engine._context_limit - len(run.tokens)) - 1
-        k = min(run.plan.pinned_k or BATCH_NUM_DRAFT_TOKENS, budget, self._rows.max_query - 1)
-        if k <= 0:
-            return None
-        context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator, 0.0, run.constraint)
-        return engine._call_drafter(run, lambda: run.drafter.propose(context, k))
+    def _propose(self, goals: list[BatchGoal], batch: int) -> None:
+        """Each goal's drafts for this round: on its own, or with the goals whose drafters share a model."""
+        engine, shared = self._engine, {}
+        for goal in goals:
+            run = goal.run
+            goal.proposal, goal.drafts = None, []
+            budget = min(run.plan.max_new_tokens - len(run.generated), engine._context_limit - len(run.tokens)) - 1
+            k = min(run.plan.pinned_k or BATCH_NUM_DRAFT_TOKENS, budget, self._rows.max_query - 1)
+            if k <= 0:
+                continue
+            context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator, 0.0, run.constraint)
+            if run.drafter.rows is None:
+                goal.proposal = engine._call_drafter(run, lambda run=run, context=context, k=k:
+                                                     run.drafter.propose(context, k))
+            else:
+                shared.setdefault(run.drafter.rows, []).append((goal, RowRequest(goal.slot, context, k, run.drafter)))
+        for drafter_rows, members in shared.items():
+            try:
+                proposals = drafter_rows.propose_rows([request for _, request in members], batch)
+            except Exception as exc:  # noqa: BLE001 (a drafter failure: its goals go on with plain decoding)
+                for goal, _ in members:
+                    goal.run.fall_back(self._engine._drafters['none'], exc)
+                continue
+            for (goal, _), proposal in zip(members, proposals, strict=True):
+                goal.proposal = proposal
+        for goal in goals:
+            if goal.proposal is not None:
+                goal.drafts = goal.proposal.tokens.tolist()
 
-    @staticmethod
-    def _num_drafted(goal: BatchGoal) -> int:
-        return 0 if goal.proposal is None else goal.proposal.tokens.shape[0]
-
-    def _row_tokens(self, goal: BatchGoal) -> torch.Tensor:
-        """Return the goal's row: its last token and its drafts [1 + k]."""
-        run = goal.run
-        return run.last_token if goal.proposal is None else torch.cat([run.last_token, goal.proposal.tokens])
-
-    def _accept(self, goal: BatchGoal, logits: torch.Tensor, start: int, width: int) -> None:
-        """Verify the goal's drafts against its row's logits [width, vocab]; keep the accepted K/V; stream."""
-        run, num_drafted = goal.run, self._num_drafted(goal)
-        draft_tokens = self._row_tokens(goal)[1:]
-        row = self._engine._verify(run, goal.proposal, draft_tokens, logits[:num_drafted + 1])
-        run.last_token = row[-1:]
-        row = row.tolist()
-        accepted = row[0]
-        slot = self._rows.cache.slots[goal.slot]
-        slot.advance(start, width)                 # the whole padded row was written ...
-        slot.crop(-(width - accepted - 1))         # ... the last token and the accepted drafts stay
-        run.tally.add_round(num_drafted, accepted, time.perf_counter())
-        self._emit(goal, row[1:1 + accepted] + row[-1:])
+    def _accept(self, goal: BatchGoal, out: StepOutput, picks: list[int], start: int, width: int) -> None:
+        """Verify the goal's drafts against its row of the pass (picks: its greedy picks); keep the accepted K/V."""
+        engine, run, slot, drafts = self._engine, goal.run, goal.slot, goal.drafts
+        if run.plan.sampling.greedy and run.constraint is None:  # verify()'s greedy rule, on the host
+            accepted = next((index for index, (draft, pick) in enumerate(zip(drafts, picks, strict=False))
+                             if draft != pick), len(drafts))
+            next_token = picks[accepted]
+            run.last_token = torch.tensor([next_token], device=engine._device)
+        else:
+            draft_tokens = torch.tensor(drafts, dtype=torch.long, device=engine._device)
+            row = engine._verify(run, goal.proposal, draft_tokens, out.logits[slot, :len(drafts) + 1])
+            run.last_token = row[-1:]
+            accepted, next_token = row[0].item(), row[-1].item()
+        cache = self._rows.cache.slots[slot]
+        cache.advance(start, width)                 # the whole padded row was written ...
+        cache.crop(-(width - accepted - 1))         # ... the last token and the accepted drafts stay
+        own_pass = StepOutput(out.logits[slot:slot + 1, :len(drafts) + 1], out.hidden[slot:slot + 1, :len(drafts) + 1])
+        engine._call_drafter(run, lambda: run.drafter.observe(own_pass, len(drafts) + 1, accepted + 1))
+        run.tally.add_round(len(drafts), accepted, time.perf_counter())
+        self._emit(goal, drafts[:accepted] + [next_token])
 
     def _emit(self, goal: BatchGoal, new_tokens: list[int]) -> None:
         """Stream the goal's new tokens; end it when they finish it or it was cancelled."""

@@ -65,12 +65,16 @@ class Engine(Backend):
         self._rows = FastRows(target_lm.lean, target_lm.mode, config.max_batch, self._context_limit,
                               target_lm.max_query) if config.max_batch > 1 and isinstance(target_lm, FastCausalLM) \
             else None
-        self._batch = None if self._rows is None else BatchScheduler(self, self._rows, self._lock)
+        batch_jobs = {} if self._rows is None else {name: drafter.join_batch(self._rows)
+                                                    for name, drafter in drafters.items()}
+        batch_jobs = {name: jobs for name, jobs in batch_jobs.items() if jobs is not None}  # the drafters batched
+        self._batch = None if self._rows is None else BatchScheduler(self, self._rows, self._lock, set(batch_jobs))
         self._graph_jobs, self._default_path_jobs = order_jobs(
             target_lm.graph_jobs('target'), {name: drafter.graph_jobs() for name, drafter in drafters.items()},
             config.drafter)
-        if self._rows is not None:
-            self._graph_jobs += self._rows.graph_jobs('target batch')
+        if self._rows is not None:  # after the single-goal graphs: the target's, then the default drafter's first
+            self._graph_jobs += self._rows.graph_jobs('target batch') + batch_jobs.get(config.drafter, []) + [
+                job for name, jobs in batch_jobs.items() if name != config.drafter for job in jobs]
         self._step_runners = list({id(job.steps): job.steps for job in self._graph_jobs}.values())
         self._weights_bytes = causal_lm.parameter_bytes(target_lm.model) + sum(
             drafter.weights_bytes for drafter in drafters.values())

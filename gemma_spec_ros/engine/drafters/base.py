@@ -68,19 +68,26 @@ class Drafter(ABC):
                                  # several steps, so a cut saves verify work only)
     weights_bytes = 0            # the drafter's own model
     kv_cache_bytes = 0           # its preallocated caches
+    rows: 'DraftRows | None' = None  # a goal's drafter in a batch: the steps it shares with the batch's other goals
+                                     # (None: it proposes on its own)
 
     @classmethod
     def load(cls, context: LoadContext) -> 'Drafter':
         """Build the drafter for a loaded target; ValueError naming the model and path when it does not fit."""
         return cls()
 
-    def for_batch(self) -> 'Drafter | None':
+    def join_batch(self, target_rows) -> list | None:
         """
-        Return a drafter for one goal of a batch (continuous batching): its own per-goal state, this one's models.
+        Set up drafting for the goals of a batch (continuous batching), once, over the target's runtime.FastRows.
 
-        None: this drafter's steps are not batched, and its goals run one at a time.
+        Returns the graphs of its batched steps for the warm-up (runtime.GraphJob), or None where this drafter's
+        goals are not batched (they then run one at a time).
         """
         return None
+
+    def for_batch(self) -> 'Drafter':
+        """Return the drafter of one goal of a batch: its own per-goal state, sharing this one's models (joined)."""
+        raise NotImplementedError('{} drafter is not batched'.format(self.name))
 
     def start(self, prompt_ids: list[int]) -> None:  # noqa: B027 (optional hook)
         """Begin a request (forget the previous one); called before the target's prefill."""
@@ -108,6 +115,24 @@ class Drafter(ABC):
     def graph_jobs(self) -> list:
         """Return the drafter's step graphs for a background warm-up (runtime.GraphJob; none unless compiled on CPU)."""
         return []
+
+
+@dataclass
+class RowRequest:
+    """One goal's drafting in a batched round: its row (KV-cache slot), its context, its K and its drafter."""
+
+    slot: int
+    context: DraftContext
+    k: int
+    drafter: Drafter
+
+
+class DraftRows(ABC):
+    """Drafting for the goals of a batch that share a drafter's model: each step runs for all their rows at once."""
+
+    @abstractmethod
+    def propose_rows(self, requests: list[RowRequest], batch: int) -> list[Proposal | None]:
+        """Up to k tokens per request, as Drafter.propose, over rows 0..batch-1 (a request's row is its slot)."""
 
 
 @contextmanager
@@ -155,6 +180,11 @@ class DraftRound:
         if look is not None:
             more = look.push(token.item()) and more
         return token, more
+
+    @property
+    def count(self) -> int:
+        """Drafts drawn so far."""
+        return len(self._tokens)
 
     def proposal(self) -> Proposal:
         """Return the round's drafts as one Proposal."""

@@ -1,15 +1,16 @@
 """The Gemma 4 MTP assistant: drafts from the target's last hidden state and K/V."""
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from ..requests import SamplingParams
 from ..runtime import FastAssistant, FastCausalLM, causal_lm, models
 from ..runtime.assistant import greedy_calls
+from ..runtime.rows import AssistantRows
 from ..types import one_call_per_draft
-from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
+from .base import DraftContext, Drafter, DraftRound, DraftRows, LoadContext, Proposal, RowRequest, grammar_lookahead
 
 
 class MtpDrafter(Drafter):
@@ -36,6 +37,7 @@ class MtpDrafter(Drafter):
         self.weights_bytes = causal_lm.parameter_bytes(assistant)
         self._hidden = None      # [1, 1, hidden] target state that predicted the last token
         self._shared_kv = None   # transformers' path: {layer_type: (keys, values)} up to the token before the last
+        self._batch_rows: MtpRows | None = None  # drafting for a batch's goals (join_batch)
 
     @classmethod
     def load(cls, context: LoadContext) -> 'MtpDrafter':
@@ -51,10 +53,22 @@ class MtpDrafter(Drafter):
         return drafter
 
     def warmup(self, progress) -> int:
-        return 0 if self._fast is None else self._fast.warmup(progress).graphs
+        if self._fast is None:
+            return 0
+        batched = 0 if self._batch_rows is None else self._batch_rows.runner.warmup(progress)
+        return self._fast.warmup(progress).graphs + batched
 
     def graph_jobs(self) -> list:
         return [] if self._fast is None else self._fast.graph_jobs(self.name)
+
+    def join_batch(self, target_rows) -> list | None:
+        if self._fast is None:  # transformers' forward: no batched steps
+            return None
+        self._batch_rows = MtpRows(AssistantRows(self._fast, target_rows))
+        return self._batch_rows.runner.graph_jobs('mtp batch')
+
+    def for_batch(self) -> 'MtpGoalDrafter':
+        return MtpGoalDrafter(self._batch_rows)
 
     def start(self, prompt_ids: list[int]) -> None:
         self._hidden = None
@@ -122,3 +136,72 @@ class MtpDrafter(Drafter):
             out = self._assistant(inputs_embeds=inputs, position_ids=position_ids, shared_kv_states=self._shared_kv)
             return out.logits[:, -1], out.last_hidden_state
         yield step
+
+
+class MtpGoalDrafter(Drafter):
+    """One goal's MTP drafting in a batch: its target state; the drafts come from the batch's MtpRows."""
+
+    name = 'mtp'
+    needs_target_states = True
+
+    def __init__(self, rows: 'MtpRows'):
+        self.rows = rows
+        self.hidden = None  # [1, 1, backbone] target state that predicted the goal's last token
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.hidden = None
+
+    def observe(self, target_out, num_fed: int, num_kept: int) -> None:
+        self.hidden = None if target_out.hidden is None else target_out.hidden[:, num_kept - 1:num_kept]
+
+    def propose(self, context: DraftContext, k: int) -> Proposal | None:
+        raise NotImplementedError('a goal in a batch drafts through its rows (MtpRows.propose_rows): the assistant '
+                                  "reads the goal's own KV-cache slot")
+
+
+class MtpRows(DraftRows):
+    """
+    MTP drafting for a batch: each draft step runs the assistant for every row at once (AssistantRows).
+
+    Each goal draws its drafts from its row's logits as on its own (DraftRound: greedy, sampled, under its grammar).
+    """
+
+    def __init__(self, runner: AssistantRows):
+        self.runner = runner
+
+    def propose_rows(self, requests: list[RowRequest], batch: int) -> list[Proposal | None]:
+        ready = [request for request in requests if request.drafter.hidden is not None]
+        if not ready:
+            return [None] * len(requests)
+        device = ready[0].context.last_token.device
+        _, hidden = self.runner.blank_inputs(batch)
+        current, positions = [0] * batch, [1] * batch  # idle rows: any token, any valid position
+        for request in ready:
+            current[request.slot] = request.context.tokens[-1]
+            hidden[request.slot] = request.drafter.hidden[0]
+            positions[request.slot] = len(request.context.tokens) - 1
+        # greedy rows without a grammar take the argmax of every row at once (one host sync per step); the others
+        # draw as on their own
+        greedy = {request.slot: [] for request in ready
+                  if request.context.sampling.greedy and request.context.constraint is None}
+        with ExitStack() as stack:
+            rounds = {request.slot: DraftRound(request.context, request.context.min_confidence,
+                                               stack.enter_context(grammar_lookahead(request.context)))
+                      for request in ready if request.slot not in greedy}
+            drafting = {request.slot: request for request in ready}
+            while drafting:
+                out = self.runner.step(torch.tensor(current, device=device)[:, None], hidden, positions)
+                picks = out.logits[:, -1].argmax(dim=-1).tolist() if greedy else None
+                for slot, request in list(drafting.items()):
+                    if slot in greedy:
+                        greedy[slot].append(picks[slot])
+                        current[slot], count, more = picks[slot], len(greedy[slot]), True
+                    else:
+                        token, more = rounds[slot].draw(out.logits[slot, -1:])
+                        current[slot], count = token.item(), rounds[slot].count
+                    if not more or count == request.k:
+                        del drafting[slot]
+                hidden = out.hidden
+            proposals = {slot: Proposal(torch.tensor(drafts, device=device), None) for slot, drafts in greedy.items()}
+            proposals.update((slot, draft_round.proposal()) for slot, draft_round in rounds.items())
+            return [proposals.get(request.slot) for request in requests]

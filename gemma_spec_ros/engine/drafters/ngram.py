@@ -23,6 +23,9 @@ class NgramDrafter(Drafter):
         self._continuation: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it last
         self._indexed = 0
 
+    def join_batch(self, target_rows) -> list:
+        return []  # no model: each goal proposes on its own
+
     def for_batch(self) -> 'NgramDrafter':
         return NgramDrafter(self._sizes[-1], self._sizes[0], self._device)  # an index of its own
 

@@ -8,6 +8,9 @@ class NoneDrafter(Drafter):
 
     name = 'none'
 
+    def join_batch(self, target_rows) -> list:
+        return []  # no model: each goal proposes on its own
+
     def for_batch(self) -> 'NoneDrafter':
         return self  # no state
 

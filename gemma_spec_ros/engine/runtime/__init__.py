@@ -8,8 +8,9 @@ inductor-compiled (CPU) or captured as CUDA graphs (GPU). transformers stays the
 - causal_lm.py: one interface over a causal LM and its KV cache, fast (FastCausalLM) or transformers' (DynamicCausalLM).
 - runner.py: FastCausalLM, the step functions per query length; GraphJob, one graph a background warm-up builds.
 - assistant.py: FastAssistant, the MTP assistant's runner over the target's static cache.
+- rows.py: FastRows, the target's batched steps (continuous batching): row b of a pass in KV-cache slot b.
 - model.py, layers.py, weights.py: the lean forward, one decoder layer's arithmetic, the weights it reads.
-- cache.py: the static KV cache.
+- cache.py: the static KV cache, and its slotted form (a slot per goal of a batch).
 - steps.py, direct_graph.py, compile_cache.py: step tables per compile mode, compiled CPU graphs called directly,
   inductor's on-disk cache.
 - torch_internals.py: the one module that touches torch's private APIs (probed, with a public fallback).

@@ -433,6 +433,34 @@ class LeanAssistant(_Decoder):
         logits = self._ordered_logits(x) if self.ordered else _linear(x, self.lm_head)
         return StepOutput(logits.unsqueeze(0), _linear(x, self.post_projection).unsqueeze(0))
 
+    def step_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                  cache: SlottedKvCache, kv_len: int) -> StepOutput:
+        """
+        Run one draft step for each row: row b drafts from the target's K/V in slot b of a slotted cache.
+
+        token_ids [B, 1], hidden [B, 1, backbone] and positions [B, 1] as in step, per row. Returns logits
+        [B, 1, vocab] and the projected hidden [B, 1, backbone]. kv_len > every position bounds the keys read.
+        """
+        inputs = torch.cat((self.target.embed_tokens(token_ids[:, 0]), hidden[:, 0]), dim=-1)  # [B, 2 * backbone]
+        x = _linear(inputs, self.pre_projection)
+        before = positions[:, :, None] - 1                                                     # [B, 1, 1]
+        ring = cache.ring_view(token_ids.shape[0])[:, None, :]                                 # [B, 1, ring]
+        masks = {FULL: cache.key_positions[None, None, :kv_len] <= before,
+                 SLIDING: (ring <= before) & (ring >= before - self.sliding_window)}
+        x = self._layers_rows(x, cache, positions, self.rope.at(positions.flatten()), masks, None)
+        x = _rms_norm(x, self.final_norm, self.eps)
+        logits = self._ordered_logits_rows(x) if self.ordered else _linear(x, self.lm_head)
+        return StepOutput(logits[:, None], _linear(x, self.post_projection)[:, None])
+
+    def _ordered_logits_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """_ordered_logits for each row of x [B, hidden] -> [B, vocab]."""
+        top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices               # [B, top_k]
+        clusters = self.token_ordering.long().view(self.num_centroids, -1)
+        selected = clusters[top].flatten(1)                                                      # [B, top_k * per]
+        selected_logits = torch.bmm(self.lm_head[selected].to(x.dtype), x[:, :, None])[:, :, 0]  # [B, top_k * per]
+        floor = selected_logits.min(dim=-1, keepdim=True).values - 1.0
+        return floor.expand(x.shape[0], self.lm_head.shape[0]).clone().scatter_(-1, selected, selected_logits)
+
     def _ordered_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [1, vocab] from x [1, hidden]: exact for the tokens of the top centroids, the rest below their min."""
         top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices                # [1, top_k]

@@ -1,5 +1,7 @@
 """
-The target's batched steps for continuous batching (FastRows): B rows of Q tokens, row b in KV-cache slot b.
+Batched steps for continuous batching: the target's (FastRows) and the MTP assistant's (AssistantRows).
+
+FastRows runs B rows of Q tokens, row b in KV-cache slot b; AssistantRows one draft step per row, reading slot b.
 
 A round of several goals is one pass: each goal's last token and drafts fill a row, padded to the longest row, over
 a SlottedKvCache with one slot per goal. The products read the weights once for every row, which is what batching
@@ -16,6 +18,7 @@ import time
 
 import torch
 
+from .assistant import FastAssistant
 from .cache import SlottedKvCache
 from .model import LeanGemma4, StepOutput
 from .runner import GraphJob, _Shadowed, _stage_shadow_graphs
@@ -53,9 +56,9 @@ class FastRows(_Shadowed):
         self.mode = mode
         self.max_query = max_query
         self.cache: SlottedKvCache = lean.new_slotted_cache(num_slots, context_limit, max_query)
-        self._tables = self._new_tables()
+        self._steps = self._new_steps()
 
-    def _new_tables(self) -> dict[int, _Steps]:
+    def _new_steps(self) -> dict[int, _Steps]:
         """
         Make a step table per row bucket.
 
@@ -66,11 +69,6 @@ class FastRows(_Shadowed):
         rows_max = self.lean.row_product_max_rows
         return {rows: _Steps(self.mode, self.lean.device, self.cache.capacity, self.lean.inlines_layers,
                              max(1, rows_max // rows)) for rows in row_buckets(self.cache.num_slots)}
-
-    def adopt(self) -> None:
-        """Take over the graphs a background warm-up staged (between rounds)."""
-        for table in self._tables.values():
-            table.adopt()
 
     @property
     def nbytes(self) -> int:
@@ -98,8 +96,8 @@ class FastRows(_Shadowed):
                                                                                                  width))
         positions = torch.tensor(starts, device=self.lean.device)[:, None] + torch.arange(width,
                                                                                          device=self.lean.device)
-        kv_positions = self.cache.key_positions[:self._tables[rows].key_length(max(starts) + width)]
-        logits, hidden = self._tables[rows].run(('rows', rows), lambda: self._step_function(),
+        kv_positions = self.cache.key_positions[:self._steps[rows].key_length(max(starts) + width)]
+        logits, hidden = self._steps[rows].run(('rows', rows), lambda: self._step_function(),
                                                 (input_ids, positions), kv_positions, dynamic_dims=(1, 1))
         return StepOutput(logits, hidden)
 
@@ -114,7 +112,7 @@ class FastRows(_Shadowed):
     def graph_jobs(self, role: str) -> list[GraphJob]:
         """List the batched step graphs a background warm-up builds: per row bucket, per query variant (its ends)."""
         jobs = []
-        for rows, table in self._tables.items():
+        for rows, table in self._steps.items():
             if not table.dynamic:
                 continue
             ranges: dict[int, list[int]] = {}
@@ -131,7 +129,7 @@ class FastRows(_Shadowed):
     def warmup(self, progress) -> int:
         """Compile or capture every batched step before the first goal (blocking warm-up); returns the graphs."""
         started = time.perf_counter()
-        for rows, table in self._tables.items():
+        for rows, table in self._steps.items():
             queries = range(1, self.max_query + 1)
             if table.dynamic:  # each variant at both ends, as the single-goal steps (runner.FastCausalLM.warmup)
                 ranges: dict[int, list[int]] = {}
@@ -146,17 +144,91 @@ class FastRows(_Shadowed):
                 rows, self.mode, time.perf_counter() - started))
         for slot in self.cache.slots:
             slot.reset()
-        return sum(table.count for table in self._tables.values())
+        return sum(table.count for table in self._steps.values())
 
     @torch.inference_mode()
     def _build_on_shadow(self, rows: int, queries: tuple[int, ...]) -> int:
         shadow = self.shadow()
         for q in queries:
             shadow.step(torch.zeros((rows, q), dtype=torch.long, device=self.lean.device), [0] * rows)
-        return _stage_shadow_graphs(self._tables[rows], shadow._tables[rows], self.cache, shadow.cache)
-
-    def _new_steps(self):
-        return self._new_tables()
+        return _stage_shadow_graphs(self._steps[rows], shadow._steps[rows], self.cache, shadow.cache)
 
     def _give_shadow_a_cache(self, shadow: 'FastRows') -> None:
         shadow.cache = self.lean.new_slotted_cache(self.cache.num_slots, self.cache.context_limit, self.max_query)
+
+
+class AssistantRows(_Shadowed):
+    """
+    The MTP assistant's draft steps for every row of a batch at once.
+
+    Row b drafts from slot b of the target's slotted cache (FastRows.cache), which it only reads. One table per row
+    bucket, as FastRows.
+    """
+
+    def __init__(self, assistant: FastAssistant, target_rows: FastRows):
+        self.lean = assistant.lean
+        self.mode = target_rows.mode
+        self.cache = target_rows.cache
+        self._target_rows = target_rows
+        self._steps = self._new_steps()
+
+    def _new_steps(self) -> dict[int, _Steps]:
+        return {rows: _Steps(self.mode, self.lean.target.device, self.cache.capacity, self.lean.inlines_layers)
+                for rows in row_buckets(self.cache.num_slots)}
+
+    @torch.inference_mode()
+    def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: list[int]) -> StepOutput:
+        """
+        Run one draft step per row.
+
+        token_ids [B, 1] and hidden [B, 1, backbone] at positions[b] (the target length of slot b, the position of
+        the row's last token) -> logits [B, 1, vocab], hidden [B, 1, backbone].
+        """
+        rows = token_ids.shape[0]
+        table = self._steps[rows]
+        position_tensor = torch.tensor(positions, device=self.lean.target.device)[:, None]
+        kv_positions = self.cache.key_positions[:table.key_length(max(positions))]
+        logits, projected = table.run(('mtp rows', rows), self._step_function, (token_ids, hidden, position_tensor),
+                                      kv_positions, dynamic_dims=(None, None, None))
+        return StepOutput(logits, projected)
+
+    def _step_function(self):
+        lean, cache = self.lean, self.cache
+
+        def step(token_ids, hidden, positions, kv_positions):
+            out = lean.step_rows(token_ids, hidden, positions, cache, kv_positions.shape[0])
+            return out.logits, out.hidden
+        return step
+
+    def blank_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [rows, 1] and hidden [rows, 1, backbone] of zeros, to fill with each row's."""
+        device = self.lean.target.device
+        return (torch.zeros((rows, 1), dtype=torch.long, device=device),
+                torch.zeros((rows, 1, self.lean.target.hidden_size), dtype=self.lean.target.dtype, device=device))
+
+    @torch.inference_mode()
+    def warmup(self, progress) -> int:
+        """Compile or capture every row bucket's step before the first goal (blocking warm-up); returns the graphs."""
+        started = time.perf_counter()
+        for rows, table in self._steps.items():
+            for length in table.key_lengths():
+                self.step(*self.blank_inputs(rows), [max(1, length)] * rows)
+            progress('warm-up: batched MTP steps of {} rows done ({} mode, {:.1f} s)'.format(
+                rows, self.mode, time.perf_counter() - started))
+        return sum(table.count for table in self._steps.values())
+
+    def graph_jobs(self, role: str) -> list[GraphJob]:
+        """List the graphs a background warm-up builds: one per row bucket (none unless compiled on CPU)."""
+        return [GraphJob('{} rows={}'.format(role, rows), self, table, (table.variant_key(('mtp rows', rows), 1, 0),),
+                         functools.partial(self._build_on_shadow, rows))
+                for rows, table in self._steps.items() if table.dynamic]
+
+    @torch.inference_mode()
+    def _build_on_shadow(self, rows: int) -> int:
+        shadow = self.shadow()
+        shadow.step(*self.blank_inputs(rows), [1] * rows)
+        return _stage_shadow_graphs(self._steps[rows], shadow._steps[rows], self.cache, shadow.cache)
+
+    def _give_shadow_a_cache(self, shadow: 'AssistantRows') -> None:
+        target = self._target_rows
+        shadow.cache = target.lean.new_slotted_cache(self.cache.num_slots, self.cache.context_limit, target.max_query)
