@@ -249,6 +249,35 @@ def test_two_clients_share_the_server_concurrently(server):
     assert all(result.server_wide and result.stats.accepted_tokens == -1 for result in results.values())
 
 
+def test_one_backend_serves_concurrent_goals_exactly(server):
+    """engine.max_batch 2: one backend runs two greedy goals at once, interleaved, each as it runs alone."""
+    backend = VllmBackend(EngineConfig(max_batch=2),
+                          VllmConfig(url=server.url, model='target', drafter='ngram', speculative_sampling=False))
+    assert backend.capabilities.max_concurrent_goals == 2
+    requests = [GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=96),
+                GenerationRequest(prompt=REPETITIVE_PROMPT, max_new_tokens=96)]
+    alone = [backend.generate(request) for request in requests]
+    arrivals, results, go = [[], []], [None, None], threading.Barrier(2)
+
+    def run(index):
+        go.wait()
+        results[index] = backend.generate(requests[index],
+                                          on_delta=lambda delta: arrivals[index].append(time.monotonic()))
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for together, single in zip(results, alone, strict=True):
+        assert together.finish_reason == single.finish_reason == 'length'
+        assert together.token_ids == single.token_ids and together.text == single.text
+    # the streams interleave: each got chunks while the other was streaming
+    for mine, other in ((arrivals[0], arrivals[1]), (arrivals[1], arrivals[0])):
+        assert sum(other[0] < moment < other[-1] for moment in mine) >= 2, 'the goals ran one after the other'
+    assert all(result.server_wide for result in results)
+
+
 def test_tau_equals_tau_from_the_server_counters(backend):
     before = parse_metrics(_get_metrics(backend.url), 'target')
     result = backend.generate(GenerationRequest(prompt=REPETITIVE_PROMPT, max_new_tokens=64))
