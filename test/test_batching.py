@@ -147,7 +147,7 @@ def test_engine_serves_several_goals_at_once(batch_engine, tiny_engine):
 
 @pytest.mark.parametrize('k', [1, 3, 8])
 def test_greedy_goals_in_a_batch_match_plain_decoding(batch_engine, reference, k):
-    # different drafters (model drafters run between the batch's rounds), K, prompts and lengths
+    # different drafters, K, prompts and lengths
     ids = batch_engine.tokenizer
     requests = {
         'story-none': GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=LONG, drafter='none'),
@@ -164,7 +164,8 @@ def test_greedy_goals_in_a_batch_match_plain_decoding(batch_engine, reference, k
     for name, request in requests.items():
         expected = reference(ids(request.prompt).input_ids, request.max_new_tokens)
         assert results[name].token_ids == expected, name
-    assert recorder.interleaved('story-none', 'code-ngram') or recorder.interleaved('code-ngram', 'story-none')
+    for name in ('code-ngram', 'code-mtp', 'story-draft'):  # every drafter's goals were decoded in the batch
+        assert recorder.interleaved('story-none', name) or recorder.interleaved(name, 'story-none'), name
 
 
 def test_a_goal_joins_a_running_batch_and_a_cancel_leaves_the_others_exact(batch_engine, reference):
@@ -224,14 +225,32 @@ class RepeatingDrafter(Drafter):
     def __init__(self, token: int):
         self.token = token
 
-    def for_batch(self) -> 'RepeatingDrafter':
+    def join_batch(self, target_rows) -> list:
+        return []
+
+    def for_batch(self, slot: int) -> 'RepeatingDrafter':
         return self
 
     def propose(self, context, k):
         return Proposal(torch.full((k,), self.token, dtype=torch.long), None)
 
 
-@pytest.mark.parametrize('drafter', ['repeating', 'mtp'])
+class UnjoinableDrafter(RepeatingDrafter):
+    """A drafter that fails when a goal takes a slot."""
+
+    def for_batch(self, slot: int) -> 'RepeatingDrafter':
+        raise RuntimeError('no drafter for slot {}'.format(slot))
+
+
+def test_a_goal_that_fails_leaves_the_batch_serving(batch_engine, monkeypatch):
+    monkeypatch.setitem(batch_engine._drafters, 'ngram', UnjoinableDrafter(5))
+    with pytest.raises(RuntimeError, match='no drafter for slot'):
+        batch_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=8, drafter='ngram'))
+    result = batch_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=8, drafter='none'))
+    assert len(result.token_ids) == 8 and result.finish_reason == 'length'
+
+
+@pytest.mark.parametrize('drafter', ['repeating', 'mtp', 'draft'])
 def test_sampled_goals_in_a_batch_follow_the_target_distribution(batch_engine, monkeypatch, drafter):
     temperature, top_k, length, samples = 2.0, 3, 3, 800
     prompt_ids = batch_engine.tokenizer('the the the cube the the').input_ids
@@ -260,6 +279,6 @@ def test_sampled_goals_in_a_batch_follow_the_target_distribution(batch_engine, m
     for thread in threads:
         thread.join(600)
     assert sum(observed.values()) == samples and drafted[0] > 0
-    if drafter == 'repeating':  # the random assistant's sampled drafts are rarely accepted: this one's are
+    if drafter == 'repeating':  # the random models' sampled drafts are rarely accepted: this one's are
         assert 0 < accepted[0] < drafted[0]
     assert chi_squared_p_value(observed, expected) > 1e-3

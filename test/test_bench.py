@@ -298,10 +298,10 @@ def test_adaptive_rows_give_the_ratio_within_each_repeat():
 def test_random_models_for_memory_scaling_load_and_fit_together(tmp_path):
     import torch
 
-    from gemma_spec_ros.benchmarks.fast_measure import _write_random_models
+    from gemma_spec_ros.benchmarks.fast_measure import write_random_models
     from gemma_spec_ros.engine.runtime import models
 
-    target_path, assistant_path = _write_random_models('3x64x256', str(tmp_path))
+    target_path, assistant_path = write_random_models('3x64x256', str(tmp_path))
     target = models.load_causal_lm(target_path, 'target', torch.device('cpu'), torch.float32)
     assistant = models.load_assistant(assistant_path, torch.device('cpu'), torch.float32)
     models.check_assistant_fits(target, assistant, assistant_path)

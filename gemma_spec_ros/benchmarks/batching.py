@@ -15,9 +15,11 @@ hits them alike.
 import argparse
 import dataclasses
 import json
+import tempfile
 import threading
 import time
 
+from gemma_spec_ros.benchmarks.fast_measure import write_random_models
 from gemma_spec_ros.benchmarks.prompts import default_prompts_path, load_prompts
 from gemma_spec_ros.engine.stats import percentile
 
@@ -88,6 +90,12 @@ def main(argv=None) -> int:
     parser.add_argument('--repeats', type=int, default=2, help='waves per level, interleaved')
     parser.add_argument('--compile', default='auto')
     parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--warmup', default='blocking', choices=('blocking', 'off'),
+                        help='off: each graph compiles when first used, in an untimed wave (fewer graphs: only the '
+                             'steps the levels use)')
+    parser.add_argument('--random-target', default='', metavar='LAYERSxHIDDENxINTERMEDIATE',
+                        help='instead of --target/--assistant: random-weight models of this shape (e.g. 12x1536x6144, '
+                             'about 1.8 GB in float32: memory-bound decoding), written to a temporary folder')
     parser.add_argument('--out', default='', help='write the summary as JSON here')
     args = parser.parse_args(argv)
     levels = [int(value) for value in args.concurrency.split(',')]
@@ -97,18 +105,25 @@ def main(argv=None) -> int:
 
     from gemma_spec_ros.engine import Engine, EngineConfig
 
+    scratch = tempfile.TemporaryDirectory(prefix='gemma-spec-batching-')
+    if args.random_target:
+        print('batching: writing random-weight models of shape {}'.format(args.random_target), flush=True)
+        args.target, args.assistant = write_random_models(args.random_target, scratch.name)
     max_batch = max(levels)
     engines = {}
     for name, batch in (('one at a time', 1), ('batched', max_batch)):
         config = EngineConfig(target_path=args.target, assistant_path=args.assistant if 'mtp' in drafters else '',
-                              drafter=drafters[0], compile=args.compile, num_threads=args.threads, warmup='blocking',
-                              max_batch=batch)
-        print('batching: loading {} engine (max_batch {}, compile {}, blocking warm-up)'.format(name, batch,
-                                                                                            args.compile), flush=True)
+                              drafter=drafters[0], compile=args.compile, num_threads=args.threads,
+                              warmup=args.warmup, max_batch=batch)
+        print('batching: loading {} engine (max_batch {}, compile {}, warm-up {})'.format(
+            name, batch, args.compile, args.warmup), flush=True)
         engines[name] = Engine.from_config(config, progress=lambda message: print('  ' + message, flush=True))
     tokenizer = engines['batched'].tokenizer
     prompts = [tokenizer(prompt.text).input_ids for prompt in load_prompts(args.prompts or default_prompts_path())]
     plan = [('one at a time', 1)] + [('batched', level) for level in levels]
+    for drafter in drafters:  # an untimed wave each: steps compiled on first use (warm-up off), caches touched
+        for name, level in plan:
+            run_wave(engines[name], prompts, level, drafter, args.num_draft_tokens, args.max_new_tokens)
     waves: dict[tuple[str, int, str], list[Wave]] = {}
     for repeat in range(args.repeats):
         for drafter in drafters:
@@ -120,6 +135,7 @@ def main(argv=None) -> int:
                     repeat + 1, drafter, name, level, sum(wave.new_tokens) / wave.seconds, wave.seconds), flush=True)
     for engine in engines.values():
         engine.close()
+    scratch.cleanup()
     rows = [{'engine': key[0], **summarize(level_waves)} for key, level_waves in waves.items()]
     print('\n| drafter | engine | goals at once | aggregate tok/s | x one at a time | per-goal tok/s p50 | '
           'TTFT p50 / p95 | tau |')

@@ -357,7 +357,7 @@ def memory(args) -> dict:
         targets = [('', args.model, args.assistant)]
         for shape in filter(None, args.random_targets.split(',')):
             _say('writing random-weight models of target shape {}'.format(shape))
-            targets.append((' ' + shape, *_write_random_models(shape, os.path.join(scratch, shape))))
+            targets.append((' ' + shape, *write_random_models(shape, os.path.join(scratch, shape))))
         for mode in args.compile.split(','):
             for suffix, target, assistant in targets:
                 _say('measuring {}{}'.format(mode, suffix))
@@ -370,7 +370,7 @@ def memory(args) -> dict:
     return rows
 
 
-def _write_random_models(shape_text: str, directory: str) -> tuple[str, str]:
+def write_random_models(shape_text: str, directory: str) -> tuple[str, str]:
     """Write a random-weight target of shape LAYERSxHIDDENxINTERMEDIATE and an assistant for it; return their paths."""
     import torch
     from transformers import AutoConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM

@@ -8,10 +8,10 @@ padded to the longest), and accepts, rolls back and streams per goal. Nothing wa
 
 Each goal keeps its own sampling parameters and seed (its own generator: a seeded goal gives the same tokens
 whatever shares its batch), stop strings, max tokens, grammar and stream. Drafters that joined the batch
-(Drafter.join_batch: none, ngram, and mtp on the fast path) run here: a goal's drafter is its own
-(Drafter.for_batch), and the goals whose drafters share a model draft together, a step for all their rows at once
-(DraftRows). A goal asking for another drafter (draft) runs one at a time on the single-goal path, which shares
-the rounds' lock: it runs between rounds, and the batch waits for it.
+(Drafter.join_batch: every drafter on the fast path) run here: a goal's drafter is its own (Drafter.for_batch),
+and the goals whose drafters share a model draft together, a step for all their rows at once (DraftRows). A goal
+whose drafter did not join (transformers' forward) runs one at a time on the single-goal path, which shares the
+rounds' lock: it runs between rounds, and the batch waits for it.
 
 In a batch, K is the goal's pinned K, else BATCH_NUM_DRAFT_TOKENS: the single-goal controller's costs and profit
 gate are measured on unbatched passes, which a batched pass does not cost.
@@ -79,7 +79,6 @@ class BatchScheduler:
     def generate(self, run: Run, on_delta: DeltaCallback | None, cancel: CancelToken | None,
                  steps_before: tuple[int, int]) -> GenerationResult:
         """Decode one goal in the batch; returns when it ends (raises what its decoding raised)."""
-        run.drafter = run.drafter.for_batch()
         goal = BatchGoal(run, on_delta, cancel, time.perf_counter(), steps_before)
         with self._condition:
             self._waiting.append(goal)
@@ -100,8 +99,14 @@ class BatchScheduler:
             with self._round_lock, torch.inference_mode():
                 self._admit()
                 goals = [goal for goal in self._slots if goal is not None]
-                if goals:
+                if not goals:
+                    continue
+                try:
                     self._run_round(goals)
+                except Exception as exc:  # noqa: BLE001 (a failed pass fails its goals; the scheduler serves on)
+                    for goal in goals:
+                        if not goal.done.is_set():
+                            self._end(goal, exc)
 
     def _admit(self) -> None:
         """Give waiting goals the free slots (lowest first, which keeps the rows few), prefilling each."""
@@ -114,6 +119,7 @@ class BatchScheduler:
                 goal.slot = free
                 self._slots[free] = goal
             try:
+                goal.run.drafter = goal.run.drafter.for_batch(free)
                 if goal.cancel is not None and goal.cancel.cancelled:  # cancelled while it waited: nothing runs
                     goal.run.finish = 'cancelled'
                     self._end(goal)
@@ -223,8 +229,11 @@ class BatchScheduler:
         with self._condition:
             if goal.slot >= 0 and self._slots[goal.slot] is goal:
                 self._slots[goal.slot] = None
-        if error is None:
-            goal.result = self._engine._result(goal.run, goal.started, goal.steps_before)
+        try:
+            if error is None:
+                goal.result = self._engine._result(goal.run, goal.started, goal.steps_before)
+        except Exception as exc:  # noqa: BLE001 (its caller gets it, never a wait without end)
+            error = exc
         goal.error = error
         goal.done.set()
 

@@ -85,8 +85,8 @@ class Drafter(ABC):
         """
         return None
 
-    def for_batch(self) -> 'Drafter':
-        """Return the drafter of one goal of a batch: its own per-goal state, sharing this one's models (joined)."""
+    def for_batch(self, slot: int) -> 'Drafter':
+        """Return the drafter of the goal in KV-cache slot of a batch: its own state, this one's models (joined)."""
         raise NotImplementedError('{} drafter is not batched'.format(self.name))
 
     def start(self, prompt_ids: list[int]) -> None:  # noqa: B027 (optional hook)

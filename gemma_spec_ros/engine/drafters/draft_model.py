@@ -1,9 +1,12 @@
 """A smaller same-family Gemma 4 model drafting with its own KV cache."""
 
+from contextlib import ExitStack
+
 import torch
 
-from ..runtime import causal_lm, models
-from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
+from ..runtime import FastCausalLM, causal_lm, models
+from ..runtime.rows import FastRows, row_bucket
+from .base import DraftContext, Drafter, DraftRound, DraftRows, LoadContext, Proposal, RowRequest, grammar_lookahead
 
 
 class DraftModelDrafter(Drafter):
@@ -16,6 +19,7 @@ class DraftModelDrafter(Drafter):
         self.weights_bytes = causal_lm.parameter_bytes(draft_lm.model)
         self.kv_cache_bytes = draft_lm.nbytes
         self._proposed = 0  # drafts proposed in the round being verified
+        self._batch_rows: DraftModelRows | None = None  # drafting for a batch's goals (join_batch)
 
     @classmethod
     def load(cls, context: LoadContext) -> 'DraftModelDrafter':
@@ -29,7 +33,20 @@ class DraftModelDrafter(Drafter):
         return cls(draft_lm)
 
     def warmup(self, progress) -> int:
-        return self._lm.warmup(logits_to_keep=1, progress=progress).graphs
+        batched = 0 if self._batch_rows is None else self._batch_rows.runner.warmup(progress)
+        return self._lm.warmup(logits_to_keep=1, progress=progress).graphs + batched
+
+    def join_batch(self, target_rows) -> list | None:
+        if not isinstance(self._lm, FastCausalLM):  # transformers' forward: no batched steps
+            return None
+        runner = FastRows(self._lm.lean, self._lm.mode, target_rows.cache.num_slots, target_rows.cache.context_limit,
+                          self._lm.max_query)
+        self._batch_rows = DraftModelRows(runner)
+        self.kv_cache_bytes += runner.nbytes
+        return runner.graph_jobs('draft batch')
+
+    def for_batch(self, slot: int) -> 'DraftModelGoalDrafter':
+        return DraftModelGoalDrafter(self._batch_rows, slot)
 
     def graph_jobs(self) -> list:
         return self._lm.graph_jobs(self.name, logits_to_keep=1)
@@ -59,3 +76,82 @@ class DraftModelDrafter(Drafter):
             return
         self._lm.crop(-max(0, (self._proposed - 1) - (num_kept - 1)))
         self._proposed = 0
+
+
+class DraftModelGoalDrafter(Drafter):
+    """One goal's draft-model drafting in a batch: its slot of the draft model's slotted cache."""
+
+    name = 'draft'
+
+    def __init__(self, rows: 'DraftModelRows', slot: int):
+        self.rows = rows
+        self.slot = slot
+        self.proposed = 0  # drafts proposed in the round being verified
+
+    @property
+    def cache(self):
+        """The goal's slot of the draft model's cache (a runtime.KvSlot)."""
+        return self.rows.runner.cache.slots[self.slot]
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.rows.runner.prefill(self.slot, torch.tensor([prompt_ids], device=self.rows.runner.lean.device))
+        self.proposed = 0
+
+    def propose(self, context: DraftContext, k: int) -> Proposal | None:
+        return self.rows.propose_rows([RowRequest(self.slot, context, k, self)],
+                                      row_bucket(self.slot + 1, self.rows.runner.cache.num_slots))[0]
+
+    def observe(self, target_out, num_fed: int, num_kept: int) -> None:
+        # as DraftModelDrafter.observe: the slot holds the last emitted token and drafts 1..k-1
+        if self.proposed:
+            self.cache.crop(-max(0, (self.proposed - 1) - (num_kept - 1)))
+            self.proposed = 0
+
+
+class DraftModelRows(DraftRows):
+    """
+    Draft-model drafting for a batch: each step runs the draft model for every row at once (runtime.FastRows).
+
+    The first step of a round feeds each row what its slot lacks (one or two tokens, padded to the longest), the
+    others one draft each; each goal draws as on its own (DraftRound), greedy rows without a grammar from one argmax.
+    """
+
+    def __init__(self, runner: FastRows):
+        self.runner = runner
+
+    def propose_rows(self, requests: list[RowRequest], batch: int) -> list[Proposal | None]:
+        runner, device = self.runner, self.runner.lean.device
+        feeds = {request.slot: request.context.tokens[request.drafter.cache.length:] for request in requests}
+        greedy = {request.slot: [] for request in requests
+                  if request.context.sampling.greedy and request.context.constraint is None}
+        with ExitStack() as stack:
+            rounds = {request.slot: DraftRound(request.context, request.context.min_confidence,
+                                               stack.enter_context(grammar_lookahead(request.context)))
+                      for request in requests if request.slot not in greedy}
+            drafting = {request.slot: request for request in requests}
+            while drafting:
+                width = max(len(feeds[slot]) for slot in drafting)
+                token_rows, starts = [[0] * width for _ in range(batch)], [0] * batch
+                for slot, request in drafting.items():
+                    token_rows[slot] = feeds[slot] + [0] * (width - len(feeds[slot]))
+                    starts[slot] = request.drafter.cache.length
+                out = runner.step(torch.tensor(token_rows, device=device), starts)
+                picks = out.logits.argmax(dim=-1).tolist() if greedy else None
+                for slot, request in list(drafting.items()):
+                    fed, cache = len(feeds[slot]), request.drafter.cache
+                    cache.advance(starts[slot], width)
+                    cache.crop(-(width - fed))  # a padded row keeps what it fed
+                    if slot in greedy:
+                        token = picks[slot][fed - 1]
+                        greedy[slot].append(token)
+                        count, more = len(greedy[slot]), True
+                    else:
+                        drawn, more = rounds[slot].draw(out.logits[slot, fed - 1:fed])
+                        token, count = drawn.item(), rounds[slot].count
+                    feeds[slot] = [token]
+                    if not more or count == request.k:
+                        request.drafter.proposed = count
+                        del drafting[slot]
+            proposals = {slot: Proposal(torch.tensor(drafts, device=device), None) for slot, drafts in greedy.items()}
+            proposals.update((slot, draft_round.proposal()) for slot, draft_round in rounds.items())
+            return [proposals[request.slot] for request in requests]

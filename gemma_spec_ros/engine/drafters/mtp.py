@@ -67,7 +67,7 @@ class MtpDrafter(Drafter):
         self._batch_rows = MtpRows(AssistantRows(self._fast, target_rows))
         return self._batch_rows.runner.graph_jobs('mtp batch')
 
-    def for_batch(self) -> 'MtpGoalDrafter':
+    def for_batch(self, slot: int) -> 'MtpGoalDrafter':
         return MtpGoalDrafter(self._batch_rows)
 
     def start(self, prompt_ids: list[int]) -> None:

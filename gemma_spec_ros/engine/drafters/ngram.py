@@ -26,7 +26,7 @@ class NgramDrafter(Drafter):
     def join_batch(self, target_rows) -> list:
         return []  # no model: each goal proposes on its own
 
-    def for_batch(self) -> 'NgramDrafter':
+    def for_batch(self, slot: int) -> 'NgramDrafter':
         return NgramDrafter(self._sizes[-1], self._sizes[0], self._device)  # an index of its own
 
     @classmethod

@@ -11,7 +11,7 @@ class NoneDrafter(Drafter):
     def join_batch(self, target_rows) -> list:
         return []  # no model: each goal proposes on its own
 
-    def for_batch(self) -> 'NoneDrafter':
+    def for_batch(self, slot: int) -> 'NoneDrafter':
         return self  # no state
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
