@@ -323,3 +323,20 @@ def test_gpu_check_keeps_the_figures_of_the_modes_that_run(tmp_path):
     assert cudagraph['compile'] == 'cudagraph' and 'needs a CUDA device' in cudagraph['error']
     report = (tmp_path / 'results.md').read_text()
     assert '| bundled | eager |' in report and 'needs a CUDA device' in report
+
+
+def test_batching_bench_reports_every_engine_level_and_drafter(tiny_models, tmp_path):
+    import json
+
+    from gemma_spec_ros.benchmarks import batching
+
+    out = tmp_path / 'batching.json'
+    assert batching.main(['--target', tiny_models.target, '--assistant', tiny_models.assistant, '--compile', 'eager',
+                          '--concurrency', '1,2', '--drafters', 'none,mtp', '--repeats', '1', '--max-new-tokens', '6',
+                          '--out', str(out)]) == 0
+    rows = json.loads(out.read_text())['rows']
+    assert {(row['engine'], row['concurrency'], row['drafter']) for row in rows} == {
+        (engine, level, drafter) for drafter in ('none', 'mtp')
+        for engine, level in (('one at a time', 1), ('batched', 1), ('batched', 2))}
+    assert all(row['aggregate_tokens_per_second'] > 0 and row['waves'] == 1 for row in rows)
+    assert all(row['tau_mean'] == 1.0 for row in rows if row['drafter'] == 'none')
