@@ -2,7 +2,7 @@
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -190,3 +190,47 @@ class DraftRound:
         """Return the round's drafts as one Proposal."""
         draft_probs = None if self._probs[0] is None else torch.cat(self._probs)  # [k, vocab]
         return Proposal(torch.cat(self._tokens), draft_probs, torch.cat(self._confidences))
+
+
+class RowDraws:
+    """
+    The drafts of a batched round (DraftRows), drawn row by row from each step's logits.
+
+    Greedy rows without a grammar take their pick from one argmax over every row (one host sync per step); the
+    others draw as a goal on its own does (DraftRound: sampled, under a grammar, at a cut-off).
+    """
+
+    def __init__(self, requests: list[RowRequest], stack: ExitStack):
+        """Set up the rows of requests; stack holds each grammar's lookahead until the round ends."""
+        self._requests = {request.slot: request for request in requests}
+        self._greedy = {request.slot: [] for request in requests
+                        if request.context.sampling.greedy and request.context.constraint is None}
+        self._rounds = {request.slot: DraftRound(request.context, request.context.min_confidence,
+                                                 stack.enter_context(grammar_lookahead(request.context)))
+                        for request in requests if request.slot not in self._greedy}
+
+    def draw(self, logits: torch.Tensor, slots: list[int]) -> dict[int, tuple[int, bool]]:
+        """Draw a draft for each slot from logits [batch, vocab] (row = slot): {slot: (token, draw another)}."""
+        picks = logits.argmax(dim=-1).tolist() if any(slot in self._greedy for slot in slots) else None
+        drawn = {}
+        for slot in slots:
+            if slot in self._greedy:
+                self._greedy[slot].append(picks[slot])
+                token, count, more = picks[slot], len(self._greedy[slot]), True
+            else:
+                tensor, more = self._rounds[slot].draw(logits[slot:slot + 1])
+                token, count = tensor.item(), self._rounds[slot].count
+            drawn[slot] = token, more and count < self._requests[slot].k
+        return drawn
+
+    def count(self, slot: int) -> int:
+        """Drafts drawn so far in slot's row."""
+        return len(self._greedy[slot]) if slot in self._greedy else self._rounds[slot].count
+
+    def proposals(self, requests: list[RowRequest], device: torch.device) -> list[Proposal | None]:
+        """Return the round's drafts per request (None for a request that drew none)."""
+        proposals = {slot: Proposal(torch.tensor(drafts, device=device), None)
+                     for slot, drafts in self._greedy.items() if drafts}
+        proposals.update((slot, draft_round.proposal()) for slot, draft_round in self._rounds.items()
+                         if draft_round.count)
+        return [proposals.get(request.slot) for request in requests]

@@ -6,7 +6,17 @@ import torch
 
 from ..runtime import FastCausalLM, causal_lm, models
 from ..runtime.rows import FastRows, row_bucket
-from .base import DraftContext, Drafter, DraftRound, DraftRows, LoadContext, Proposal, RowRequest, grammar_lookahead
+from .base import (
+    DraftContext,
+    Drafter,
+    DraftRound,
+    DraftRows,
+    LoadContext,
+    Proposal,
+    RowDraws,
+    RowRequest,
+    grammar_lookahead,
+)
 
 
 class DraftModelDrafter(Drafter):
@@ -122,36 +132,28 @@ class DraftModelRows(DraftRows):
     def propose_rows(self, requests: list[RowRequest], batch: int) -> list[Proposal | None]:
         runner, device = self.runner, self.runner.lean.device
         feeds = {request.slot: request.context.tokens[request.drafter.cache.length:] for request in requests}
-        greedy = {request.slot: [] for request in requests
-                  if request.context.sampling.greedy and request.context.constraint is None}
         with ExitStack() as stack:
-            rounds = {request.slot: DraftRound(request.context, request.context.min_confidence,
-                                               stack.enter_context(grammar_lookahead(request.context)))
-                      for request in requests if request.slot not in greedy}
-            drafting = {request.slot: request for request in requests}
+            draws = RowDraws(requests, stack)
+            drafting = [request.slot for request in requests]
             while drafting:
                 width = max(len(feeds[slot]) for slot in drafting)
                 token_rows, starts = [[0] * width for _ in range(batch)], [0] * batch
-                for slot, request in drafting.items():
+                last = [0] * batch  # each row's last fed position: its logits predict the next draft
+                for slot in drafting:
                     token_rows[slot] = feeds[slot] + [0] * (width - len(feeds[slot]))
-                    starts[slot] = request.drafter.cache.length
+                    starts[slot], last[slot] = self._cache(slot).length, len(feeds[slot]) - 1
                 out = runner.step(torch.tensor(token_rows, device=device), starts)
-                picks = out.logits.argmax(dim=-1).tolist() if greedy else None
-                for slot, request in list(drafting.items()):
-                    fed, cache = len(feeds[slot]), request.drafter.cache
+                drawn = draws.draw(out.logits[torch.arange(batch, device=device), torch.tensor(last, device=device)],
+                                   drafting)
+                for slot in drafting:
+                    cache = self._cache(slot)
                     cache.advance(starts[slot], width)
-                    cache.crop(-(width - fed))  # a padded row keeps what it fed
-                    if slot in greedy:
-                        token = picks[slot][fed - 1]
-                        greedy[slot].append(token)
-                        count, more = len(greedy[slot]), True
-                    else:
-                        drawn, more = rounds[slot].draw(out.logits[slot, fed - 1:fed])
-                        token, count = drawn.item(), rounds[slot].count
-                    feeds[slot] = [token]
-                    if not more or count == request.k:
-                        request.drafter.proposed = count
-                        del drafting[slot]
-            proposals = {slot: Proposal(torch.tensor(drafts, device=device), None) for slot, drafts in greedy.items()}
-            proposals.update((slot, draft_round.proposal()) for slot, draft_round in rounds.items())
-            return [proposals[request.slot] for request in requests]
+                    cache.crop(-(width - len(feeds[slot])))  # a padded row keeps what it fed
+                    feeds[slot] = [drawn[slot][0]]
+                drafting = [slot for slot in drafting if drawn[slot][1]]
+            for request in requests:
+                request.drafter.proposed = draws.count(request.slot)
+            return draws.proposals(requests, device)
+
+    def _cache(self, slot: int):
+        return self.runner.cache.slots[slot]

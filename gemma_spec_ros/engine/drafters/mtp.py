@@ -10,7 +10,17 @@ from ..runtime import FastAssistant, FastCausalLM, causal_lm, models
 from ..runtime.assistant import greedy_calls
 from ..runtime.rows import AssistantRows
 from ..types import one_call_per_draft
-from .base import DraftContext, Drafter, DraftRound, DraftRows, LoadContext, Proposal, RowRequest, grammar_lookahead
+from .base import (
+    DraftContext,
+    Drafter,
+    DraftRound,
+    DraftRows,
+    LoadContext,
+    Proposal,
+    RowDraws,
+    RowRequest,
+    grammar_lookahead,
+)
 
 
 class MtpDrafter(Drafter):
@@ -180,28 +190,14 @@ class MtpRows(DraftRows):
             current[request.slot] = request.context.tokens[-1]
             hidden[request.slot] = request.drafter.hidden[0]
             positions[request.slot] = len(request.context.tokens) - 1
-        # greedy rows without a grammar take the argmax of every row at once (one host sync per step); the others
-        # draw as on their own
-        greedy = {request.slot: [] for request in ready
-                  if request.context.sampling.greedy and request.context.constraint is None}
         with ExitStack() as stack:
-            rounds = {request.slot: DraftRound(request.context, request.context.min_confidence,
-                                               stack.enter_context(grammar_lookahead(request.context)))
-                      for request in ready if request.slot not in greedy}
-            drafting = {request.slot: request for request in ready}
+            draws = RowDraws(ready, stack)
+            drafting = [request.slot for request in ready]
             while drafting:
                 out = self.runner.step(torch.tensor(current, device=device)[:, None], hidden, positions)
-                picks = out.logits[:, -1].argmax(dim=-1).tolist() if greedy else None
-                for slot, request in list(drafting.items()):
-                    if slot in greedy:
-                        greedy[slot].append(picks[slot])
-                        current[slot], count, more = picks[slot], len(greedy[slot]), True
-                    else:
-                        token, more = rounds[slot].draw(out.logits[slot, -1:])
-                        current[slot], count = token.item(), rounds[slot].count
-                    if not more or count == request.k:
-                        del drafting[slot]
+                drawn = draws.draw(out.logits[:, -1], drafting)
+                for slot, (token, _) in drawn.items():
+                    current[slot] = token
+                drafting = [slot for slot in drafting if drawn[slot][1]]
                 hidden = out.hidden
-            proposals = {slot: Proposal(torch.tensor(drafts, device=device), None) for slot, drafts in greedy.items()}
-            proposals.update((slot, draft_round.proposal()) for slot, draft_round in rounds.items())
-            return [proposals.get(request.slot) for request in requests]
+            return draws.proposals(requests, device)
