@@ -282,3 +282,14 @@ def test_sampled_goals_in_a_batch_follow_the_target_distribution(batch_engine, m
     if drafter == 'repeating':  # the random models' sampled drafts are rarely accepted: this one's are
         assert 0 < accepted[0] < drafted[0]
     assert chi_squared_p_value(observed, expected) > 1e-3
+
+
+def test_closing_the_engine_stops_its_scheduler(tiny_engine_config):
+    engine = Engine.from_config(dataclasses.replace(tiny_engine_config, max_batch=2))
+    assert len(engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=4, drafter='mtp')).token_ids) == 4
+    scheduler = engine._batch._thread
+    assert scheduler.is_alive()
+    engine.close()
+    assert not scheduler.is_alive()  # it let go of the engine
+    with pytest.raises(RuntimeError, match='closed'):
+        engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=4, drafter='none'))

@@ -35,6 +35,7 @@ from .run import Run
 from .stream import IncrementalDetokenizer, StopStrings
 
 BATCH_NUM_DRAFT_TOKENS = 4
+CLOSED_REASON = 'the engine was closed'
 
 
 @dataclass(eq=False)
@@ -67,6 +68,7 @@ class BatchScheduler:
         self._waiting: deque[BatchGoal] = deque()
         self._slots: list[BatchGoal | None] = [None] * rows.cache.num_slots
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     @property
     def num_slots(self) -> int:
@@ -81,6 +83,8 @@ class BatchScheduler:
         """Decode one goal in the batch; returns when it ends (raises what its decoding raised)."""
         goal = BatchGoal(run, on_delta, cancel, time.perf_counter(), steps_before)
         with self._condition:
+            if self._closed:
+                raise RuntimeError(CLOSED_REASON)
             self._waiting.append(goal)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name='gemma_spec_batch', daemon=True)
@@ -92,10 +96,28 @@ class BatchScheduler:
         return goal.result
 
     # ----------------------------------------------------------------------------------------------- the loop
+    def close(self, timeout: float) -> None:
+        """
+        Stop the scheduler once its goals have ended; goals still waiting for a slot end with an error.
+
+        Its thread holds the engine: stopping it lets a dropped engine free its models.
+        """
+        with self._condition:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._condition.notify_all()
+        for goal in waiting:
+            goal.error = RuntimeError(CLOSED_REASON)
+            goal.done.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     def _serve(self) -> None:
         while True:
             with self._condition:
-                self._condition.wait_for(lambda: self._waiting or any(self._slots))
+                self._condition.wait_for(lambda: self._waiting or any(self._slots) or self._closed)
+                if self._closed and not any(self._slots):
+                    return
             with self._round_lock, torch.inference_mode():
                 self._admit()
                 goals = [goal for goal in self._slots if goal is not None]

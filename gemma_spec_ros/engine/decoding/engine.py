@@ -111,10 +111,13 @@ class Engine(Backend):
         """
         Stop a background warm-up and wait for the graph it is building (the engine serves on what is built).
 
-        Waiting lets go of the models the warm-up thread holds, so that dropping the engine frees them.
+        Waiting lets go of the models the warm-up thread holds, so that dropping the engine frees them. With
+        batching, the scheduler stops once its running goals have ended.
         """
         if self._warmup is not None:
             self._warmup.stop(timeout=STOP_WAIT_SECONDS)
+        if self._batch is not None:
+            self._batch.close(timeout=STOP_WAIT_SECONDS)
 
     @property
     def tokenizer(self):
