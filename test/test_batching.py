@@ -142,7 +142,9 @@ def test_batched_mtp_step_matches_single_steps(tiny_models, assistant):
 def test_engine_serves_several_goals_at_once(batch_engine, tiny_engine):
     assert batch_engine.capabilities.max_concurrent_goals == MAX_BATCH
     assert tiny_engine.capabilities.max_concurrent_goals == 1
-    assert batch_engine.status().kv_cache_bytes > tiny_engine.status().kv_cache_bytes  # the slots are reported
+    batched, single = batch_engine.status(), tiny_engine.status()
+    assert batched.kv_cache_bytes >= single.kv_cache_bytes + MAX_BATCH * batched.kv_cache_slot_bytes  # slots too
+    assert batched.kv_cache_slot_bytes == batch_engine._rows.cache.slot_nbytes > 0 == single.kv_cache_slot_bytes
 
 
 @pytest.mark.parametrize('k', [1, 3, 8])

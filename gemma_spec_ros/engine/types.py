@@ -250,6 +250,7 @@ class EngineStatus:
     warmup: WarmupState = field(default_factory=WarmupState)
     weights_bytes: int = 0             # parameters of every loaded model
     kv_cache_bytes: int = 0            # static KV caches (preallocated for engine.context_limit; 0 when off)
+    kv_cache_slot_bytes: int = 0       # the target's KV cache per batch slot (engine.max_batch > 1; else 0)
     num_draft_tokens: int = 0          # K the adaptive controller would use now
     draft_cost_ratio: float = 0.0      # measured c
     break_even_tau: float = 1.0        # tau needed to beat plain decoding at this K: 1 + K*c (verify-cost adjusted)

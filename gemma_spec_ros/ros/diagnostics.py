@@ -234,6 +234,8 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
             ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime)),
             ('drafter fallbacks', figures['drafter_fallbacks'])):
         stat.add(key, str(value))
+    if status.kv_cache_slot_bytes:
+        stat.add('KV cache MiB per batch slot (target)', '{:.1f}'.format(mib(status.kv_cache_slot_bytes)))
     for drafter in disabled.values():
         stat.add('disabled drafter ' + drafter.name, '{} {}: {}'.format(drafter.role, drafter.path, drafter.cause))
     if figures['last_warning']:

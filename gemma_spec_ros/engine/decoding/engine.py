@@ -174,6 +174,7 @@ class Engine(Backend):
                 device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
                 compile_mode=self._target.mode, warmup=warmup,
                 weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
+                kv_cache_slot_bytes=0 if self._rows is None else self._rows.cache.slot_nbytes,
                 tau_lifetime=tau(lifetime['tokens'], lifetime['passes']),
                 acceptance_rate_lifetime=acceptance_rate(lifetime['accepted'], lifetime['drafted']),
                 disabled_drafters=list(self.drafter_errors.values()))
