@@ -27,6 +27,7 @@ import torch
 from ..drafters.base import DraftContext, Drafter, Proposal, RowRequest
 from ..logits.grammar import mask_logits
 from ..requests import RequestPlan
+from ..runtime import FastCausalLM, GraphJob
 from ..runtime.model import StepOutput
 from ..runtime.rows import FastRows, row_bucket
 from ..types import CancelToken, DeltaCallback, GenerationResult
@@ -58,11 +59,13 @@ class BatchGoal:
 class BatchScheduler:
     """Runs the rounds of up to rows.cache.num_slots goals at once, in a thread of its own (started on first use)."""
 
-    def __init__(self, engine, rows: FastRows, round_lock: threading.Lock, drafters: set[str]):
-        """drafters: the names of the drafters that joined the batch (Drafter.join_batch)."""
+    def __init__(self, engine, rows: FastRows, round_lock: threading.Lock, drafters: set[str],
+                 graph_jobs: list[GraphJob]):
+        """drafters: the names of the drafters that joined the batch (Drafter.join_batch); graph_jobs: its graphs."""
         self._engine = engine          # decoding.Engine: its emit / verify / result steps serve both paths
-        self._rows = rows
+        self.rows = self._rows = rows
         self._drafters = drafters
+        self.graph_jobs = graph_jobs   # the batched steps' graphs, for the engine's warm-up
         self._round_lock = round_lock  # also held by a single-goal generation, for the whole of it
         self._condition = threading.Condition()
         self._waiting: deque[BatchGoal] = deque()
@@ -266,3 +269,21 @@ def new_run(plan: RequestPlan, drafter: Drafter, tokenizer, device: torch.device
                generator=torch.Generator(device=device).manual_seed(plan.seed),
                detokenizer=IncrementalDetokenizer(tokenizer), stops=StopStrings(plan.stops),
                tokens=list(plan.prompt_ids), stopwatch=Stopwatch(device))
+
+
+def start_batching(engine, target_lm, drafters: dict[str, Drafter]) -> BatchScheduler | None:
+    """
+    Set up an engine's continuous batching: None unless engine.max_batch > 1 and the target runs the fast path.
+
+    The target's batched steps (a slot per goal) and the drafters that join; their graphs, the target's first,
+    then the default drafter's, then the others'.
+    """
+    config = engine.config
+    if config.max_batch == 1 or not isinstance(target_lm, FastCausalLM):
+        return None
+    rows = FastRows(target_lm.lean, target_lm.mode, config.max_batch, engine._context_limit, target_lm.max_query)
+    joined = {name: drafter.join_batch(rows) for name, drafter in drafters.items()}
+    joined = {name: jobs for name, jobs in joined.items() if jobs is not None}
+    jobs = rows.graph_jobs('target batch') + joined.get(config.drafter, []) + [
+        job for name, drafter_jobs in joined.items() if name != config.drafter for job in drafter_jobs]
+    return BatchScheduler(engine, rows, engine._lock, set(joined), jobs)

@@ -14,9 +14,8 @@ from ..logits.grammar import ConstraintCompiler, mask_logits
 from ..logits.sampling import logits_to_probs, sample
 from ..logits.verify import verify
 from ..requests import RequestPlan, SamplingParams
-from ..runtime import FastCausalLM, causal_lm, models
-from ..runtime.rows import FastRows
-from ..runtime.warmup import STOP_WAIT_SECONDS, Warmup, order_jobs
+from ..runtime import causal_lm, models
+from ..runtime.warmup import STOP_WAIT_SECONDS, Warmup, decode_path, order_jobs, step_calls
 from ..stats import acceptance_rate, generation_stats, tau
 from ..types import (
     REGISTRY,
@@ -31,7 +30,7 @@ from ..types import (
     WarmupState,
 )
 from . import calibration
-from .batch import BatchScheduler, new_run
+from .batch import new_run, start_batching
 from .run import Run, end_of_output
 
 
@@ -61,25 +60,17 @@ class Engine(Backend):
         self._eos_ids = models.eos_token_ids(target_lm.model, tokenizer)
         self._warmup_state = warmup or WarmupState(config.warmup)
         self._warmup: Warmup | None = None  # a background warm-up, while and after it runs
-        # continuous batching: the target's batched steps over one KV-cache slot per goal (fast path only)
-        self._rows = FastRows(target_lm.lean, target_lm.mode, config.max_batch, self._context_limit,
-                              target_lm.max_query) if config.max_batch > 1 and isinstance(target_lm, FastCausalLM) \
-            else None
-        batch_jobs = {} if self._rows is None else {name: drafter.join_batch(self._rows)
-                                                    for name, drafter in drafters.items()}
-        batch_jobs = {name: jobs for name, jobs in batch_jobs.items() if jobs is not None}  # the drafters batched
-        self._batch = None if self._rows is None else BatchScheduler(self, self._rows, self._lock, set(batch_jobs))
+        self._batch = start_batching(self, target_lm, drafters)  # None unless engine.max_batch > 1 (fast path)
         self._graph_jobs, self._default_path_jobs = order_jobs(
             target_lm.graph_jobs('target'), {name: drafter.graph_jobs() for name, drafter in drafters.items()},
             config.drafter)
-        if self._rows is not None:  # after the single-goal graphs: the target's, then the default drafter's first
-            self._graph_jobs += self._rows.graph_jobs('target batch') + batch_jobs.get(config.drafter, []) + [
-                job for name, jobs in batch_jobs.items() if name != config.drafter for job in jobs]
+        if self._batch is not None:  # after the single-goal graphs
+            self._graph_jobs += self._batch.graph_jobs
         self._step_runners = list({id(job.steps): job.steps for job in self._graph_jobs}.values())
         self._weights_bytes = causal_lm.parameter_bytes(target_lm.model) + sum(
             drafter.weights_bytes for drafter in drafters.values())
         self._kv_cache_bytes = target_lm.nbytes + sum(drafter.kv_cache_bytes for drafter in drafters.values()) + (
-            0 if self._rows is None else self._rows.nbytes)
+            0 if self._batch is None else self._batch.rows.nbytes)
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos_ids)  # EOS ends a grammar
         self._target_cost = TargetCost(config.max_draft_tokens + 1)
         self._controllers = {name: SpeculationController(config.max_draft_tokens, self._target_cost,
@@ -154,9 +145,8 @@ class Engine(Backend):
     def warnings(self) -> list[str]:
         warnings = ['{}; goals asking for it run plain decoding'.format(disabled.describe())
                     for disabled in self.drafter_errors.values()]
-        if self.config.max_batch > 1 and self._batch is None:
-            warnings.append('engine.max_batch {} needs the fast path (engine.compile {} runs transformers\' forward): '
-                            'goals run one at a time'.format(self.config.max_batch, self._target.mode))
+        if self.config.max_batch > 1 and self._batch is None:  # transformers' forward has no batched steps
+            warnings.append("engine.max_batch needs the fast path, not transformers' forward: goals run one at a time")
         return warnings
 
     def _usable_drafters(self):
@@ -174,7 +164,7 @@ class Engine(Backend):
                 device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
                 compile_mode=self._target.mode, warmup=warmup,
                 weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
-                kv_cache_slot_bytes=0 if self._rows is None else self._rows.cache.slot_nbytes,
+                kv_cache_slot_bytes=0 if self._batch is None else self._batch.rows.cache.slot_nbytes,
                 tau_lifetime=tau(lifetime['tokens'], lifetime['passes']),
                 acceptance_rate_lifetime=acceptance_rate(lifetime['accepted'], lifetime['drafted']),
                 disabled_drafters=list(self.drafter_errors.values()))
@@ -204,7 +194,7 @@ class Engine(Backend):
         plan = request if isinstance(request, RequestPlan) else self.validate(request)
         run = self._new_run(plan)
         if self._batch is not None and self._batch.takes(run.drafter):
-            return self._batch.generate(run, on_delta, cancel, self._step_calls())
+            return self._batch.generate(run, on_delta, cancel, step_calls(self._step_runners))
         with self._lock, torch.inference_mode():
             return self._run(run, on_delta, cancel)
 
@@ -227,7 +217,7 @@ class Engine(Backend):
 
     def _run(self, run: Run, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> GenerationResult:
         started = time.perf_counter()
-        steps_before = self._step_calls()
+        steps_before = step_calls(self._step_runners)
         if self._device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self._device)
         self._target.reset()
@@ -381,20 +371,6 @@ class Engine(Backend):
         with self._measure_lock:
             return controller.decide()
 
-    def _step_calls(self) -> tuple[int, int]:
-        """Decode steps run so far (graph, eager) by the models that have compiled graphs."""
-        return (sum(steps.graph_calls for steps in self._step_runners),
-                sum(steps.eager_calls for steps in self._step_runners))
-
-    def _decode_path(self, steps_before: tuple[int, int]) -> str:
-        """Say what ran a request's decode steps: the compile mode, 'eager', or both with the compiled share."""
-        graph, eager = (now - before for now, before in zip(self._step_calls(), steps_before, strict=True))
-        if not self._step_runners or not eager:
-            return self._target.mode
-        if not graph:
-            return 'eager (warming up)'
-        return 'eager + {} ({:.0%} of steps compiled)'.format(self._target.mode, graph / (graph + eager))
-
     def _result(self, run: Run, started: float, steps_before: tuple[int, int]) -> GenerationResult:
         """
         Build the result with its statistics; a generation that speculated to its end adds to the lifetime counters.
@@ -410,7 +386,7 @@ class Engine(Backend):
         stats = generation_stats(run.tally, len(run.plan.prompt_ids), len(run.generated), started,
                                  time.perf_counter(), run.plan.drafter if run.controller is not None else 'none',
                                  cost_ratio)
-        stats.decode_path = self._decode_path(steps_before)
+        stats.decode_path = decode_path(self._step_runners, steps_before, self._target.mode)
         if self._device.type == 'cuda':
             stats.cuda_peak_allocated_bytes = torch.cuda.max_memory_allocated(self._device)
             stats.cuda_peak_reserved_bytes = torch.cuda.max_memory_reserved(self._device)

@@ -284,6 +284,21 @@ def _stop_before_exit(warmup_ref: 'weakref.ref[Warmup]') -> None:
     warmup.stop(timeout=STOP_WAIT_SECONDS)
 
 
+def step_calls(step_tables) -> tuple[int, int]:
+    """Return the decode steps run so far (graph, eager) by step tables (steps._Steps of models with graphs)."""
+    return sum(steps.graph_calls for steps in step_tables), sum(steps.eager_calls for steps in step_tables)
+
+
+def decode_path(step_tables, before: tuple[int, int], mode: str) -> str:
+    """Say what ran a request's decode steps since before (step_calls): mode, 'eager', or both with the share."""
+    graph, eager = (now - then for now, then in zip(step_calls(step_tables), before, strict=True))
+    if not step_tables or not eager:
+        return mode
+    if not graph:
+        return 'eager (warming up)'
+    return 'eager + {} ({:.0%} of steps compiled)'.format(mode, graph / (graph + eager))
+
+
 def order_jobs(target_jobs: list[GraphJob], drafter_jobs: dict[str, list[GraphJob]], default_drafter: str
                ) -> tuple[list[GraphJob], int]:
     """
