@@ -144,7 +144,7 @@ def test_engine_serves_several_goals_at_once(batch_engine, tiny_engine):
     assert tiny_engine.capabilities.max_concurrent_goals == 1
     batched, single = batch_engine.status(), tiny_engine.status()
     assert batched.kv_cache_bytes >= single.kv_cache_bytes + MAX_BATCH * batched.kv_cache_slot_bytes  # slots too
-    assert batched.kv_cache_slot_bytes == batch_engine._rows.cache.slot_nbytes > 0 == single.kv_cache_slot_bytes
+    assert batched.kv_cache_slot_bytes == batch_engine._batch.rows.cache.slot_nbytes > 0 == single.kv_cache_slot_bytes
 
 
 @pytest.mark.parametrize('k', [1, 3, 8])

@@ -53,7 +53,8 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
     engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, errors)
     background = config.warmup == 'background' and engine._graph_jobs
     if config.warmup == 'blocking' or (config.warmup == 'background' and not background):
-        engine._warmup_state = warm_up_blocking(target_lm, drafters, progress, engine._rows)
+        engine._warmup_state = warm_up_blocking(target_lm, drafters, progress,
+                                                None if engine._batch is None else engine._batch.rows)
     if background:
         engine._warmup = Warmup(engine._graph_jobs, progress, on_compiled=lambda: calibrate(engine, progress),
                                 default_path=engine._default_path_jobs, compile_process=config)
