@@ -295,3 +295,25 @@ def test_closing_the_engine_stops_its_scheduler(tiny_engine_config):
     assert not scheduler.is_alive()  # it let go of the engine
     with pytest.raises(RuntimeError, match='closed'):
         engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=4, drafter='none'))
+
+
+def test_a_goal_arriving_while_others_run_starts_within_a_round(batch_engine):
+    # each running goal streams one delta per round: the newcomer's first token comes before their second delta
+    recorder = Recorder()
+    running = {'run{}'.format(index): GenerationRequest(prompt=STORY_PROMPT + ' ' * index, max_new_tokens=LONG,
+                                                        drafter='none') for index in range(MAX_BATCH - 1)}
+    threads = [threading.Thread(target=batch_engine.generate, args=(request,),
+                                kwargs={'on_delta': recorder.on_delta(name)}) for name, request in running.items()]
+    for thread in threads:
+        thread.start()
+    while min(recorder.order.count(name) for name in running) < 3:
+        threading.Event().wait(0.01)
+    with recorder.lock:
+        recorder.order.append('submitted')
+    batch_engine.generate(GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=4, drafter='none'),
+                          on_delta=recorder.on_delta('newcomer'))
+    for thread in threads:
+        thread.join(120)
+    order = recorder.order
+    between = order[order.index('submitted'):order.index('newcomer')]
+    assert all(between.count(name) <= 2 for name in running), between  # the round in progress, at most one more
