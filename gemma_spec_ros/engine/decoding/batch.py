@@ -26,14 +26,12 @@ import torch
 
 from ..drafters.base import DraftContext, Drafter, Proposal, RowRequest
 from ..logits.grammar import mask_logits
-from ..requests import RequestPlan
+from ..logits.verify import verify
 from ..runtime import FastCausalLM, GraphJob
 from ..runtime.model import StepOutput
 from ..runtime.rows import FastRows, row_bucket
 from ..types import CancelToken, DeltaCallback, GenerationResult
-from .calibration import Stopwatch
 from .run import Run
-from .stream import IncrementalDetokenizer, StopStrings
 
 BATCH_NUM_DRAFT_TOKENS = 4
 CLOSED_REASON = 'the engine was closed'
@@ -63,7 +61,7 @@ class BatchScheduler:
                  graph_jobs: list[GraphJob]):
         """drafters: the names of the drafters that joined the batch (Drafter.join_batch); graph_jobs: its graphs."""
         self._engine = engine          # decoding.Engine: its emit / verify / result steps serve both paths
-        self.rows = self._rows = rows
+        self.rows = rows
         self._drafters = drafters
         self.graph_jobs = graph_jobs   # the batched steps' graphs, for the engine's warm-up
         self._round_lock = round_lock  # also held by a single-goal generation, for the whole of it
@@ -157,7 +155,7 @@ class BatchScheduler:
         """Put the goal's prompt into its slot and pick (and stream) its first token."""
         engine, run = self._engine, goal.run
         engine._call_drafter(run, lambda: run.drafter.start(run.tokens))
-        out = self._rows.prefill(goal.slot, torch.tensor([run.tokens], device=engine._device))
+        out = self.rows.prefill(goal.slot, torch.tensor([run.tokens], device=engine._device))
         engine._call_drafter(run, lambda: run.drafter.observe(out, 1, 1))  # out holds the last prompt position
         logits = out.logits[0, -1:]  # [1, vocab]
         if run.constraint is not None:
@@ -168,7 +166,7 @@ class BatchScheduler:
 
     def _run_round(self, goals: list[BatchGoal]) -> None:
         """Draft per goal, verify every goal in one batched pass, then accept, roll back and stream per goal."""
-        engine, rows = self._engine, self._rows
+        engine, rows = self._engine, self.rows
         if engine._warmup is not None:
             engine._warmup.adopt()  # graphs built since the last round take over: the whole round runs on them
         batch = row_bucket(max(goal.slot for goal in goals) + 1, self.num_slots)
@@ -179,11 +177,16 @@ class BatchScheduler:
             row = [goal.run.tokens[-1]] + goal.drafts
             token_rows[goal.slot] = row + [0] * (width - len(row))
             starts[goal.slot] = rows.cache.slots[goal.slot].length
-        out = rows.step(torch.tensor(token_rows, device=engine._device), starts)  # logits, hidden [batch, width, ...]
-        picks = out.logits.argmax(dim=-1).tolist()  # the target's greedy pick at every position: the round's sync
+        token_ids = torch.tensor(token_rows, device=engine._device)
+        out = rows.step(token_ids, starts)  # logits, hidden [batch, width, ...]
+        # every row's greedy verdict at once: padding drafts of -1 are never accepted
+        drafts = torch.tensor([goal_drafts + [-1] * (width - 1 - len(goal_drafts)) for goal_drafts in
+                               self._drafts_by_row(goals, batch)], dtype=torch.long, device=engine._device)
+        num_accepted, next_tokens = verify(drafts, out.logits, None, greedy=True)
+        greedy = list(zip(num_accepted.tolist(), next_tokens.tolist(), strict=True))  # the round's host sync
         for goal in goals:
             try:
-                self._accept(goal, out, picks[goal.slot], starts[goal.slot], width)
+                self._accept(goal, out, greedy[goal.slot], starts[goal.slot], width)
             except Exception as exc:  # noqa: BLE001 (the goal's caller gets it; the others go on)
                 self._end(goal, exc)
 
@@ -194,7 +197,7 @@ class BatchScheduler:
             run = goal.run
             goal.proposal, goal.drafts = None, []
             budget = min(run.plan.max_new_tokens - len(run.generated), engine._context_limit - len(run.tokens)) - 1
-            k = min(run.plan.pinned_k or BATCH_NUM_DRAFT_TOKENS, budget, self._rows.max_query - 1)
+            k = min(run.plan.pinned_k or BATCH_NUM_DRAFT_TOKENS, budget, self.rows.max_query - 1)
             if k <= 0:
                 continue
             context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator, 0.0, run.constraint)
@@ -216,20 +219,25 @@ class BatchScheduler:
             if goal.proposal is not None:
                 goal.drafts = goal.proposal.tokens.tolist()
 
-    def _accept(self, goal: BatchGoal, out: StepOutput, picks: list[int], start: int, width: int) -> None:
-        """Verify the goal's drafts against its row of the pass (picks: its greedy picks); keep the accepted K/V."""
+    @staticmethod
+    def _drafts_by_row(goals: list[BatchGoal], batch: int) -> list[list[int]]:
+        by_row: list[list[int]] = [[] for _ in range(batch)]
+        for goal in goals:
+            by_row[goal.slot] = goal.drafts
+        return by_row
+
+    def _accept(self, goal: BatchGoal, out: StepOutput, greedy: tuple[int, int], start: int, width: int) -> None:
+        """Verify the goal's drafts (greedy: its row's greedy verdict); keep the accepted K/V; stream."""
         engine, run, slot, drafts = self._engine, goal.run, goal.slot, goal.drafts
-        if run.plan.sampling.greedy and run.constraint is None:  # verify()'s greedy rule, on the host
-            accepted = next((index for index, (draft, pick) in enumerate(zip(drafts, picks, strict=False))
-                             if draft != pick), len(drafts))
-            next_token = picks[accepted]
+        if run.plan.sampling.greedy and run.constraint is None:
+            accepted, next_token = greedy
             run.last_token = torch.tensor([next_token], device=engine._device)
-        else:
-            draft_tokens = torch.tensor(drafts, dtype=torch.long, device=engine._device)
+        else:  # sampled or under a grammar: the goal's own verification, with its generator
+            draft_tokens = run.last_token[:0] if goal.proposal is None else goal.proposal.tokens
             row = engine._verify(run, goal.proposal, draft_tokens, out.logits[slot, :len(drafts) + 1])
             run.last_token = row[-1:]
             accepted, next_token = row[0].item(), row[-1].item()
-        cache = self._rows.cache.slots[slot]
+        cache = self.rows.cache.slots[slot]
         cache.advance(start, width)                 # the whole padded row was written ...
         cache.crop(-(width - accepted - 1))         # ... the last token and the accepted drafts stay
         own_pass = StepOutput(out.logits[slot:slot + 1, :len(drafts) + 1], out.hidden[slot:slot + 1, :len(drafts) + 1])
@@ -261,14 +269,6 @@ class BatchScheduler:
             error = exc
         goal.error = error
         goal.done.set()
-
-
-def new_run(plan: RequestPlan, drafter: Drafter, tokenizer, device: torch.device) -> Run:
-    """Make the Run of a plan (its generator seeded, its stream state fresh), drafting with drafter."""
-    return Run(plan=plan, drafter=drafter, controller=None,
-               generator=torch.Generator(device=device).manual_seed(plan.seed),
-               detokenizer=IncrementalDetokenizer(tokenizer), stops=StopStrings(plan.stops),
-               tokens=list(plan.prompt_ids), stopwatch=Stopwatch(device))
 
 
 def start_batching(engine, target_lm, drafters: dict[str, Drafter]) -> BatchScheduler | None:

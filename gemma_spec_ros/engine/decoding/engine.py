@@ -30,8 +30,8 @@ from ..types import (
     WarmupState,
 )
 from . import calibration
-from .batch import new_run, start_batching
-from .run import Run, end_of_output
+from .batch import start_batching
+from .run import Run, end_of_output, new_run
 
 
 class Engine(Backend):

@@ -1,4 +1,4 @@
-"""The state of one generation (Run), and where a round's tokens end it (end_of_output)."""
+"""The state of one generation (Run, made by new_run), and where a round's tokens end it (end_of_output)."""
 
 from dataclasses import dataclass, field
 
@@ -49,3 +49,11 @@ def end_of_output(new_tokens: list[int], eos_ids: set[int], num_generated: int, 
     if len(new_tokens) >= room:
         return new_tokens[:room], 'length'
     return new_tokens, ''
+
+
+def new_run(plan: RequestPlan, drafter: Drafter, tokenizer, device: torch.device) -> Run:
+    """Make the Run of a plan (its generator seeded, its stream state fresh), drafting with drafter."""
+    return Run(plan=plan, drafter=drafter, controller=None,
+               generator=torch.Generator(device=device).manual_seed(plan.seed),
+               detokenizer=IncrementalDetokenizer(tokenizer), stops=StopStrings(plan.stops),
+               tokens=list(plan.prompt_ids), stopwatch=Stopwatch(device))

@@ -200,14 +200,21 @@ class RowDraws:
     others draw as a goal on its own does (DraftRound: sampled, under a grammar, at a cut-off).
     """
 
-    def __init__(self, requests: list[RowRequest], stack: ExitStack):
-        """Set up the rows of requests; stack holds each grammar's lookahead until the round ends."""
+    def __init__(self, requests: list[RowRequest]):
+        """Set up the rows of requests; use it as a context manager: each grammar's lookahead lasts the round."""
         self._requests = {request.slot: request for request in requests}
         self._greedy = {request.slot: [] for request in requests
                         if request.context.sampling.greedy and request.context.constraint is None}
+        self._lookaheads = ExitStack()
         self._rounds = {request.slot: DraftRound(request.context, request.context.min_confidence,
-                                                 stack.enter_context(grammar_lookahead(request.context)))
+                                                 self._lookaheads.enter_context(grammar_lookahead(request.context)))
                         for request in requests if request.slot not in self._greedy}
+
+    def __enter__(self) -> 'RowDraws':
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._lookaheads.close()  # the grammars roll back what the drafts pushed
 
     def draw(self, logits: torch.Tensor, slots: list[int]) -> dict[int, tuple[int, bool]]:
         """Draw a draft for each slot from logits [batch, vocab] (row = slot): {slot: (token, draw another)}."""

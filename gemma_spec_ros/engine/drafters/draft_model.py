@@ -1,7 +1,5 @@
 """A smaller same-family Gemma 4 model drafting with its own KV cache."""
 
-from contextlib import ExitStack
-
 import torch
 
 from ..runtime import FastCausalLM, causal_lm, models
@@ -131,9 +129,9 @@ class DraftModelRows(DraftRows):
 
     def propose_rows(self, requests: list[RowRequest], batch: int) -> list[Proposal | None]:
         runner, device = self.runner, self.runner.lean.device
-        feeds = {request.slot: request.context.tokens[request.drafter.cache.length:] for request in requests}
-        with ExitStack() as stack:
-            draws = RowDraws(requests, stack)
+        caches = {request.slot: request.drafter.cache for request in requests}
+        feeds = {request.slot: request.context.tokens[caches[request.slot].length:] for request in requests}
+        with RowDraws(requests) as draws:
             drafting = [request.slot for request in requests]
             while drafting:
                 width = max(len(feeds[slot]) for slot in drafting)
@@ -141,19 +139,15 @@ class DraftModelRows(DraftRows):
                 last = [0] * batch  # each row's last fed position: its logits predict the next draft
                 for slot in drafting:
                     token_rows[slot] = feeds[slot] + [0] * (width - len(feeds[slot]))
-                    starts[slot], last[slot] = self._cache(slot).length, len(feeds[slot]) - 1
+                    starts[slot], last[slot] = caches[slot].length, len(feeds[slot]) - 1
                 out = runner.step(torch.tensor(token_rows, device=device), starts)
                 drawn = draws.draw(out.logits[torch.arange(batch, device=device), torch.tensor(last, device=device)],
                                    drafting)
                 for slot in drafting:
-                    cache = self._cache(slot)
-                    cache.advance(starts[slot], width)
-                    cache.crop(-(width - len(feeds[slot])))  # a padded row keeps what it fed
+                    caches[slot].advance(starts[slot], width)
+                    caches[slot].crop(-(width - len(feeds[slot])))  # a padded row keeps what it fed
                     feeds[slot] = [drawn[slot][0]]
                 drafting = [slot for slot in drafting if drawn[slot][1]]
             for request in requests:
                 request.drafter.proposed = draws.count(request.slot)
             return draws.proposals(requests, device)
-
-    def _cache(self, slot: int):
-        return self.runner.cache.slots[slot]

@@ -1,7 +1,7 @@
 """The Gemma 4 MTP assistant: drafts from the target's last hidden state and K/V."""
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 
@@ -190,8 +190,7 @@ class MtpRows(DraftRows):
             current[request.slot] = request.context.tokens[-1]
             hidden[request.slot] = request.drafter.hidden[0]
             positions[request.slot] = len(request.context.tokens) - 1
-        with ExitStack() as stack:
-            draws = RowDraws(ready, stack)
+        with RowDraws(ready) as draws:
             drafting = [request.slot for request in ready]
             while drafting:
                 out = self.runner.step(torch.tensor(current, device=device)[:, None], hidden, positions)

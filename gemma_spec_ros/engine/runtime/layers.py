@@ -217,8 +217,6 @@ def _step_layer(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_inpu
     return _finish(shape, w, hidden, _attend(query, keys, values, mask), per_layer_input)
 
 
-
-
 def _slot_rows(tensor: torch.Tensor, rows: int, per_slot: int, length: int) -> torch.Tensor:
     """Cache keys or values [kv_heads, slots * per_slot, d] as [rows, kv_heads, length, d]: slots 0..rows-1."""
     heads, total, dim = tensor.shape

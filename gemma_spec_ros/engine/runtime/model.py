@@ -156,7 +156,6 @@ class _Decoder:
                              per_layer_input)
         return hidden
 
-
     def _layers_rows(self, hidden: torch.Tensor, cache: SlottedKvCache, positions: torch.Tensor,
                      rope: dict[str, tuple[torch.Tensor, torch.Tensor]], masks: dict[str, torch.Tensor],
                      per_layer: torch.Tensor | None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .assistant import FastAssistant
 from .cache import SlottedKvCache
 from .model import LeanGemma4, StepOutput
 from .runner import GraphJob, _Shadowed, _stage_shadow_graphs
-from .steps import _Steps, query_variant
+from .steps import _Steps, query_variant_ends
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -115,11 +115,7 @@ class FastRows(_Shadowed):
         for rows, table in self._steps.items():
             if not table.dynamic:
                 continue
-            ranges: dict[int, list[int]] = {}
-            for q in range(1, self.max_query + 1):
-                ranges.setdefault(query_variant(q, table.row_product_max_rows), []).append(q)
-            for members in ranges.values():
-                ends = tuple(sorted({members[0], members[-1]}))
+            for ends in query_variant_ends(self.max_query, table.row_product_max_rows):
                 name = '{} rows={} q={}'.format(role, rows, '..'.join(str(q) for q in ends))
                 keys = tuple(table.variant_key(('rows', rows), q, 0) for q in ends)
                 jobs.append(GraphJob(name, self, table, keys, functools.partial(self._build_on_shadow, rows, ends)))
@@ -131,11 +127,9 @@ class FastRows(_Shadowed):
         started = time.perf_counter()
         for rows, table in self._steps.items():
             queries = range(1, self.max_query + 1)
-            if table.dynamic:  # each variant at both ends, as the single-goal steps (runner.FastCausalLM.warmup)
-                ranges: dict[int, list[int]] = {}
-                for q in queries:
-                    ranges.setdefault(query_variant(q, table.row_product_max_rows), []).append(q)
-                queries = sorted({end for members in ranges.values() for end in (members[0], members[-1])})
+            if table.dynamic:  # each variant at both ends, as the single-goal steps
+                queries = sorted({q for ends in query_variant_ends(self.max_query, table.row_product_max_rows)
+                                  for q in ends})
             for q in queries:
                 for length in table.key_lengths():
                     self.step(torch.zeros((rows, q), dtype=torch.long, device=self.lean.device),

@@ -42,7 +42,7 @@ from .cache import StaticKvCache
 from .compile_cache import release_compile_garbage as _release_compile_garbage  # also bench.fast_measure's
 from .layers import ROW_PRODUCT_MAX_ROWS
 from .model import LeanGemma4, StepOutput
-from .steps import _Steps, query_variant, resolve_compile_mode, stores_blocked
+from .steps import _Steps, query_variant_ends, resolve_compile_mode, stores_blocked
 from .torch_internals import mark_static_address
 
 Progress = Callable[[str], None]
@@ -236,11 +236,9 @@ class FastCausalLM(_Shadowed):
         report_progress = progress or (lambda message: None)
         started = time.perf_counter()
         queries = range(1, self.max_query + 1)
-        if self._steps.dynamic:  # each variant at both ends: a graph from inductor's cache may serve fewer queries
-            ranges: dict[int, list[int]] = {}
-            for q in queries:
-                ranges.setdefault(query_variant(q, self.lean.row_product_max_rows), []).append(q)
-            queries = sorted({end for members in ranges.values() for end in (members[0], members[-1])})
+        if self._steps.dynamic:  # each variant at both ends
+            queries = sorted({q for ends in query_variant_ends(self.max_query, self.lean.row_product_max_rows)
+                              for q in ends})
         for q in queries:
             for length in self._steps.key_lengths():
                 self.cache.reset()
@@ -259,12 +257,8 @@ class FastCausalLM(_Shadowed):
         """
         if not self._steps.dynamic:
             return []
-        ranges: dict[int, list[int]] = {}
-        for q in range(1, self.max_query + 1):
-            ranges.setdefault(query_variant(q, self.lean.row_product_max_rows), []).append(q)
         jobs = []
-        for members in ranges.values():
-            ends = tuple(sorted({members[0], members[-1]}))
+        for ends in query_variant_ends(self.max_query, self.lean.row_product_max_rows):
             name = '{} q={}'.format(role, '..'.join(str(q) for q in ends))
             keys = tuple(self._steps.variant_key(self._step_key(q, logits_to_keep), q, 0) for q in ends)
             jobs.append(GraphJob(name, self, self._steps, keys,

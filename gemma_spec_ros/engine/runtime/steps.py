@@ -42,6 +42,19 @@ def query_variant(q: int, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> i
     return min(q, row_product_max_rows + 1)
 
 
+def query_variant_ends(max_query: int, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> list[tuple[int, ...]]:
+    """
+    Return the query lengths that build each CPU step variant of steps of 1..max_query tokens.
+
+    Each variant is built at its shortest and its longest query: a graph from inductor's cache may serve fewer
+    queries than a compiled one.
+    """
+    members: dict[int, list[int]] = {}
+    for q in range(1, max_query + 1):
+        members.setdefault(query_variant(q, row_product_max_rows), []).append(q)
+    return [tuple(sorted({queries[0], queries[-1]})) for queries in members.values()]
+
+
 def stores_blocked(mode: str, max_query: int, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> bool:
     """
     Whether a target or draft model stores its layers' matrices blocked (weights.block_matrix; only packed weights are).
