@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from gemma_spec_ros.benchmarks.batching import send_at_once
 from gemma_spec_ros.engine.backends.vllm import VllmBackend, VllmConfig
 from gemma_spec_ros.engine.backends.vllm_metrics import metric_samples
 from gemma_spec_ros.engine.backends.vllm_server import (
@@ -109,27 +110,14 @@ def run_wave(generate, prompts: list[list[int]], clients: int, first: int) -> di
 
     generate(index, prompt_ids, on_delta) runs one goal and returns its result. TTFT is from the wave's start.
     """
-    results, first_token = [None] * clients, [0.0] * clients
-    started = time.perf_counter()
-
-    def client(index):
-        def on_delta(delta):
-            if not first_token[index]:
-                first_token[index] = time.perf_counter()
-        results[index] = generate(index, prompts[(first + index) % len(prompts)], on_delta)
-
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.perf_counter() - started
+    results, ttft, seconds = send_at_once(
+        lambda index, on_delta: generate(index, prompts[(first + index) % len(prompts)], on_delta), clients)
     for result in results:
         assert result.finish_reason in ('stop', 'length'), getattr(result, 'error', result.finish_reason)
     return {'seconds': seconds, 'new_tokens': sum(result.stats.new_tokens for result in results),
             'aggregate': sum(result.stats.new_tokens for result in results) / seconds,
             'per_goal': [result.stats.tokens_per_second for result in results],
-            'ttft': [moment - started for moment in first_token],
+            'ttft': ttft,
             'tau': [result.stats.tau for result in results],
             'outputs': {(first + index) % len(prompts): list(result.token_ids) for index, result in enumerate(results)}}
 
@@ -147,12 +135,18 @@ def summarize_waves(waves: list[dict]) -> dict:
             'waves': len(waves)}
 
 
-def run_batched_phase(engine, name: str, speculative: dict | None, drafter: str, prompts: list[list[int]],
-                      args) -> dict:
-    """One server; waves of --clients goals alternate between the batched local engine and the vLLM server."""
+def start_server(speculative: dict | None) -> VllmServer:
+    """Start a vLLM server of the bundled target with this speculation (None = plain), prefix caching off."""
     server = VllmServer(VllmServerConfig(speculative_config=speculative, log_requests=False,
                                          extra_args=['--no-enable-prefix-caching']))
     server.start(progress=lambda message: print(message, flush=True))
+    return server
+
+
+def run_batched_phase(engine, name: str, speculative: dict | None, drafter: str, prompts: list[list[int]],
+                      args) -> dict:
+    """One server; waves of --clients goals alternate between the batched local engine and the vLLM server."""
+    server = start_server(speculative)
     try:
         backends = [VllmBackend(EngineConfig(), VllmConfig(url=server.url, model='target', metrics=False))
                     for _ in range(args.clients)]   # one per client, like one node per robot
@@ -192,9 +186,7 @@ def run_batched_phase(engine, name: str, speculative: dict | None, drafter: str,
 def run_phase(engine, name: str, speculative: dict | None, drafter: str, prompts: list[list[int]],
               args) -> dict:
     """One server; local and vLLM runs alternate prompt by prompt so that both see the same machine load."""
-    server = VllmServer(VllmServerConfig(speculative_config=speculative, log_requests=False,
-                                         extra_args=['--no-enable-prefix-caching']))
-    server.start(progress=lambda message: print(message, flush=True))
+    server = start_server(speculative)
     try:
         backend = VllmBackend(EngineConfig(), VllmConfig(url=server.url, model='target'))
         run_local(engine, prompts[0], 8, drafter)   # warm-up

@@ -37,31 +37,44 @@ class Wave:
     tau: list[float]
 
 
-def run_wave(engine, prompts: list[list[int]], concurrency: int, drafter: str, k: int,
-             max_new_tokens: int) -> Wave:
-    """Send concurrency goals at once (prompts taken in turn) and wait for them."""
-    from gemma_spec_ros.engine import GenerationRequest
+def send_at_once(generate, count: int) -> tuple[list, list[float], float]:
+    """
+    Run count goals at once, each in a thread of its own, and wait for all of them.
 
-    results, first_token = [None] * concurrency, [0.0] * concurrency
+    generate(index, on_delta) runs goal index. Returns the results, each goal's first-token time from the start
+    (it includes the wait for a slot), and the wall time.
+    """
+    results, first_token = [None] * count, [0.0] * count
     started = time.perf_counter()
 
     def run(index):
         def on_delta(delta):
             if not first_token[index]:
                 first_token[index] = time.perf_counter()
-        request = GenerationRequest(prompt_ids=prompts[index % len(prompts)], max_new_tokens=max_new_tokens,
-                                    drafter=drafter, num_draft_tokens=k if drafter != 'none' else 0)
-        results[index] = engine.generate(request, on_delta=on_delta)
+        results[index] = generate(index, on_delta)
 
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(concurrency)]
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    seconds = time.perf_counter() - started
+    return results, [moment - started for moment in first_token], time.perf_counter() - started
+
+
+def run_wave(engine, prompts: list[list[int]], concurrency: int, drafter: str, k: int,
+             max_new_tokens: int) -> Wave:
+    """Send concurrency goals at once (prompts taken in turn) and wait for them."""
+    from gemma_spec_ros.engine import GenerationRequest
+
+    def generate(index, on_delta):
+        request = GenerationRequest(prompt_ids=prompts[index % len(prompts)], max_new_tokens=max_new_tokens,
+                                    drafter=drafter, num_draft_tokens=k if drafter != 'none' else 0)
+        return engine.generate(request, on_delta=on_delta)
+
+    results, ttft, seconds = send_at_once(generate, concurrency)
     return Wave(concurrency, drafter, seconds, [len(result.token_ids) for result in results],
-                [result.stats.tokens_per_second for result in results],
-                [moment - started for moment in first_token], [result.stats.tau for result in results])
+                [result.stats.tokens_per_second for result in results], ttft,
+                [result.stats.tau for result in results])
 
 
 def summarize(waves: list[Wave]) -> dict:
