@@ -113,13 +113,23 @@ def parameter_name(field_name: str) -> str:
     return '{}.{}'.format(EngineConfig.__dataclass_fields__[field_name].metadata['group'], field_name)
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a goal, decoded: height x width RGB pixels, 3 bytes each, row-major (what the processor reads)."""
+
+    width: int
+    height: int
+    rgb: bytes
+
+
 @dataclass
 class GenerationRequest:
     """One generation; field meanings follow gemma_spec_msgs/action/Generate."""
 
     prompt: str = ''                                   # raw text prompt (special tokens in it are parsed)
     prompt_ids: list[int] | None = None                # token ids instead of text
-    messages: list[dict[str, str]] | None = None       # chat turns {"role", "content"}; content is plain text
+    messages: list[dict] | None = None                 # chat turns {"role", "content"[, "images"]}: content is
+                                                       # plain text; images: indices into `images` shown before it
     max_new_tokens: int = 0                            # 0 = config default
     temperature: float = 0.0                           # 0 = greedy
     top_p: float = 0.0                                 # 0 = off
@@ -132,6 +142,8 @@ class GenerationRequest:
     grammar: str = ''                                  # EBNF grammar (xgrammar syntax, rule root); at most one set
     json_free_whitespace: bool = False                 # json_schema output may hold whitespace between elements
                                                        # (bounded); False = compact JSON
+    images: tuple[ImageInput, ...] = ()                # camera frames the messages show (a target with a vision
+                                                       # tower reads them at prefill)
 
 
 @dataclass
