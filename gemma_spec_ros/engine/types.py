@@ -106,6 +106,10 @@ class EngineConfig:
                                        limits=(1, INT32_MAX), group='generation')
     max_stop_strings: int = config_field(16, 'most stop strings a request may send', limits=(0, 1024),
                                        group='generation')
+    max_images_per_goal: int = config_field(4, 'most images a request may send (a target with a vision tower; 0 '
+                                          'refuses images)', limits=(0, 64), group='generation')
+    max_image_pixels: int = config_field(4096 * 4096, 'most pixels (width x height) of one image a request may send',
+                                       limits=(1, INT32_MAX), group='generation')
 
 
 def parameter_name(field_name: str) -> str:
@@ -183,6 +187,8 @@ class GenerationStats:
     cuda_peak_allocated_bytes: int = 0  # peak CUDA memory allocated during this generation (0 on CPU)
     cuda_peak_reserved_bytes: int = 0   # peak CUDA memory reserved during this generation (0 on CPU)
     decode_path: str = ''              # what ran the decode steps: the compile mode, eager, or both while warming up
+    image_prefill_ms: float = 0.0      # the vision tower and embedder on the goal's images, before the target's
+                                       # prefill (part of time_to_first_token); 0 without images
 
 
 @dataclass
