@@ -1,8 +1,28 @@
 """Conversions between gemma_spec_msgs and the engine's types. Imports no torch."""
 
-from gemma_spec_msgs.action import Generate
+import io
+import re
+from dataclasses import dataclass
 
-from gemma_spec_ros.engine.types import GenerationRequest, GenerationResult, StreamDelta
+import numpy as np
+from gemma_spec_msgs.action import Generate
+from PIL import Image as PilImage
+
+from gemma_spec_ros.engine.types import GenerationRequest, GenerationResult, ImageInput, StreamDelta, parameter_name
+
+CHANNELS = {'rgb8': 3, 'bgr8': 3, 'mono8': 1}   # sensor_msgs/Image encodings a goal may send, bytes per pixel
+COMPRESSED_FORMATS = ('jpeg', 'png')
+# a CompressedImage format is 'jpeg' or 'png', or image_transport's '<encoding>; jpeg compressed <encoding>'
+_FORMAT_WORD = re.compile(r'\b(jpeg|jpg|png)\b')
+_PIL_FORMATS = {'JPEG': 'jpeg', 'PNG': 'png'}
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """A goal's bounds on images (the node's generation.max_images_per_goal and generation.max_image_pixels)."""
+
+    max_images: int
+    max_pixels: int
 
 
 def stats_to_msg(stats, msg):
@@ -21,14 +41,97 @@ def stats_to_msg(stats, msg):
     return msg
 
 
-def goal_to_request(goal) -> GenerationRequest:
-    """Build a GenerationRequest from the goal's fields as they are (0, '' and -1 mean what the action says)."""
-    messages = [{'role': m.role, 'content': m.content} for m in goal.messages]
+def goal_to_request(goal, limits: ImageLimits | None = None) -> GenerationRequest:
+    """
+    Build a GenerationRequest from the goal's fields as they are (0, '' and -1 mean what the action says).
+
+    Its images are goal.images then goal.compressed_images, decoded to RGB (a message's image_indices count them in
+    that order); limits bound their count and size before anything is decoded. ValueError naming the bad field.
+    """
+    messages = [message_to_dict(m) for m in goal.messages]
     return GenerationRequest(
         prompt='' if messages else goal.prompt, messages=messages or None, max_new_tokens=int(goal.max_new_tokens),
         temperature=float(goal.temperature), top_p=float(goal.top_p), top_k=int(goal.top_k), stop=list(goal.stop),
         seed=int(goal.seed), drafter=goal.drafter, num_draft_tokens=int(goal.num_draft_tokens),
-        json_schema=goal.json_schema, grammar=goal.grammar, json_free_whitespace=bool(goal.json_free_whitespace))
+        json_schema=goal.json_schema, grammar=goal.grammar, json_free_whitespace=bool(goal.json_free_whitespace),
+        images=goal_images(goal.images, goal.compressed_images, limits))
+
+
+def message_to_dict(message) -> dict:
+    """Return a ChatMessage as the engine's chat turn; 'images' (its image_indices) only when it shows any."""
+    turn = {'role': message.role, 'content': message.content}
+    if len(message.image_indices):
+        turn['images'] = [int(index) for index in message.image_indices]
+    return turn
+
+
+def goal_images(images, compressed_images, limits: ImageLimits | None = None) -> tuple[ImageInput, ...]:
+    """Decode a goal's sensor_msgs/Image and CompressedImage lists, in that order; ValueError naming the field."""
+    count = len(images) + len(compressed_images)
+    if limits is not None and count > limits.max_images:
+        raise ValueError('images + compressed_images: {} images, more than {} = {}'.format(
+            count, parameter_name('max_images_per_goal'), limits.max_images))
+    max_pixels = limits.max_pixels if limits is not None else None
+    return tuple([image_to_input(image, 'images[{}]'.format(i), max_pixels) for i, image in enumerate(images)] +
+                 [compressed_to_input(image, 'compressed_images[{}]'.format(i), max_pixels)
+                  for i, image in enumerate(compressed_images)])
+
+
+def _check_size(field: str, width: int, height: int, max_pixels: int | None) -> None:
+    if width <= 0 or height <= 0:
+        raise ValueError('{}: empty image ({}x{} pixels)'.format(field, width, height))
+    if max_pixels is not None and width * height > max_pixels:
+        raise ValueError('{}: {}x{} = {} pixels, more than {} = {}'.format(
+            field, width, height, width * height, parameter_name('max_image_pixels'), max_pixels))
+
+
+def image_to_input(image, field: str, max_pixels: int | None = None) -> ImageInput:
+    """
+    Decode a sensor_msgs/Image (rgb8, bgr8 or mono8) to RGB; rows may be padded (step > width x bytes per pixel).
+
+    field names the image in errors, e.g. 'images[1]'.
+    """
+    channels = CHANNELS.get(image.encoding)
+    if channels is None:
+        raise ValueError('{}.encoding: {!r} is not one of {}'.format(field, image.encoding, ', '.join(CHANNELS)))
+    width, height, step = int(image.width), int(image.height), int(image.step)
+    _check_size(field, width, height, max_pixels)
+    if step < width * channels:
+        raise ValueError('{}.step: {} bytes, less than width {} x {} bytes per pixel ({})'.format(
+            field, step, width, channels, image.encoding))
+    data = bytes(image.data)
+    if len(data) != step * height:
+        raise ValueError('{}.data: {} bytes, expected step {} x height {} = {}'.format(
+            field, len(data), step, height, step * height))
+    pixels = np.frombuffer(data, dtype=np.uint8).reshape(height, step)[:, :width * channels]
+    pixels = pixels.reshape(height, width, channels)
+    if image.encoding == 'bgr8':
+        pixels = pixels[:, :, ::-1]
+    elif image.encoding == 'mono8':
+        pixels = np.repeat(pixels, 3, axis=2)
+    return ImageInput(width, height, np.ascontiguousarray(pixels).tobytes())
+
+
+def compressed_to_input(image, field: str, max_pixels: int | None = None) -> ImageInput:
+    """Decode a sensor_msgs/CompressedImage (format jpeg or png) to RGB; its size is checked before decoding."""
+    match = _FORMAT_WORD.search(image.format.lower())
+    if match is None:
+        raise ValueError('{}.format: {!r} is not one of {}'.format(field, image.format, ', '.join(COMPRESSED_FORMATS)))
+    declared = 'jpeg' if match.group(1) == 'jpg' else match.group(1)
+    data = bytes(image.data)
+    if not data:
+        raise ValueError('{}.data: empty'.format(field))
+    try:
+        with PilImage.open(io.BytesIO(data)) as decoded:   # reads the header only: the size is known, no pixels yet
+            actual = _PIL_FORMATS.get(decoded.format, decoded.format)
+            if actual != declared:
+                raise ValueError('{}.data: a {} image, but format says {}'.format(field, actual, declared))
+            _check_size(field, decoded.width, decoded.height, max_pixels)
+            rgb = decoded.convert('RGB')
+    except (OSError, SyntaxError, PilImage.DecompressionBombError) as error:  # PIL's errors for unreadable data
+        why = 'no known image format' if isinstance(error, PilImage.UnidentifiedImageError) else str(error)
+        raise ValueError('{}.data: not a readable {} image ({})'.format(field, declared, why)) from error
+    return ImageInput(rgb.width, rgb.height, rgb.tobytes())
 
 
 def delta_to_feedback(delta: StreamDelta) -> Generate.Feedback:

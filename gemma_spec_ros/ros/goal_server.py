@@ -20,7 +20,8 @@ from rclpy.qos import QoSProfile
 
 from gemma_spec_ros.engine.backend import Backend, is_fatal_error
 from gemma_spec_ros.engine.backends.vllm import SERVER_WIDE_WARNING
-from gemma_spec_ros.ros.conversions import delta_to_feedback, goal_to_request, result_to_msg
+from gemma_spec_ros.engine.types import parameter_name
+from gemma_spec_ros.ros.conversions import ImageLimits, delta_to_feedback, goal_to_request, result_to_msg
 from gemma_spec_ros.ros.diagnostics import GenerationMetrics
 from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
 
@@ -103,7 +104,9 @@ class GoalServer:
         """(request, plan, error): validated now when the engine is ready, so that a bad goal never waits."""
         backend = self._backend()
         try:
-            request = goal_to_request(goal)
+            limits = ImageLimits(self._param(parameter_name('max_images_per_goal')),
+                                 self._param(parameter_name('max_image_pixels')))
+            request = goal_to_request(goal, limits)
             return request, backend.validate(request) if backend is not None else None, ''
         except ValueError as error:
             return None, None, str(error)
