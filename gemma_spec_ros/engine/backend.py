@@ -27,6 +27,12 @@ class Capabilities:
     structured_output: bool = True      # json_schema, grammar and json_free_whitespace
     loads_models: bool = True           # opening it loads models into this process (seconds to minutes)
     max_concurrent_goals: int = 1       # generate() calls it serves at once (from several threads); more wait
+    image_refusal: str = 'this backend reads no images'  # why goals may not carry images; '' when they may
+
+    @property
+    def images(self) -> bool:
+        """Whether a goal may carry images (GenerationRequest.images); else validate() refuses them."""
+        return not self.image_refusal
 
 
 class Backend(abc.ABC):
