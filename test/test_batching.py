@@ -147,9 +147,9 @@ def test_engine_serves_several_goals_at_once(batch_engine, tiny_engine):
     assert batched.kv_cache_slot_bytes == batch_engine._batch.rows.cache.slot_nbytes > 0 == single.kv_cache_slot_bytes
 
 
-@pytest.mark.parametrize('k', [1, 3, 8])
+@pytest.mark.parametrize('k', [0, 1, 3, 8])
 def test_greedy_goals_in_a_batch_match_plain_decoding(batch_engine, reference, k):
-    # different drafters, K, prompts and lengths
+    # different drafters, K (0: each goal's controller adapts it), prompts and lengths
     ids = batch_engine.tokenizer
     requests = {
         'story-none': GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=LONG, drafter='none'),
@@ -235,6 +235,56 @@ class RepeatingDrafter(Drafter):
 
     def propose(self, context, k):
         return Proposal(torch.full((k,), self.token, dtype=torch.long), None)
+
+
+class DearRepeatingDrafter(RepeatingDrafter):
+    """A drafter that does not pay: slow, and its drafts are never the target's pick."""
+
+    def propose(self, context, k):
+        threading.Event().wait(0.003)
+        return super().propose(context, k)
+
+
+class OracleDrafter(RepeatingDrafter):
+    """Propose the target's own greedy continuation of whichever sequence the goal is on: every draft is accepted."""
+
+    name = 'draft'
+
+    def __init__(self, sequences: list[list[int]]):
+        self.sequences = sequences
+
+    def propose(self, context, k):
+        sequence = next(ids for ids in self.sequences if ids[:len(context.tokens)] == context.tokens)
+        drafts = sequence[len(context.tokens):len(context.tokens) + k]
+        return Proposal(torch.tensor(drafts, dtype=torch.long), None) if drafts else None
+
+
+def test_a_goal_whose_drafter_does_not_pay_runs_plain_while_the_others_speculate(batch_engine, reference,
+                                                                                  monkeypatch):
+    # every goal adapts K with a controller of its own, on its share of the batched passes
+    ids = batch_engine.tokenizer
+    prompts = {'dear': STORY_PROMPT, 'oracle0': CODE_PROMPT, 'oracle1': STORY_PROMPT + ' then'}
+    lengths = {'dear': 60, 'oracle0': 200, 'oracle1': 200}
+    expected = {name: reference(ids(prompt).input_ids, lengths[name]) for name, prompt in prompts.items()}
+    never_picked = next(token for token in range(3, 1000) if token not in expected['dear'])
+    monkeypatch.setitem(batch_engine._drafters, 'ngram', DearRepeatingDrafter(never_picked))
+    monkeypatch.setitem(batch_engine._drafters, 'draft', OracleDrafter(
+        [ids(prompts[name]).input_ids + expected[name] for name in ('oracle0', 'oracle1')]))
+    requests = {name: GenerationRequest(prompt=prompt, max_new_tokens=lengths[name],
+                                        drafter='ngram' if name == 'dear' else 'draft')
+                for name, prompt in prompts.items()}
+    recorder = Recorder()
+    results = run_together(batch_engine, requests, recorder)
+    for name in requests:
+        assert results[name].token_ids == expected[name], name
+    dear = results['dear'].stats
+    assert dear.accepted_tokens == 0 < dear.paused_rounds
+    assert dear.rounds_by_draft_length[0] > dear.target_passes / 2  # probes aside, its rounds ran plain
+    for name in ('oracle0', 'oracle1'):
+        stats = results[name].stats
+        assert stats.paused_rounds == 0 and stats.rounds_by_draft_length[0] == 0, name
+        assert stats.accepted_tokens == stats.drafted_tokens and stats.mean_num_draft_tokens > 2, name
+        assert recorder.interleaved('dear', name) or recorder.interleaved(name, 'dear'), name
 
 
 class UnjoinableDrafter(RepeatingDrafter):

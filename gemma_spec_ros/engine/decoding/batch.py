@@ -13,10 +13,14 @@ and the goals whose drafters share a model draft together, a step for all their 
 whose drafter did not join (transformers' forward) runs one at a time on the single-goal path, which shares the
 rounds' lock: it runs between rounds, and the batch waits for it.
 
-In a batch, K is the goal's pinned K, else BATCH_NUM_DRAFT_TOKENS: the single-goal controller's costs and profit
-gate are measured on unbatched passes, which a batched pass does not cost.
+Each goal that speculates without a pinned K has a SpeculationController of its own (the single-goal engine's rule:
+the best K, the profit gate, the cut-off), fed with its own acceptance and drafting time and with its share of the
+batched passes (control.GoalPassCost), which are timed per row bucket and query length (calibrated at load, then
+every round). A goal whose drafter does not pay drops to plain rounds; the others go on speculating.
 """
 
+import random
+import statistics
 import threading
 import time
 from collections import deque
@@ -24,16 +28,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..control import Decision, GoalPassCost, SpeculationController, TargetCost
 from ..drafters.base import DraftContext, Drafter, Proposal, RowRequest
 from ..logits.grammar import mask_logits
 from ..logits.verify import verify
 from ..runtime import FastCausalLM, GraphJob
 from ..runtime.model import StepOutput
-from ..runtime.rows import FastRows, row_bucket
+from ..runtime.rows import FastRows, row_bucket, row_buckets
 from ..types import CancelToken, DeltaCallback, GenerationResult
 from .run import Run
 
-BATCH_NUM_DRAFT_TOKENS = 4
 CLOSED_REASON = 'the engine was closed'
 
 
@@ -47,8 +51,13 @@ class BatchGoal:
     started: float
     steps_before: tuple[int, int]
     slot: int = -1                                   # its KV-cache slot once admitted
+    admitted: float | None = None                    # when it got its slot
+    pass_cost: GoalPassCost | None = None            # its share of the batched passes (with a controller)
+    decision: Decision = field(default_factory=lambda: Decision(0, False))  # this round's K
     proposal: Proposal | None = None                 # this round's drafts
     drafts: list[int] = field(default_factory=list)  # ... as token ids
+    draft_seconds: float = 0.0                       # ... and what drafting them cost it
+    width: int = 1                                   # its row's tokens last round (1 + drafts)
     done: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     error: BaseException | None = None
@@ -68,6 +77,8 @@ class BatchScheduler:
         self._condition = threading.Condition()
         self._waiting: deque[BatchGoal] = deque()
         self._slots: list[BatchGoal | None] = [None] * rows.cache.num_slots
+        # a batched pass's seconds by its query length, per row bucket: what the goals' controllers share
+        self.pass_costs = {bucket: TargetCost(rows.max_query) for bucket in row_buckets(rows.cache.num_slots)}
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -95,6 +106,31 @@ class BatchScheduler:
         if goal.error is not None:
             raise goal.error
         return goal.result
+
+    def calibrate(self, rounds: int, context: int) -> dict[int, dict[int, float]]:
+        """
+        Time batched passes of every row bucket and query length, and start each bucket's cost curve there.
+
+        Medians of rounds (the sizes shuffled per round), each row after context positions of its slot or after
+        its goal's tokens: a pass writes past every slot's length, where nothing is kept (as a padded row), so it
+        may run while goals wait between rounds. Returns the median seconds per bucket and query length.
+        """
+        order, medians = random.Random(0), {}
+        start = max(0, min(context, self.rows.cache.context_limit - self.rows.max_query))
+        with self._round_lock, torch.inference_mode():
+            for bucket, pass_cost in self.pass_costs.items():
+                sizes, samples = list(range(1, self.rows.max_query + 1)), {}
+                starts = [max(start, slot.length) for slot in self.rows.cache.slots[:bucket]]
+                for _ in range(rounds):
+                    order.shuffle(sizes)
+                    for q in sizes:
+                        started = time.perf_counter()
+                        self.rows.step(torch.zeros((bucket, q), dtype=torch.long, device=self._engine._device),
+                                       starts).logits.sum().item()  # the round's sync
+                        samples.setdefault(q, []).append(time.perf_counter() - started)
+                medians[bucket] = {q: statistics.median(times) for q, times in samples.items()}
+                pass_cost.calibrate(medians[bucket])
+        return medians
 
     # ----------------------------------------------------------------------------------------------- the loop
     def close(self, timeout: float) -> None:
@@ -142,7 +178,9 @@ class BatchScheduler:
                 goal.slot = free
                 self._slots[free] = goal
             try:
+                goal.admitted = time.perf_counter()
                 goal.run.drafter = goal.run.drafter.for_batch(free)
+                self._start_controller(goal)
                 if goal.cancel is not None and goal.cancel.cancelled:  # cancelled while it waited: nothing runs
                     goal.run.finish = 'cancelled'
                     self._end(goal)
@@ -150,6 +188,22 @@ class BatchScheduler:
                 self._prefill(goal)
             except Exception as exc:  # noqa: BLE001 (the goal's caller gets it; the others go on)
                 self._end(goal, exc)
+
+    def _start_controller(self, goal: BatchGoal) -> None:
+        """
+        Give a speculating goal a controller of its own, on its share of the batched passes.
+
+        Its text and its batch are its own, so nothing the engine's per-drafter controllers (single-goal passes,
+        other texts) learned applies; a pinned K is only measured, as on the single-goal path.
+        """
+        run, config = goal.run, self._engine.config
+        if run.controller is None:  # drafter none, or its model failed to load
+            return
+        goal.pass_cost = GoalPassCost(self.pass_costs[row_bucket(goal.slot + 1, self.num_slots)])
+        run.controller = SpeculationController(config.max_draft_tokens, goal.pass_cost, config.profit_gate,
+                                               config.probe_interval, run.drafter.cut_saves_drafting)
+        run.controller.start(run.drafter.draft_calls(run.plan.sampling, run.constraint is not None),
+                             pinned_k=bool(run.plan.pinned_k))
 
     def _prefill(self, goal: BatchGoal) -> None:
         """Put the goal's prompt into its slot and pick (and stream) its first token."""
@@ -171,19 +225,21 @@ class BatchScheduler:
             engine._warmup.adopt()  # graphs built since the last round take over: the whole round runs on them
         batch = row_bucket(max(goal.slot for goal in goals) + 1, self.num_slots)
         self._propose(goals, batch)
-        width = max(1 + len(goal.drafts) for goal in goals)
+        width = max(goal.width for goal in goals)
         token_rows, starts = [[0] * width for _ in range(batch)], [0] * batch  # idle rows: any token, position 0
         for goal in goals:
             row = [goal.run.tokens[-1]] + goal.drafts
             token_rows[goal.slot] = row + [0] * (width - len(row))
             starts[goal.slot] = rows.cache.slots[goal.slot].length
         token_ids = torch.tensor(token_rows, device=engine._device)
-        out = rows.step(token_ids, starts)  # logits, hidden [batch, width, ...]
-        # every row's greedy verdict at once: padding drafts of -1 are never accepted
         drafts = torch.tensor([goal_drafts + [-1] * (width - 1 - len(goal_drafts)) for goal_drafts in
                                self._drafts_by_row(goals, batch)], dtype=torch.long, device=engine._device)
+        started = time.perf_counter()
+        out = rows.step(token_ids, starts)  # logits, hidden [batch, width, ...]
+        # every row's greedy verdict at once: padding drafts of -1 are never accepted
         num_accepted, next_tokens = verify(drafts, out.logits, None, greedy=True)
         greedy = list(zip(num_accepted.tolist(), next_tokens.tolist(), strict=True))  # the round's host sync
+        self.pass_costs[batch].record(width, time.perf_counter() - started)
         for goal in goals:
             try:
                 self._accept(goal, out, greedy[goal.slot], starts[goal.slot], width)
@@ -193,31 +249,51 @@ class BatchScheduler:
     def _propose(self, goals: list[BatchGoal], batch: int) -> None:
         """Each goal's drafts for this round: on its own, or with the goals whose drafters share a model."""
         engine, shared = self._engine, {}
-        for goal in goals:
+        widths = [goal.width for goal in goals]  # last round's rows, which each goal shares its pass with
+        for index, goal in enumerate(goals):
             run = goal.run
-            goal.proposal, goal.drafts = None, []
+            goal.proposal, goal.drafts, goal.draft_seconds = None, [], 0.0
+            goal.decision = self._decide(goal, batch, len(goals), widths[:index] + widths[index + 1:])
             budget = min(run.plan.max_new_tokens - len(run.generated), engine._context_limit - len(run.tokens)) - 1
-            k = min(run.plan.pinned_k or BATCH_NUM_DRAFT_TOKENS, budget, self.rows.max_query - 1)
+            k = min(goal.decision.num_draft_tokens, budget, self.rows.max_query - 1)
             if k <= 0:
                 continue
-            context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator, 0.0, run.constraint)
+            context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator,
+                                   goal.decision.min_confidence, run.constraint)
             if run.drafter.rows is None:
+                started = time.perf_counter()
                 goal.proposal = engine._call_drafter(run, lambda run=run, context=context, k=k:
                                                      run.drafter.propose(context, k))
+                goal.draft_seconds = time.perf_counter() - started
             else:
                 shared.setdefault(run.drafter.rows, []).append((goal, RowRequest(goal.slot, context, k, run.drafter)))
         for drafter_rows, members in shared.items():
+            started = time.perf_counter()
             try:
                 proposals = drafter_rows.propose_rows([request for _, request in members], batch)
             except Exception as exc:  # noqa: BLE001 (a drafter failure: its goals go on with plain decoding)
                 for goal, _ in members:
                     goal.run.fall_back(self._engine._drafters['none'], exc)
                 continue
+            seconds = (time.perf_counter() - started) / len(members)  # the rows' steps ran once for all of them
             for (goal, _), proposal in zip(members, proposals, strict=True):
-                goal.proposal = proposal
+                goal.proposal, goal.draft_seconds = proposal, seconds
         for goal in goals:
             if goal.proposal is not None:
                 goal.drafts = goal.proposal.tokens.tolist()
+            goal.width = 1 + len(goal.drafts)
+
+    def _decide(self, goal: BatchGoal, batch: int, num_goals: int, other_widths: list[int]) -> Decision:
+        """Choose the goal's K this round: pinned, or its controller's on its share of this round's pass (else 0)."""
+        run = goal.run
+        if run.controller is None:
+            return Decision(0, False)
+        goal.pass_cost.share(self.pass_costs[batch], num_goals, other_widths)
+        if run.plan.pinned_k:
+            return Decision(run.plan.pinned_k, True)
+        decision = run.controller.decide()
+        run.tally.paused_rounds += not decision.speculating and decision.num_draft_tokens == 0
+        return decision
 
     @staticmethod
     def _drafts_by_row(goals: list[BatchGoal], batch: int) -> list[list[int]]:
@@ -229,6 +305,7 @@ class BatchScheduler:
     def _accept(self, goal: BatchGoal, out: StepOutput, greedy: tuple[int, int], start: int, width: int) -> None:
         """Verify the goal's drafts (greedy: its row's greedy verdict); keep the accepted K/V; stream."""
         engine, run, slot, drafts = self._engine, goal.run, goal.slot, goal.drafts
+        accept_started = time.perf_counter()
         if run.plan.sampling.greedy and run.constraint is None:
             accepted, next_token = greedy
             run.last_token = torch.tensor([next_token], device=engine._device)
@@ -242,8 +319,19 @@ class BatchScheduler:
         cache.crop(-(width - accepted - 1))         # ... the last token and the accepted drafts stay
         own_pass = StepOutput(out.logits[slot:slot + 1, :len(drafts) + 1], out.hidden[slot:slot + 1, :len(drafts) + 1])
         engine._call_drafter(run, lambda: run.drafter.observe(own_pass, len(drafts) + 1, accepted + 1))
+        if run.controller is not None:
+            self._record(goal, accepted, time.perf_counter() - accept_started)
         run.tally.add_round(len(drafts), accepted, time.perf_counter())
         self._emit(goal, drafts[:accepted] + [next_token])
+
+    @staticmethod
+    def _record(goal: BatchGoal, accepted: int, accept_seconds: float) -> None:
+        """Tell the goal's controller how its round went: its drafting, its share of the pass, its own work."""
+        run, proposal = goal.run, goal.proposal
+        goal.pass_cost.record_pass(goal.width)
+        confidences = None if proposal is None or proposal.confidences is None else proposal.confidences.tolist()
+        run.controller.record(len(goal.drafts), accepted, goal.draft_seconds, confidences=confidences,
+                              round_seconds=goal.draft_seconds + (goal.pass_cost.last_seconds or 0.0) + accept_seconds)
 
     def _emit(self, goal: BatchGoal, new_tokens: list[int]) -> None:
         """Stream the goal's new tokens; end it when they finish it or it was cancelled."""

@@ -101,3 +101,7 @@ def calibrate(engine: 'Engine', progress) -> None:
         curve = engine.calibrate_verify_costs()
         progress('verify passes of 1..{} tokens: {} ms'.format(len(curve), ' / '.join(
             '{:.1f}'.format(seconds * 1e3) for _, seconds in sorted(curve.items()))))
+        if engine._batch is not None:  # the batched passes, whose shares the goals of a batch are priced by
+            for rows, passes in engine._batch.calibrate(CALIBRATION_ROUNDS, CALIBRATION_CONTEXT).items():
+                times = ' / '.join('{:.1f}'.format(seconds * 1e3) for _, seconds in sorted(passes.items()))
+                progress('batched verify passes of {} rows, 1..{} tokens a row: {} ms'.format(rows, len(passes), times))
