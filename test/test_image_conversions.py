@@ -35,25 +35,26 @@ def compressed(fmt='png', size=(2, 2), pil_format=None) -> CompressedImage:
 
 
 def test_rgb8_is_taken_as_it_is():
-    image = image_to_input(raw(), 'images[0]')
+    image = image_to_input(raw(), 'images[0]', 16)
     assert (image.width, image.height, image.rgb) == (2, 2, RGB)
 
 
 def test_bgr8_and_mono8_become_rgb():
     bgr = bytes(b for pixel in range(4) for b in reversed(RGB[3 * pixel:3 * pixel + 3]))
-    assert image_to_input(raw('bgr8', data=bgr), 'images[0]').rgb == RGB
-    mono = image_to_input(raw('mono8', data=bytes([0, 50, 100, 255])), 'images[0]')
+    assert image_to_input(raw('bgr8', data=bgr), 'images[0]', 16).rgb == RGB
+    mono = image_to_input(raw('mono8', data=bytes([0, 50, 100, 255])), 'images[0]', 16)
     assert mono.rgb == bytes([0, 0, 0, 50, 50, 50, 100, 100, 100, 255, 255, 255])
 
 
 def test_padded_rows_are_cut_to_the_width():
     padded = RGB[:6] + b'\x07\x07' + RGB[6:] + b'\x07\x07'   # step 8: two padding bytes after each row
-    assert image_to_input(raw(step=8, data=padded), 'images[0]').rgb == RGB
+    assert image_to_input(raw(step=8, data=padded), 'images[0]', 16).rgb == RGB
 
 
 @pytest.mark.parametrize('fmt', ['png', 'jpeg', 'rgb8; jpeg compressed bgr8', 'jpg'])
 def test_compressed_images_decode_to_rgb(fmt):
-    image = compressed_to_input(compressed(fmt, pil_format='jpeg' if 'jp' in fmt else 'png'), 'compressed_images[0]')
+    image = compressed_to_input(compressed(fmt, pil_format='jpeg' if 'jp' in fmt else 'png'),
+                                'compressed_images[0]', 16)
     assert (image.width, image.height, len(image.rgb)) == (2, 2, 12)
     if fmt == 'png':  # lossless
         assert image.rgb == RGB
@@ -99,7 +100,7 @@ def test_a_truncated_png_is_refused():
     whole = compressed('png', size=(4, 4)).data
     with pytest.raises(ValueError, match=r'^compressed_images\[0\]\.data: not a readable png image \(image file is '
                                          r'truncated'):
-        compressed_to_input(CompressedImage(format='png', data=whole[:-30]), 'compressed_images[0]')
+        compressed_to_input(CompressedImage(format='png', data=whole[:-30]), 'compressed_images[0]', 16)
 
 
 def test_too_many_images_are_refused_before_decoding():
@@ -121,3 +122,22 @@ def test_text_goal_converts_as_before():
     goal = Generate.Goal(messages=[ChatMessage(role='user', content='hi')], max_new_tokens=3)
     request = goal_to_request(goal, LIMITS)
     assert request.messages == [{'role': 'user', 'content': 'hi'}] and request.images == ()
+
+
+BAD_INDICES = [
+    ([ChatMessage(role='user', content='see', image_indices=[0, 2])], 2,
+     'messages[0].image_indices[1]: 2 is not an index into the 2 image(s)'),
+    ([ChatMessage(role='user', content='see', image_indices=[0])], 2,
+     "image(s) [1] are shown by no message: list them in a message's image_indices"),
+    ([ChatMessage(role='user', content='see', image_indices=[0])], 0,
+     'messages[0].image_indices[0]: 0 is not an index into the 0 image(s)'),
+    ([], 1, "images need chat messages that show them (a message's image_indices): a raw prompt cannot place them"),
+]
+
+
+@pytest.mark.parametrize('messages, count, expected', BAD_INDICES, ids=[e[:30] for _, _, e in BAD_INDICES])
+def test_image_indices_must_show_every_image_and_no_other(messages, count, expected):
+    goal = Generate.Goal(prompt='see', messages=messages, images=[raw()] * count)
+    with pytest.raises(ValueError) as error:
+        goal_to_request(goal, ImageLimits(max_images=4, max_pixels=16))
+    assert str(error.value) == expected

