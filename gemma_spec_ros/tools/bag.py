@@ -1,9 +1,10 @@
 """
 Record planner requests and the node's responses to a rosbag2 bag, and replay such a bag against the node.
 
-``record``: sends each request of a JSONL file (GenerateRequest fields) as a Generate goal through the real
-action, publishes and writes GenerateRequest on /gemma_spec/requests and GenerateResponse on
-/gemma_spec/responses (rosbags writer, mcap or sqlite3; CDR bytes from rclpy.serialization).
+``record``: sends each request of a JSONL file (GenerateRequest fields; images and compressed_images as lists of
+PNG/JPEG paths, relative to the file: images are decoded to rgb8) as a Generate goal through the real action,
+publishes and writes GenerateRequest on /gemma_spec/requests and GenerateResponse on /gemma_spec/responses (rosbags
+writer, mcap or sqlite3; CDR bytes from rclpy.serialization).
 ``replay``: sends each recorded request again in order (optionally at the recorded rate), requires greedy
 responses to match token for token, compares sampled ones by their statistics, reports tau and latency
 against the recording, and can write the replay as a new bag.
@@ -28,13 +29,13 @@ from rosidl_runtime_py import set_message_fields
 
 from gemma_spec_ros.engine.stats import format_figure
 from gemma_spec_ros.ros.conversions import stats_to_msg
-from gemma_spec_ros.tools.client import GenerateClient, make_goal
+from gemma_spec_ros.tools.client import GenerateClient, compressed_image_from_file, image_from_file, make_goal
 
 REQUESTS_TOPIC = '/gemma_spec/requests'
 RESPONSES_TOPIC = '/gemma_spec/responses'
 MSG_TYPES = ('ChatMessage', 'GenerationStats', 'GenerateRequest', 'GenerateResponse')
-REQUEST_FIELDS = ('request_id', 'prompt', 'messages', 'max_new_tokens', 'temperature', 'top_p', 'top_k', 'stop',
-                  'seed', 'drafter', 'num_draft_tokens', 'cancel_after_seconds')
+REQUEST_FIELDS = ('request_id', 'prompt', 'messages', 'images', 'compressed_images', 'max_new_tokens', 'temperature',
+                  'top_p', 'top_k', 'stop', 'seed', 'drafter', 'num_draft_tokens', 'cancel_after_seconds')
 
 
 def typestore():
@@ -49,24 +50,35 @@ def typestore():
     return store
 
 
-def request_from_dict(fields: dict, index: int) -> GenerateRequest:
-    """Build a GenerateRequest from one JSONL object; ValueError naming unknown fields."""
+def request_from_dict(fields: dict, index: int, base: Path = Path('.')) -> GenerateRequest:
+    """
+    Build a GenerateRequest from one JSONL object; ValueError naming unknown fields.
+
+    images and compressed_images hold image file paths (relative to base): images are decoded to rgb8
+    sensor_msgs/Image, compressed_images are sent as they are.
+    """
     unknown = sorted(set(fields) - set(REQUEST_FIELDS))
     if unknown:
         raise ValueError('request {}: unknown field(s) {}; known: {}'.format(index, unknown, ', '.join(REQUEST_FIELDS)))
     request = GenerateRequest(request_id=str(fields.get('request_id', 'r{:03d}'.format(index))))
+    readers = {'images': image_from_file, 'compressed_images': compressed_image_from_file}
     for name in REQUEST_FIELDS[1:]:
         if name == 'messages':
-            request.messages = [ChatMessage(role=m['role'], content=m['content']) for m in fields.get(name, [])]
+            request.messages = [ChatMessage(role=m['role'], content=m['content'],
+                                            image_indices=list(m.get('image_indices', [])))
+                                for m in fields.get(name, [])]
+        elif name in readers:
+            setattr(request, name, [readers[name](base / path) for path in fields.get(name, [])])
         elif name in fields:
             setattr(request, name, fields[name])
     return request
 
 
 def goal_from_request(request: GenerateRequest):
-    return make_goal(request.prompt, [(m.role, m.content) for m in request.messages], request.max_new_tokens,
-                     request.temperature, request.top_p, request.top_k, request.stop, request.seed,
-                     request.drafter, request.num_draft_tokens)
+    return make_goal(request.prompt, [(m.role, m.content, m.image_indices) for m in request.messages],
+                     request.max_new_tokens, request.temperature, request.top_p, request.top_k, request.stop,
+                     request.seed, request.drafter, request.num_draft_tokens, images=request.images,
+                     compressed_images=request.compressed_images)
 
 
 def run_request(client, request: GenerateRequest) -> GenerateResponse:
@@ -196,7 +208,8 @@ def record_main(argv=None) -> int:
     _common_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     with open(args.requests, encoding='utf-8') as stream:
-        requests = [request_from_dict(json.loads(line), i) for i, line in enumerate(stream) if line.strip()]
+        requests = [request_from_dict(json.loads(line), i, Path(args.requests).parent)
+                    for i, line in enumerate(stream) if line.strip()]
     if os.path.exists(args.output):
         print('record: {} exists; choose a new --output'.format(args.output), file=sys.stderr)
         return 2

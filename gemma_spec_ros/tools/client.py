@@ -1,13 +1,14 @@
 """
 Send a Generate goal and stream its feedback, like ``ros2 action send_goal --feedback``.
 
-``python -m gemma_spec_ros client "prompt" [--max-new-tokens N] [--cancel-after N] ...`` prints the text as
-it streams, then the goal status and the result's statistics. ``GenerateClient`` is the same client as a
+``python -m gemma_spec_ros client "prompt" [--image PATH] [--max-new-tokens N] [--cancel-after N] ...`` prints the
+text as it streams, then the goal status and the result's statistics. ``GenerateClient`` is the same client as a
 class (demo, record/replay and tests use it): goals can be sent from several threads at once.
 """
 
 import argparse
 import copy
+import io
 import sys
 import threading
 import time
@@ -19,10 +20,12 @@ from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from gemma_spec_msgs.action import Generate
 from gemma_spec_msgs.msg import ChatMessage
+from PIL import Image as PilImage
 from rclpy.action import ActionClient
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
+from sensor_msgs.msg import CompressedImage, Image
 from unique_identifier_msgs.msg import UUID
 
 from gemma_spec_ros.engine.config_file import read_constraint_files
@@ -70,15 +73,55 @@ class Outcome:
 
 def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0.0, top_k=0, stop=(),
               seed=-1, drafter='', num_draft_tokens=0, client_id='', json_schema='', grammar='',
-              json_free_whitespace=False) -> Generate.Goal:
-    """Build a Generate goal; messages are (role, content) pairs or dicts; json_schema and grammar are text."""
-    chat = [ChatMessage(role=m['role'], content=m['content']) if isinstance(m, dict)
-            else ChatMessage(role=m[0], content=m[1]) for m in messages]
+              json_free_whitespace=False, images=(), compressed_images=()) -> Generate.Goal:
+    """
+    Build a Generate goal; json_schema and grammar are text.
+
+    messages: (role, content) or (role, content, image_indices) tuples, or dicts with those keys; image_indices
+    count images, then compressed_images (sensor_msgs messages: image_from_file, compressed_image_from_file).
+    """
+    chat = [_chat_message(*((m['role'], m['content'], m.get('image_indices', ())) if isinstance(m, dict) else m))
+            for m in messages]
     return Generate.Goal(prompt=prompt, messages=chat, max_new_tokens=int(max_new_tokens),
                          temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                          stop=list(stop), seed=int(seed), drafter=drafter,
                          num_draft_tokens=int(num_draft_tokens), client_id=client_id, json_schema=json_schema,
-                         grammar=grammar, json_free_whitespace=bool(json_free_whitespace))
+                         grammar=grammar, json_free_whitespace=bool(json_free_whitespace), images=list(images),
+                         compressed_images=list(compressed_images))
+
+
+def _chat_message(role, content, image_indices=()) -> ChatMessage:
+    return ChatMessage(role=role, content=content, image_indices=[int(index) for index in image_indices])
+
+
+def compressed_image_from_file(path) -> CompressedImage:
+    """Return a PNG or JPEG file as a sensor_msgs/CompressedImage, its bytes as they are; ValueError otherwise."""
+    with open(path, 'rb') as stream:
+        data = stream.read()
+    image_format = _image_format(path, data)
+    return CompressedImage(format=image_format, data=data)
+
+
+def image_from_file(path) -> Image:
+    """Return a PNG or JPEG file decoded to a sensor_msgs/Image, encoding rgb8 (what a camera driver publishes)."""
+    with open(path, 'rb') as stream:
+        data = stream.read()
+    _image_format(path, data)
+    with PilImage.open(io.BytesIO(data)) as decoded:
+        rgb = decoded.convert('RGB')
+    return Image(width=rgb.width, height=rgb.height, encoding='rgb8', step=3 * rgb.width, data=rgb.tobytes())
+
+
+def _image_format(path, data: bytes) -> str:
+    """'png' or 'jpeg', read from the file's header; ValueError naming the file otherwise."""
+    try:
+        with PilImage.open(io.BytesIO(data)) as decoded:
+            found = decoded.format
+    except (OSError, SyntaxError) as error:
+        raise ValueError('{}: not a readable image ({})'.format(path, error)) from error
+    if found not in ('PNG', 'JPEG'):
+        raise ValueError('{}: a {} image; goals take png or jpeg files'.format(path, found))
+    return found.lower()
 
 
 def level_name(level) -> str:
@@ -347,12 +390,27 @@ def _message(text):
     return role, content
 
 
+def show_images(messages, count: int) -> list[tuple]:
+    """Return (role, content) messages with images 0..count-1 shown before the last user turn's text."""
+    users = [index for index, (role, _) in enumerate(messages) if role == 'user']
+    if not users:
+        raise ValueError('images need a user turn to show them: add --message user:TEXT')
+    return [(role, content, range(count) if index == users[-1] else ())
+            for index, (role, content) in enumerate(messages)]
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros client',
                                      description=__doc__.strip().split('\n')[0])
     parser.add_argument('prompt', nargs='?', default='', help='raw text prompt (ignored with --message)')
     parser.add_argument('--message', '-m', action='append', type=_message, default=[], metavar='ROLE:CONTENT',
                         help='chat turn, repeatable (rendered with the chat template)')
+    parser.add_argument('--image', action='append', default=[], metavar='PATH',
+                        help='PNG or JPEG file sent as it is (sensor_msgs/CompressedImage), shown before the text of '
+                             'the last user turn (a prompt becomes a user turn); repeatable')
+    parser.add_argument('--raw-image', action='append', default=[], metavar='PATH',
+                        help='PNG or JPEG file sent decoded (sensor_msgs/Image, rgb8), as a camera driver '
+                             'publishes; shown before the --image files; repeatable')
     parser.add_argument('--max-new-tokens', type=int, default=0, help='0 = node default')
     parser.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
     parser.add_argument('--top-p', type=float, default=0.0, help='0 = off')
@@ -379,12 +437,17 @@ def main(argv=None) -> int:
         return 2
     try:
         constraint = read_constraint_files(args.json_schema, args.grammar)
-    except ValueError as error:
+        images = [image_from_file(path) for path in args.raw_image]
+        compressed_images = [compressed_image_from_file(path) for path in args.image]
+        messages = show_images(args.message or [('user', args.prompt)], len(images) + len(compressed_images)) \
+            if images or compressed_images else args.message
+    except (OSError, ValueError) as error:
         print('client: {}'.format(error), file=sys.stderr)
         return 2
-    goal = make_goal(args.prompt, args.message, args.max_new_tokens, args.temperature, args.top_p, args.top_k,
+    goal = make_goal(args.prompt, messages, args.max_new_tokens, args.temperature, args.top_p, args.top_k,
                      args.stop, args.seed, args.drafter, args.num_draft_tokens,
-                     json_free_whitespace=args.json_free_whitespace, **constraint)
+                     json_free_whitespace=args.json_free_whitespace, images=images,
+                     compressed_images=compressed_images, **constraint)
     rclpy.init(args=['client'] + ros_args, signal_handler_options=SignalHandlerOptions.NO)
     client = GenerateClient(args.action)
     try:

@@ -1,0 +1,130 @@
+"""Image goals through the node with a real rclpy client: bad images end the goal naming the field."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import NO_DIAGNOSTIC_UPDATER, REPO_ROOT, TEST_COMPILE, spinning_node
+
+pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
+
+from PIL import Image as PilImage
+from rosbags.rosbag2 import Reader
+from sensor_msgs.msg import CompressedImage, Image
+
+from gemma_spec_ros.tools.bag import REQUESTS_TOPIC, read_bag, typestore
+from gemma_spec_ros.tools.client import compressed_image_from_file, image_from_file, make_goal
+
+DOMAIN_ID = 11 + (os.getpid() + 53) % 80
+MAX_PIXELS = 64 * 64
+QUESTION = 'Which objects are on the table?'
+
+
+def rgb8(width=4, height=4, encoding='rgb8', data=None) -> Image:
+    return Image(width=width, height=height, encoding=encoding, step=3 * width,
+                 data=bytes(3 * width * height) if data is None else data)
+
+
+def png(width=4, height=4, image_format='PNG') -> bytes:
+    buffer = io.BytesIO()
+    PilImage.new('RGB', (width, height), (200, 40, 40)).save(buffer, format=image_format)
+    return buffer.getvalue()
+
+
+def image_goal(images=(), compressed_images=(), indices=None):
+    count = len(images) + len(compressed_images)
+    return make_goal(messages=[('user', QUESTION, range(count) if indices is None else indices)], max_new_tokens=4,
+                     images=images, compressed_images=compressed_images)
+
+
+@pytest.fixture(scope='module')
+def served(context, tiny_models):
+    params = {'engine.target_path': tiny_models.target, 'engine.drafter': 'none', 'engine.device': 'cpu',
+              'engine.dtype': 'float32', 'engine.compile': TEST_COMPILE, 'generation.max_images_per_goal': 2,
+              'generation.max_image_pixels': MAX_PIXELS}
+    with spinning_node(context, 'gemma_spec_images', params) as pair:
+        yield pair
+
+
+BAD_IMAGE_GOALS = [
+    (image_goal([rgb8(), rgb8(encoding='yuv422')]), "images[1].encoding: 'yuv422' is not one of rgb8, bgr8, mono8"),
+    (image_goal([rgb8(width=0, data=b'')]), 'images[0]: empty image (0x4 pixels)'),
+    (image_goal([rgb8(data=bytes(47))]), 'images[0].data: 47 bytes, expected step 12 x height 4 = 48'),
+    (image_goal([rgb8(width=65, height=64)]),
+     'images[0]: 65x64 = 4160 pixels, more than generation.max_image_pixels = 4096'),
+    (image_goal([rgb8()], [CompressedImage(format='png', data=png(80, 80))]),
+     'compressed_images[0]: 80x80 = 6400 pixels, more than generation.max_image_pixels = 4096'),
+    (image_goal([rgb8()] * 2, [CompressedImage(format='png', data=png())]),
+     'images + compressed_images: 3 images, more than generation.max_images_per_goal = 2'),
+    (image_goal(compressed_images=[CompressedImage(format='tiff', data=png())]),
+     "compressed_images[0].format: 'tiff' is not one of jpeg, png"),
+    (image_goal(compressed_images=[CompressedImage(format='jpeg', data=png())]),
+     'compressed_images[0].data: a png image, but format says jpeg'),
+    (image_goal([rgb8()], indices=[1]), 'messages[0].image_indices[0]: 1 is not an index into the 1 image(s)'),
+    (make_goal(prompt=QUESTION, images=[rgb8()]), 'images need chat messages that show them'),
+]
+
+
+@pytest.mark.parametrize('goal, expected', BAD_IMAGE_GOALS, ids=[e[:32] for _, e in BAD_IMAGE_GOALS])
+def test_bad_image_goal_is_aborted_naming_the_field(served, goal, expected):
+    _, client = served
+    outcome = client.send(goal)
+    assert outcome.accepted and outcome.status == 'aborted'
+    assert outcome.result.error.startswith(expected), outcome.result.error
+    assert outcome.result.finish_reason == 'error' and not outcome.feedback
+
+
+def test_image_files_become_sensor_messages(tmp_path):
+    (tmp_path / 'scene.png').write_bytes(png(6, 5))
+    (tmp_path / 'scene.jpg').write_bytes(png(6, 5, 'JPEG'))
+    (tmp_path / 'scene.gif').write_bytes(png(6, 5, 'GIF'))
+    raw = image_from_file(tmp_path / 'scene.png')
+    assert (raw.encoding, raw.width, raw.height, raw.step, bytes(raw.data[:3])) == ('rgb8', 6, 5, 18, b'\xc8\x28\x28')
+    assert compressed_image_from_file(tmp_path / 'scene.jpg').format == 'jpeg'
+    assert bytes(compressed_image_from_file(tmp_path / 'scene.png').data) == png(6, 5)
+    with pytest.raises(ValueError, match='scene.gif: a GIF image; goals take png or jpeg files'):
+        compressed_image_from_file(tmp_path / 'scene.gif')
+
+
+def test_client_command_refuses_an_image_it_cannot_send(tmp_path):
+    (tmp_path / 'scene.gif').write_bytes(png(6, 5, 'GIF'))
+    completed = subprocess.run([sys.executable, '-m', 'gemma_spec_ros', 'client', QUESTION, '--image',
+                                str(tmp_path / 'scene.gif')], capture_output=True, text=True, timeout=120,
+                               cwd=REPO_ROOT)
+    assert completed.returncode == 2
+    assert 'scene.gif: a GIF image; goals take png or jpeg files' in completed.stderr
+
+
+def run_cli(*args):
+    env = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST')
+    return subprocess.run([sys.executable, '-m', 'gemma_spec_ros', *args], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=REPO_ROOT)
+
+
+def test_record_and_replay_an_image_goal(served, tmp_path):
+    (tmp_path / 'scene.png').write_bytes(png(6, 5))
+    (tmp_path / 'scene.jpg').write_bytes(png(8, 8, 'JPEG'))
+    requests = tmp_path / 'requests.jsonl'
+    requests.write_text(json.dumps({
+        'request_id': 'image', 'images': ['scene.png'], 'compressed_images': ['scene.jpg'], 'max_new_tokens': 4,
+        'messages': [{'role': 'user', 'content': QUESTION, 'image_indices': [1, 0]}]}) + '\n')
+    bag = tmp_path / 'bag'
+    recorded = run_cli('record', str(requests), '--output', str(bag), '--node', 'gemma_spec_images',
+                       '--action', '/gemma_spec_images/generate')
+    assert recorded.returncode == 0, recorded.stdout + recorded.stderr
+
+    with Reader(bag) as reader:   # rosbags' own CDR decoder reads the sensor_msgs/Image it wrote
+        connection = next(c for c in reader.connections if c.topic == REQUESTS_TOPIC)
+        _, _, data = next(reader.messages(connections=[connection]))
+        decoded = typestore().deserialize_cdr(bytes(data), connection.msgtype)
+    assert decoded.images[0].encoding == 'rgb8' and bytes(decoded.images[0].data) == image_from_file(
+        tmp_path / 'scene.png').data.tobytes()
+    (_, request), = read_bag(bag)[0]
+    assert list(request.messages[0].image_indices) == [1, 0] and request.compressed_images[0].format == 'jpeg'
+
+    replayed = run_cli('replay', str(bag), '--node', 'gemma_spec_images', '--action', '/gemma_spec_images/generate')
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert '0 of 1 requests failed' in replayed.stdout
