@@ -18,7 +18,7 @@ from rclpy.serialization import deserialize_message, serialize_message
 
 from gemma_spec_ros.engine.backends.vllm import SERVER_WIDE_WARNING, VllmStatus
 from gemma_spec_ros.engine.backends.vllm_metrics import unknown_stats
-from gemma_spec_ros.engine.types import DisabledDrafter, EngineStatus, GenerationStats
+from gemma_spec_ros.engine.types import BatchGoalStatus, DisabledDrafter, EngineStatus, GenerationStats
 from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.ros.diagnostics import ERROR, OK, STALE, WARN, PeriodStatus, Updater
 from gemma_spec_ros.tools.client import level_name
@@ -61,6 +61,18 @@ def test_engine_task_levels():
     plain = diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', EngineStatus(drafter='none'),
                                            metrics)
     assert plain.level == OK and values(plain)['speculation'] == 'off'
+
+
+def test_engine_task_lists_each_goal_of_the_batch():
+    goals = [BatchGoalStatus(0, 'mtp', 3, True, 2.5, 40, 0.0125), BatchGoalStatus(1, 'ngram', 0, False, 1.1, 12, 0.0),
+             BatchGoalStatus(3, 'none', 0, False, float('nan'), 0, 1.5)]
+    status = EngineStatus(drafter='mtp', speculating=True, kv_cache_slot_bytes=2 ** 20, batch_goals=goals)
+    stat = values(diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', status,
+                                                 diagnostics.GenerationMetrics()))
+    assert stat['batch slot 0'] == 'mtp, K 3, tau 2.50, 40 tokens, waited 0.013 s for its slot'
+    assert stat['batch slot 1'] == 'ngram, paused by its profit gate, tau 1.10, 12 tokens, waited 0.000 s for its slot'
+    assert stat['batch slot 3'] == 'plain decoding, tau -, 0 tokens, waited 1.500 s for its slot'
+    assert 'batch slot 2' not in stat and stat['KV cache MiB per batch slot (target)'] == '1.0'
 
 
 def test_disabled_drafter_is_an_error_naming_role_path_and_cause():

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import threading
 import time
 
@@ -181,6 +182,21 @@ def test_the_batched_local_engine_serves_two_goals_together_through_the_node(con
         assert node.backend.capabilities.max_concurrent_goals == 2
         alone = [client.send(goal) for goal in goals]
         together = outcomes([send_in_thread(client, goal) for goal in goals])
+        # /diagnostics lists each goal of the batch while they run: its drafter and K, its tau, its wait for a slot
+        long_goals = [send_in_thread(client, make_goal('The robot picked up the red cube and', max_new_tokens=900,
+                                                       drafter=drafter)) for drafter in ('none', 'ngram')]
+
+        def both_goals_listed(statuses):
+            values = statuses.get(NAME + '_batched: engine', (0, '', {}))[2]
+            return all(values.get('batch slot {}'.format(slot), '').count(' tokens') for slot in (0, 1))
+
+        latest = client.diagnostics_sample(NAME + '_batched', 60, both_goals_listed)
+        assert all(outcome.status == 'succeeded' for outcome in outcomes(long_goals))
     for single, batched in zip(alone, together, strict=True):
         assert single.status == batched.status == 'succeeded', batched.result.error
         assert batched.result.text == single.result.text and batched.streamed_text == batched.result.text
+    assert latest is not None, '/diagnostics never listed both goals of the batch'
+    engine_values = latest[NAME + '_batched: engine'][2]
+    listed = sorted(value for key, value in engine_values.items() if key.startswith('batch slot'))
+    assert listed[0].startswith('ngram, ') and listed[1].startswith('plain decoding, tau 1.00, '), listed
+    assert all(re.search(r'tau [0-9.]+, [0-9]+ tokens, waited [0-9.]+ s for its slot$', value) for value in listed)

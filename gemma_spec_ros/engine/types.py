@@ -255,6 +255,19 @@ class WarmupState:
 
 
 @dataclass
+class BatchGoalStatus:
+    """One goal decoding in the batch (engine.max_batch > 1), as /diagnostics shows it."""
+
+    slot: int                          # its KV-cache slot
+    drafter: str                       # what it drafts with ('none': plain decoding)
+    num_draft_tokens: int              # K of its latest round (0: a plain round)
+    speculating: bool                  # False while its profit gate pauses it, or without a drafter
+    tau: float                         # its tokens per target pass so far (NaN before its first pass)
+    new_tokens: int                    # tokens it generated so far
+    slot_wait: float                   # seconds it waited in the engine for its slot
+
+
+@dataclass
 class EngineStatus:
     """A snapshot of the engine for diagnostics; safe to read from another thread."""
 
@@ -269,6 +282,7 @@ class EngineStatus:
     weights_bytes: int = 0             # parameters of every loaded model
     kv_cache_bytes: int = 0            # static KV caches (preallocated for engine.context_limit; 0 when off)
     kv_cache_slot_bytes: int = 0       # the target's KV cache per batch slot (engine.max_batch > 1; else 0)
+    batch_goals: list[BatchGoalStatus] = field(default_factory=list)  # the goals in the batch now, by slot
     num_draft_tokens: int = 0          # K the adaptive controller would use now
     draft_cost_ratio: float = 0.0      # measured c
     break_even_tau: float = 1.0        # tau needed to beat plain decoding at this K: 1 + K*c (verify-cost adjusted)

@@ -35,7 +35,8 @@ from ..logits.verify import verify
 from ..runtime import FastCausalLM, GraphJob
 from ..runtime.model import StepOutput
 from ..runtime.rows import FastRows, row_bucket, row_buckets
-from ..types import CancelToken, DeltaCallback, GenerationResult
+from ..stats import tau
+from ..types import BatchGoalStatus, CancelToken, DeltaCallback, GenerationResult
 from .run import Run
 
 CLOSED_REASON = 'the engine was closed'
@@ -53,7 +54,7 @@ class BatchGoal:
     slot: int = -1                                   # its KV-cache slot once admitted
     admitted: float | None = None                    # when it got its slot
     pass_cost: GoalPassCost | None = None            # its share of the batched passes (with a controller)
-    decision: Decision = field(default_factory=lambda: Decision(0, False))  # this round's K
+    decision: Decision = field(default_factory=lambda: Decision(0, True))  # this round's K
     proposal: Proposal | None = None                 # this round's drafts
     drafts: list[int] = field(default_factory=list)  # ... as token ids
     draft_seconds: float = 0.0                       # ... and what drafting them cost it
@@ -85,6 +86,14 @@ class BatchScheduler:
     @property
     def num_slots(self) -> int:
         return len(self._slots)
+
+    def goal_statuses(self) -> list[BatchGoalStatus]:
+        """Return the goals in the batch now, by slot: the K, τ and wait of each (safe from any thread)."""
+        with self._condition:
+            goals = [goal for goal in self._slots if goal is not None and goal.admitted is not None]
+        return [BatchGoalStatus(goal.slot, goal.run.drafter.name, goal.decision.num_draft_tokens,
+                                goal.decision.speculating, tau(len(goal.run.generated), goal.run.tally.target_passes),
+                                len(goal.run.generated), goal.admitted - goal.started) for goal in goals]
 
     def takes(self, drafter: Drafter) -> bool:
         """Whether a goal with this drafter is decoded in the batch (else it runs on the single-goal path)."""

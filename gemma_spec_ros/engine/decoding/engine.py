@@ -165,6 +165,7 @@ class Engine(Backend):
                 compile_mode=self._target.mode, warmup=warmup,
                 weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
                 kv_cache_slot_bytes=0 if self._batch is None else self._batch.rows.cache.slot_nbytes,
+                batch_goals=[] if self._batch is None else self._batch.goal_statuses(),
                 tau_lifetime=tau(lifetime['tokens'], lifetime['passes']),
                 acceptance_rate_lifetime=acceptance_rate(lifetime['accepted'], lifetime['drafted']),
                 disabled_drafters=list(self.drafter_errors.values()))
