@@ -5,20 +5,24 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
-from conftest import NO_DIAGNOSTIC_UPDATER, REPO_ROOT, TEST_COMPILE, spinning_node
+from conftest import NO_DIAGNOSTIC_UPDATER, REPO_ROOT, TEST_COMPILE, engine_status, spinning_node
 
 pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
 
+from diagnostic_updater import DiagnosticStatusWrapper
 from PIL import Image as PilImage
 from rosbags.rosbag2 import Reader
 from sensor_msgs.msg import CompressedImage, Image
 
+from gemma_spec_ros.engine.types import GenerationStats
+from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.tools.bag import REQUESTS_TOPIC, read_bag, typestore
 from gemma_spec_ros.tools.client import compressed_image_from_file, image_from_file, make_goal
 
-DOMAIN_ID = 11 + (os.getpid() + 53) % 80
+DOMAIN_ID = 11 + (os.getpid() + 59) % 80
 MAX_PIXELS = 64 * 64
 QUESTION = 'Which objects are on the table?'
 
@@ -128,3 +132,19 @@ def test_record_and_replay_an_image_goal(served, tmp_path):
     replayed = run_cli('replay', str(bag), '--node', 'gemma_spec_images', '--action', '/gemma_spec_images/generate')
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert '0 of 1 requests failed' in replayed.stdout
+
+
+def test_diagnostics_show_image_prefill_apart(served):
+    metrics = diagnostics.GenerationMetrics(window=8)
+    for image_prefill_ms in (0.0, 30.0, 50.0):   # a text goal, then two image goals
+        stats = GenerationStats(new_tokens=4, target_passes=4, tau=1.0, time_to_first_token=0.2,
+                                tokens_per_second=20.0, drafter='none', image_prefill_ms=image_prefill_ms)
+        metrics.record('succeeded', SimpleNamespace(stats=stats, warnings=[]))
+    stat = diagnostics.fill_generation_status(DiagnosticStatusWrapper(), metrics, 0, 0)
+    shown = {kv.key: kv.value for kv in stat.values}
+    assert (shown['image prefill p50 (ms)'], shown['image prefill p95 (ms)']) == ('40.0', '49.0')
+    assert (shown['goals with images in window'], shown['goals in window']) == ('2', '3')
+    node, client = served   # the node says whether its backend reads images, and why not
+    _, _, values, _ = engine_status(client, 'gemma_spec_images', lambda entry: 'images' in entry[2])
+    capabilities = node.backend.capabilities
+    assert values['images'] == ('accepted' if capabilities.images else 'refused: ' + capabilities.image_refusal)

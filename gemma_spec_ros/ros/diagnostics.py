@@ -120,6 +120,8 @@ class GenerationMetrics:
                     # the goal's decode seconds back from its rate, so that the window pools tokens and seconds
                     'decode_tokens': decode_tokens,
                     'decode_time': decode_tokens / stats.tokens_per_second if rate_known else 0.0,
+                    # the vision tower's share of the prefill, apart from the text; NaN for a goal without images
+                    'image_prefill_ms': stats.image_prefill_ms if stats.image_prefill_ms > 0 else math.nan,
                     'gaps': gaps})
 
     def snapshot(self) -> dict:
@@ -133,13 +135,16 @@ class GenerationMetrics:
         gaps = [gap for g in window for gap in g['gaps']]
         ttfts = [g['ttft'] for g in window if is_known(g['ttft'])]
         waits = [g['queue_wait'] for g in window if is_known(g['queue_wait'])]
+        image_prefills = [g['image_prefill_ms'] for g in window if is_known(g['image_prefill_ms'])]
         figures.update(
             tau=tau(sum(g['tokens'] for g in window), passes),
             acceptance_rate=acceptance_rate(sum(g['accepted'] for g in window), drafted),
             tokens_per_second=tokens_per_second(sum(g['decode_tokens'] for g in window), decode_time),
             ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),
             queue_wait_p50=percentile(waits, 50), queue_wait_p95=percentile(waits, 95),
-            itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
+            itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95),
+            image_prefill_ms_p50=percentile(image_prefills, 50), image_prefill_ms_p95=percentile(image_prefills, 95),
+            image_goals_in_window=len(image_prefills))
         return figures
 
 
@@ -236,8 +241,6 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
         stat.add(key, str(value))
     if status.kv_cache_slot_bytes:
         stat.add('KV cache MiB per batch slot (target)', '{:.1f}'.format(mib(status.kv_cache_slot_bytes)))
-    for goal in status.batch_goals:
-        stat.add('batch slot {}'.format(goal.slot), describe_batch_goal(goal))
     for drafter in disabled.values():
         stat.add('disabled drafter ' + drafter.name, '{} {}: {}'.format(drafter.role, drafter.path, drafter.cause))
     if figures['last_warning']:
@@ -245,16 +248,9 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
     return stat
 
 
-def describe_batch_goal(goal) -> str:
-    """One goal of the batch (a BatchGoalStatus) as /diagnostics shows it: its drafter, K, τ, tokens and slot wait."""
-    if goal.drafter == 'none':
-        drafting = 'plain decoding'
-    elif goal.speculating:
-        drafting = '{}, K {}'.format(goal.drafter, goal.num_draft_tokens)
-    else:
-        drafting = '{}, paused by its profit gate'.format(goal.drafter)
-    return '{}, tau {}, {} tokens, waited {:.3f} s for its slot'.format(drafting, _figure(goal.tau, 2),
-                                                                        goal.new_tokens, goal.slot_wait)
+def describe_images(capabilities) -> str:
+    """Whether goals may carry images (the backend's Capabilities): 'accepted', or 'refused: ' and why."""
+    return 'accepted' if capabilities.images else 'refused: {}'.format(capabilities.image_refusal)
 
 
 def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inter_token_latency_budget=0.0,
@@ -263,7 +259,8 @@ def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inte
     Fill the generation task: throughput, latency percentiles, queue, batch occupancy and counts; WARN over a budget.
 
     running: the goals running now, of max_running that may run at once (batch occupancy; 'running' says whether
-    any does). Time to first token is measured from the goal's acceptance, queue wait included, as the planner waits.
+    any does). Time to first token is measured from the goal's acceptance, queue wait included, as the planner waits;
+    the image prefill (the vision tower on a goal's images, part of it) shows apart, over the goals with images.
     """
     figures = metrics.snapshot()
     limit = '' if queue_limit is None else ' of {}'.format(queue_limit)
@@ -286,6 +283,9 @@ def fill_generation_status(stat, metrics, queued, running, ttft_budget=0.0, inte
             ('time to first token p95 (s)', _figure(figures['ttft_p95'], 4)),
             ('inter-token latency p50 (s)', _figure(figures['itl_p50'], 4)),
             ('inter-token latency p95 (s)', _figure(figures['itl_p95'], 4)),
+            ('image prefill p50 (ms)', _figure(figures['image_prefill_ms_p50'], 1)),
+            ('image prefill p95 (ms)', _figure(figures['image_prefill_ms_p95'], 1)),
+            ('goals with images in window', figures['image_goals_in_window']),
             ('goals in window', figures['goals_in_window'])):
         stat.add(key, str(value))
     for outcome in GenerationMetrics.OUTCOMES:

@@ -254,6 +254,8 @@ class GemmaSpecNode(LifecycleNode):
             stat, self.state, self._queue.reason, backend.status() if backend is not None else None, self._metrics,
             loading_seconds=time.monotonic() - self._load_started, progress=self._load_progress)
         stat.add('lifecycle', self.lifecycle_state)
+        if backend is not None:
+            stat.add('images', diagnostics.describe_images(backend.capabilities))
         return stat
 
     def _generation_task(self, stat):
