@@ -241,11 +241,25 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
         stat.add(key, str(value))
     if status.kv_cache_slot_bytes:
         stat.add('KV cache MiB per batch slot (target)', '{:.1f}'.format(mib(status.kv_cache_slot_bytes)))
+    for goal in status.batch_goals:
+        stat.add('batch slot {}'.format(goal.slot), describe_batch_goal(goal))
     for drafter in disabled.values():
         stat.add('disabled drafter ' + drafter.name, '{} {}: {}'.format(drafter.role, drafter.path, drafter.cause))
     if figures['last_warning']:
         stat.add('last warning', str(figures['last_warning']))
     return stat
+
+
+def describe_batch_goal(goal) -> str:
+    """One goal of the batch (a BatchGoalStatus) as /diagnostics shows it: its drafter, K, τ, tokens and slot wait."""
+    if goal.drafter == 'none':
+        drafting = 'plain decoding'
+    elif goal.speculating:
+        drafting = '{}, K {}'.format(goal.drafter, goal.num_draft_tokens)
+    else:
+        drafting = '{}, paused by its profit gate'.format(goal.drafter)
+    return '{}, tau {}, {} tokens, waited {:.3f} s for its slot'.format(drafting, _figure(goal.tau, 2),
+                                                                        goal.new_tokens, goal.slot_wait)
 
 
 def describe_images(capabilities) -> str:
