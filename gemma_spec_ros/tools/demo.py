@@ -6,8 +6,10 @@ starts ``ros2 launch gemma_spec_ros orin.launch.py`` and this client as separate
 Without --client it first starts the node itself as a subprocess, as orin.launch.py would
 (``python -m gemma_spec_ros node --ros-args --params-file ...``). Either way it waits until /diagnostics say the
 engine is ready, sends a chat goal for a JSON action plan (constrained by a JSON Schema), streams its
-tokens and prints the parsed plan, sends the same goal with plain decoding for comparison,
-prints tau / latency / memory from the results and one /diagnostics sample, then serves until Ctrl-C.
+tokens and prints the parsed plan, sends the same goal with plain decoding for comparison, then one image goal (a
+table scene rendered by the vision model's scene generator, with its right answer) when /diagnostics say the
+backend accepts images (else it says why not), prints tau / latency / memory from the results and one /diagnostics
+sample, then serves until Ctrl-C.
 """
 
 import argparse
@@ -25,7 +27,7 @@ import rclpy
 from rclpy.signals import SignalHandlerOptions
 
 from gemma_spec_ros.engine.stats import format_figure, format_stats
-from gemma_spec_ros.tools.client import GenerateClient, make_goal
+from gemma_spec_ros.tools.client import GenerateClient, compressed_image_from_file, make_goal
 
 NODE_NAME = 'gemma_spec'
 STEP_SCHEMA = {'type': 'object', 'properties': {'action': {'enum': ['navigate', 'pick', 'place']},
@@ -42,12 +44,20 @@ ROS2_CLI_HINTS = ('  ros2 action send_goal /gemma_spec/generate gemma_spec_msgs/
                   '  ros2 topic echo --once /diagnostics\n' + TOOL_HINTS)
 
 
-def default_params_file() -> str:
-    local = Path('config/orin.yaml')
-    if local.exists():
-        return str(local)
+# a held-out scene (never trained on) that train/scenes.py rendered, and its question with the right answer
+DEMO_SCENE = os.path.join('models', 'gemma4-spec-vision', 'demo_scene')
+
+
+def installed(relative: str) -> str:
+    """Return a shipped file's path: in this repository when run from it, else in the installed share/."""
+    if Path(relative).exists():
+        return relative
     from ament_index_python.packages import get_package_share_directory
-    return os.path.join(get_package_share_directory('gemma_spec_ros'), 'config', 'orin.yaml')
+    return os.path.join(get_package_share_directory('gemma_spec_ros'), relative)
+
+
+def default_params_file() -> str:
+    return installed(os.path.join('config', 'orin.yaml'))
 
 
 class NodeProcess:
@@ -114,6 +124,29 @@ def print_plan(result):
         print('  {}. {:<8} {}'.format(number, step['action'], step['target']))
 
 
+def image_support(latest) -> str:
+    """Return what the node's /diagnostics say of image goals: 'accepted', or 'refused: why'."""
+    entry = latest.get('{}: engine'.format(NODE_NAME)) if latest else None
+    return entry[2].get('images', 'unknown (no images item on /diagnostics)') if entry else 'unknown (no /diagnostics)'
+
+
+def run_image_goal(client, max_new_tokens):
+    """Ask the question of the demo scene with its image; print the answer against the right one."""
+    with open(installed(DEMO_SCENE + '.json'), encoding='utf-8') as stream:
+        scene = json.load(stream)
+    image = installed(DEMO_SCENE + '.png')
+    print('\nimage goal: {} ({}: {})\nquestion: {}'.format(image, scene['split'], scene['layout'], scene['question']))
+    goal = make_goal(messages=[('user', scene['question'], [0])], max_new_tokens=max_new_tokens,
+                     compressed_images=[compressed_image_from_file(image)])
+    outcome = run_goal(client, 'image goal (node default drafter)', goal, stream=True)
+    answer = outcome.result.text.strip()
+    print('right answer: {}  (the answer is {})'.format(
+        scene['answer'], 'right' if answer.rstrip('.').lower() == scene['answer'].lower() else 'wrong'))
+    stats = outcome.result.stats
+    print('image prefill {:.1f} ms of time to first token {:.1f} ms'.format(
+        stats.image_prefill_ms, 1000 * stats.time_to_first_token))
+
+
 def print_diagnostics(latest):
     print('\n=== /diagnostics ({}) ==='.format(NODE_NAME))
     for name in sorted(latest):
@@ -121,8 +154,8 @@ def print_diagnostics(latest):
         print('[{}] {}: {}'.format(level, name, message))
         for key in ('serving', 'graphs ready', 'warm-up s', 'speculation', 'K', 'draft cost ratio c',
                     'break-even tau', 'tau (window)', 'tau (lifetime)',
-                    'acceptance rate (window)', 'decode tokens/s', 'time to first token p95 (s)',
-                    'inter-token latency p95 (s)', 'process RSS (MiB)', 'MemAvailable (MiB)',
+                    'acceptance rate (window)', 'images', 'decode tokens/s', 'time to first token p95 (s)',
+                    'image prefill p50 (ms)', 'inter-token latency p95 (s)', 'process RSS (MiB)', 'MemAvailable (MiB)',
                     'CUDA reserved (MiB)'):
             if key in values:
                 print('    {:<28} {}'.format(key, values[key]))
@@ -137,6 +170,8 @@ def main(argv=None) -> int:
                         help='extra node parameter, e.g. engine.device:=cpu (repeatable)')
     parser.add_argument('--max-new-tokens', type=int, default=192)
     parser.add_argument('--no-compare', action='store_true', help='skip the plain-decoding comparison goal')
+    parser.add_argument('--no-image', action='store_true', help='skip the image goal')
+    parser.add_argument('--image-max-new-tokens', type=int, default=32)
     parser.add_argument('--once', action='store_true', help='stop the node after the demo goals (no serving)')
     parser.add_argument('--ready-timeout', type=float, default=600.0,
                         help='seconds to wait for the action server, and for each loading step of the node')
@@ -177,6 +212,12 @@ def main(argv=None) -> int:
             print('\nspeculative vs plain: {}x decode tokens/s ({}), identical tokens: {}'.format(
                 format_figure(ratio, '{:.2f}'),
                 compared_paths(spec.result.stats.decode_path, plain.result.stats.decode_path), same))
+        if not args.no_image:
+            images = image_support(client.diagnostics_sample(NODE_NAME, timeout=10.0))
+            if images == 'accepted':
+                run_image_goal(client, args.image_max_new_tokens)
+            else:
+                print('\nimage goal skipped: images {}'.format(images))
         latest = client.diagnostics_sample(NODE_NAME, timeout=10.0)
         if latest:
             print_diagnostics(latest)
