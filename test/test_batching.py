@@ -16,6 +16,7 @@ from conftest import SLIDING_WINDOW, chi_squared_p_value, target_distribution
 
 from gemma_spec_ros.engine import CancelToken, Engine, GenerationRequest
 from gemma_spec_ros.engine.drafters.base import Drafter, Proposal
+from gemma_spec_ros.engine.requests import check_config
 from gemma_spec_ros.engine.runtime import models
 from gemma_spec_ros.engine.runtime.model import LeanAssistant, LeanGemma4
 from gemma_spec_ros.engine.runtime.rows import row_bucket, row_buckets
@@ -145,6 +146,34 @@ def test_engine_serves_several_goals_at_once(batch_engine, tiny_engine):
     batched, single = batch_engine.status(), tiny_engine.status()
     assert batched.kv_cache_bytes >= single.kv_cache_bytes + MAX_BATCH * batched.kv_cache_slot_bytes  # slots too
     assert batched.kv_cache_slot_bytes == batch_engine._batch.rows.cache.slot_nbytes > 0 == single.kv_cache_slot_bytes
+
+
+def test_the_slots_follow_from_the_kv_budget(tiny_engine_config, batch_engine):
+    # engine.max_batch 0: as many slots as engine.batch_kv_budget_mb holds at engine.context_limit
+    slot_mib = batch_engine.status().kv_cache_slot_bytes / 2 ** 20
+    engine = Engine.from_config(dataclasses.replace(tiny_engine_config, max_batch=0, batch_kv_budget_mb=3.5 * slot_mib,
+                                                    warmup='off'))
+    try:
+        status = engine.status()
+        assert engine.capabilities.max_concurrent_goals == status.batch_slots == 3
+        assert 3 * status.kv_cache_slot_bytes <= 3.5 * slot_mib * 2 ** 20
+        assert status.kv_cache_bytes >= 3 * status.kv_cache_slot_bytes
+        result = engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=6, drafter='none'))
+        assert len(result.token_ids) == 6
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match=r'batch_kv_budget_mb=.* holds 1 KV-cache slot\(s\) of .* a batch needs 2'):
+        Engine.from_config(dataclasses.replace(tiny_engine_config, max_batch=0, batch_kv_budget_mb=1.5 * slot_mib))
+
+
+@pytest.mark.parametrize(('changes', 'message'), [
+    ({'max_batch': 0}, r'max_batch=0 sizes the batch by engine.batch_kv_budget_mb'),
+    ({'max_batch': 2, 'batch_kv_budget_mb': 100.0}, r'batch_kv_budget_mb=100.0 MiB applies only with .*max_batch=0'),
+    ({'max_batch': 0, 'batch_kv_budget_mb': 100.0, 'backend': 'vllm'}, r'max_batch=0 .* is for the local backend'),
+])
+def test_batch_size_rules(tiny_engine_config, changes, message):
+    with pytest.raises(ValueError, match=message):
+        check_config(dataclasses.replace(tiny_engine_config, **changes))
 
 
 @pytest.mark.parametrize('k', [0, 1, 3, 8])

@@ -66,13 +66,15 @@ def test_engine_task_levels():
 def test_engine_task_lists_each_goal_of_the_batch():
     goals = [BatchGoalStatus(0, 'mtp', 3, True, 2.5, 40, 0.0125), BatchGoalStatus(1, 'ngram', 0, False, 1.1, 12, 0.0),
              BatchGoalStatus(3, 'none', 0, False, float('nan'), 0, 1.5)]
-    status = EngineStatus(drafter='mtp', speculating=True, kv_cache_slot_bytes=2 ** 20, batch_goals=goals)
+    status = EngineStatus(drafter='mtp', speculating=True, kv_cache_slot_bytes=2 ** 20, batch_slots=4,
+                          batch_goals=goals)
     stat = values(diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', status,
                                                  diagnostics.GenerationMetrics()))
     assert stat['batch slot 0'] == 'mtp, K 3, tau 2.50, 40 tokens, waited 0.013 s for its slot'
     assert stat['batch slot 1'] == 'ngram, paused by its profit gate, tau 1.10, 12 tokens, waited 0.000 s for its slot'
     assert stat['batch slot 3'] == 'plain decoding, tau -, 0 tokens, waited 1.500 s for its slot'
     assert 'batch slot 2' not in stat and stat['KV cache MiB per batch slot (target)'] == '1.0'
+    assert stat['batch slots'] == '4' and stat['KV cache MiB of the batch slots (target)'] == '4.0'
 
 
 def test_disabled_drafter_is_an_error_naming_role_path_and_cause():

@@ -61,6 +61,39 @@ def check_config(config: EngineConfig) -> None:
         raise ValueError('ngram sizes need 1 <= ngram_min <= ngram_max, got {} and {}'.format(
             config.ngram_min, config.ngram_max))
     check_max_new_tokens(config.max_new_tokens, config)
+    check_batching(config)
+
+
+def check_batching(config: EngineConfig) -> None:
+    """engine.max_batch 0 (auto) needs engine.batch_kv_budget_mb and the local engine; the budget needs auto."""
+    max_batch, budget = parameter_name('max_batch'), parameter_name('batch_kv_budget_mb')
+    if config.max_batch == 0 and config.backend != 'local':
+        raise ValueError('{}=0 (as many KV-cache slots as {} holds) is for the local backend; with {}={} it is the '
+                         'goals this node sends at once, >= 1'.format(max_batch, budget, parameter_name('backend'),
+                                                                       config.backend))
+    if config.max_batch == 0 and config.batch_kv_budget_mb <= 0:
+        raise ValueError("{}=0 sizes the batch by {}, the MiB of the target's KV cache its slots may take: set it "
+                         '(> 0), or set {} >= 1'.format(max_batch, budget, max_batch))
+    if config.max_batch != 0 and config.batch_kv_budget_mb > 0:
+        raise ValueError('{}={} MiB applies only with {}=0 (slots from the budget); got {}={}'.format(
+            budget, config.batch_kv_budget_mb, max_batch, max_batch, config.max_batch))
+
+
+def slots_within_budget(config: EngineConfig, slot_bytes: int, context_limit: int) -> int:
+    """
+    Return the batch's KV-cache slots with engine.max_batch 0: as many as engine.batch_kv_budget_mb holds (<= 64).
+
+    slot_bytes: the target's KV cache per slot at context_limit. ValueError when the budget holds fewer than 2.
+    """
+    most = EngineConfig.__dataclass_fields__['max_batch'].metadata['limits'][1]
+    slots = min(most, int(config.batch_kv_budget_mb * 2 ** 20 // slot_bytes))
+    if slots < 2:
+        raise ValueError('{}={} MiB holds {} KV-cache slot(s) of {:.1f} MiB ({} tokens of context each); a batch '
+                         'needs 2: raise it, lower {}, or set {}=1'.format(
+                             parameter_name('batch_kv_budget_mb'), config.batch_kv_budget_mb, slots,
+                             slot_bytes / 2 ** 20, context_limit, parameter_name('context_limit'),
+                             parameter_name('max_batch')))
+    return slots
 
 
 def check_parameter(name: str, value, choices: tuple | None, limits: tuple | None) -> None:

@@ -95,7 +95,11 @@ class EngineConfig:
                              'minutes with a cold compile cache) or off (each on first use, inside that request)',
                              choices=WARMUP_POLICIES)
     max_batch: int = config_field(1, 'goals decoded together (continuous batching: a goal joins and leaves at a round '
-                                'boundary); 1 = one goal at a time', limits=(1, 64))
+                                'boundary, a KV-cache slot each); 1 = one goal at a time; 0 = as many as '
+                                'engine.batch_kv_budget_mb holds (local backend)', limits=(0, 64))
+    batch_kv_budget_mb: float = config_field(0.0, "MiB of the target's KV cache for the batch's slots, with "
+                                             'engine.max_batch 0: the slots follow from it and engine.context_limit; '
+                                             '0 = unset', limits=(0.0, 1048576.0))
     context_limit: int = config_field(4096, 'most tokens (prompt + generated) of one request; the static KV cache is '
                                     "preallocated for it (at most the model's max_position_embeddings)",
                                     limits=(16, INT32_MAX))
@@ -282,6 +286,7 @@ class EngineStatus:
     weights_bytes: int = 0             # parameters of every loaded model
     kv_cache_bytes: int = 0            # static KV caches (preallocated for engine.context_limit; 0 when off)
     kv_cache_slot_bytes: int = 0       # the target's KV cache per batch slot (engine.max_batch > 1; else 0)
+    batch_slots: int = 0               # the batch's KV-cache slots (engine.max_batch, or what its budget holds)
     batch_goals: list[BatchGoalStatus] = field(default_factory=list)  # the goals in the batch now, by slot
     num_draft_tokens: int = 0          # K the adaptive controller would use now
     draft_cost_ratio: float = 0.0      # measured c

@@ -241,6 +241,9 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
         stat.add(key, str(value))
     if status.kv_cache_slot_bytes:
         stat.add('KV cache MiB per batch slot (target)', '{:.1f}'.format(mib(status.kv_cache_slot_bytes)))
+        stat.add('batch slots', str(status.batch_slots))
+        stat.add('KV cache MiB of the batch slots (target)', '{:.1f}'.format(
+            mib(status.batch_slots * status.kv_cache_slot_bytes)))
     for goal in status.batch_goals:
         stat.add('batch slot {}'.format(goal.slot), describe_batch_goal(goal))
     for drafter in disabled.values():

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import requests
 from ..control import Decision, GoalPassCost, SpeculationController, TargetCost
 from ..drafters.base import DraftContext, Drafter, Proposal, RowRequest
 from ..logits.grammar import mask_logits
 from ..logits.verify import verify
 from ..runtime import FastCausalLM, GraphJob
 from ..runtime.model import StepOutput
-from ..runtime.rows import FastRows, row_bucket, row_buckets
+from ..runtime.rows import FastRows, row_bucket, row_buckets, slot_nbytes
 from ..stats import tau
 from ..types import BatchGoalStatus, CancelToken, DeltaCallback, GenerationResult
 from .run import Run
@@ -86,6 +87,11 @@ class BatchScheduler:
     @property
     def num_slots(self) -> int:
         return len(self._slots)
+
+    def status_fields(self) -> dict:
+        """EngineStatus's batch fields: the target's KV cache per slot, the slots, and the goals in the batch now."""
+        return {'kv_cache_slot_bytes': self.rows.cache.slot_nbytes, 'batch_slots': self.num_slots,
+                'batch_goals': self.goal_statuses()}
 
     def goal_statuses(self) -> list[BatchGoalStatus]:
         """Return the goals in the batch now, by slot: the K, τ and wait of each (safe from any thread)."""
@@ -370,15 +376,18 @@ class BatchScheduler:
 
 def start_batching(engine, target_lm, drafters: dict[str, Drafter]) -> BatchScheduler | None:
     """
-    Set up an engine's continuous batching: None unless engine.max_batch > 1 and the target runs the fast path.
+    Set up an engine's continuous batching: None with engine.max_batch 1, or unless the target runs the fast path.
 
-    The target's batched steps (a slot per goal) and the drafters that join; their graphs, the target's first,
-    then the default drafter's, then the others'.
+    The target's batched steps (a slot per goal: engine.max_batch, or with 0 as many as engine.batch_kv_budget_mb
+    holds) and the drafters that join; their graphs, the target's first, then the default drafter's, then the
+    others'. ValueError when the budget holds fewer than 2 slots.
     """
-    config = engine.config
+    config, context_limit = engine.config, engine._context_limit
     if config.max_batch == 1 or not isinstance(target_lm, FastCausalLM):
         return None
-    rows = FastRows(target_lm.lean, target_lm.mode, config.max_batch, engine._context_limit, target_lm.max_query)
+    slots = config.max_batch or requests.slots_within_budget(
+        config, slot_nbytes(target_lm.lean, context_limit, target_lm.max_query), context_limit)
+    rows = FastRows(target_lm.lean, target_lm.mode, slots, context_limit, target_lm.max_query)
     joined = {name: drafter.join_batch(rows) for name, drafter in drafters.items()}
     joined = {name: jobs for name, jobs in joined.items() if jobs is not None}
     jobs = rows.graph_jobs('target batch') + joined.get(config.drafter, []) + [

@@ -60,7 +60,7 @@ class Engine(Backend):
         self._eos_ids = models.eos_token_ids(target_lm.model, tokenizer)
         self._warmup_state = warmup or WarmupState(config.warmup)
         self._warmup: Warmup | None = None  # a background warm-up, while and after it runs
-        self._batch = start_batching(self, target_lm, drafters)  # None unless engine.max_batch > 1 (fast path)
+        self._batch = start_batching(self, target_lm, drafters)  # None with engine.max_batch 1 (or off the fast path)
         self._graph_jobs, self._default_path_jobs = order_jobs(
             target_lm.graph_jobs('target'), {name: drafter.graph_jobs() for name, drafter in drafters.items()},
             config.drafter)
@@ -145,7 +145,7 @@ class Engine(Backend):
     def warnings(self) -> list[str]:
         warnings = ['{}; goals asking for it run plain decoding'.format(disabled.describe())
                     for disabled in self.drafter_errors.values()]
-        if self.config.max_batch > 1 and self._batch is None:  # transformers' forward has no batched steps
+        if self.config.max_batch != 1 and self._batch is None:  # transformers' forward has no batched steps
             warnings.append("engine.max_batch needs the fast path, not transformers' forward: goals run one at a time")
         return warnings
 
@@ -164,8 +164,7 @@ class Engine(Backend):
                 device=str(self._device), dtype=str(self._dtype).replace('torch.', ''),
                 compile_mode=self._target.mode, warmup=warmup,
                 weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
-                kv_cache_slot_bytes=0 if self._batch is None else self._batch.rows.cache.slot_nbytes,
-                batch_goals=[] if self._batch is None else self._batch.goal_statuses(),
+                **({} if self._batch is None else self._batch.status_fields()),
                 tau_lifetime=tau(lifetime['tokens'], lifetime['passes']),
                 acceptance_rate_lifetime=acceptance_rate(lifetime['accepted'], lifetime['drafted']),
                 disabled_drafters=list(self.drafter_errors.values()))

@@ -44,6 +44,11 @@ def row_bucket(rows: int, max_rows: int) -> int:
     return next(size for size in row_buckets(max_rows) if size >= rows)
 
 
+def slot_nbytes(lean: LeanGemma4, context_limit: int, max_query: int) -> int:
+    """Bytes of one batch slot of lean's KV cache at context_limit: a one-slot cache's (its shared part included)."""
+    return lean.new_slotted_cache(1, context_limit, max_query).slot_nbytes
+
+
 class FastRows(_Shadowed):
     """
     Batched steps of a target over a cache of num_slots slots (one per running goal); not thread-safe.
