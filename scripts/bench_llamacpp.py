@@ -13,6 +13,7 @@ scripts/setup_llamacpp.sh and the GGUFs of scripts/export_gguf.py (docs/llamacpp
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
 import time
@@ -81,6 +82,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
+    machine = machine_description(args.threads)  # load average at the start
     prompts = [p for p in load_prompts(default_prompts_path()) if p.category == args.category]
     if not prompts:
         parser.error('no prompts of category {!r}'.format(args.category))
@@ -124,15 +126,16 @@ def main() -> int:
     finally:
         worker.close()
     rows = llamacpp_peers.rows_of(measurements)
-    ratios = llamacpp_peers.comparisons(rows)
+    ratios = llamacpp_peers.comparisons(rows, measurements)
     table = llamacpp_peers.markdown(rows, ratios, skipped)
     command = 'python scripts/bench_llamacpp.py ' + shlex.join(sys.argv[1:])
     document = {
         'created_utc': datetime.fromtimestamp(started, UTC).strftime('%Y-%m-%dT%H:%M:%SZ'),
         'duration_s': time.time() - started, 'command': command,
-        'machine': machine_description(args.threads) | {'llama_cpp': worker.info.get('llama_cpp'),
-                                                        'llama_cpp_system_info': worker.info.get('system_info')},
-        'settings': vars(args), 'prompts': [{'id': p.id, 'prompt_tokens': len(encoded[p.id])} for p in prompts],
+        'machine': machine | {'llama_cpp': worker.info.get('llama_cpp'),
+                              'llama_cpp_system_info': worker.info.get('system_info')},
+        'load_average_end': list(os.getloadavg()), 'settings': vars(args),
+        'prompts': [{'id': p.id, 'prompt_tokens': len(encoded[p.id])} for p in prompts],
         'rows': rows, 'comparisons': ratios, 'skipped': skipped, 'measurements': measurements}
     write_json(out / 'results.json', document)
     (out / 'results.md').write_text('`{}`\n\n{}'.format(command, table))

@@ -44,18 +44,25 @@ def test_comparisons_pair_plain_by_precision_and_the_best_speculative_systems():
         ('ours/none', 400.0), ('ours/ngram/adaptive', 700.0), ('ours/mtp/adaptive', 800.0),
         ('llamacpp-f32/none', 500.0), ('llamacpp-q8_0/none', 900.0), ('llamacpp-f32/draft/K3', 250.0),
         ('llamacpp-f32/ngram/K4', 320.0), ('llamacpp-q8_0/ngram/K4', 640.0))]
-    ratios = {ratio.name: ratio for ratio in llamacpp_peers.comparisons(rows)}
+    # per prompt: ours 2x faster on one, 1.5x on another, slower on the third; the median pair is 1.5x
+    measurements = [measurement('ours/none', prompt, decode_s=s) for prompt, s in (('a', 0.05), ('b', 0.1),
+                                                                                    ('c', 0.2))]
+    measurements += [measurement('llamacpp-f32/none', prompt, decode_s=s) for prompt, s in (('a', 0.1), ('b', 0.15),
+                                                                                             ('c', 0.1))]
+    ratios = {ratio.name: ratio for ratio in llamacpp_peers.comparisons(rows, measurements)}
     plain = ratios['our plain float32 / llama.cpp plain f32']
     assert (plain.ours, plain.theirs, plain.ratio, plain.threshold) == ('ours/none', 'llamacpp-f32/none', 0.8, 1.0)
+    assert plain.paired_ratio == pytest.approx(1.5)
     int8 = ratios['our plain int8 / llama.cpp plain Q8_0']
-    assert int8.ours == '-' and math.isnan(int8.ratio)   # no int8 row measured
+    assert int8.ours == '-' and math.isnan(int8.ratio) and math.isnan(int8.paired_ratio)   # no int8 row measured
     best = ratios["our best speculative / llama.cpp's best speculative (any precision)"]
     assert (best.ours, best.theirs, best.ratio) == ('ours/mtp/adaptive', 'llamacpp-q8_0/ngram/K4', 1.25)
     at_f32 = ratios["our best speculative / llama.cpp's best speculative at f32"]
     assert (at_f32.theirs, at_f32.ratio) == ('llamacpp-f32/ngram/K4', 2.5)
     table = llamacpp_peers.markdown(rows, list(ratios.values()), [Skipped('llamacpp-f32/mtp', 'aborts')])
-    assert '| our plain float32 / llama.cpp plain f32 | ours/none | llamacpp-f32/none | 0.80× | ≥ 1.0× |' in table
-    assert '| our plain int8 / llama.cpp plain Q8_0 | - | llamacpp-q8_0/none | - | ≥ 1.0× |' in table
+    assert '| our plain float32 / llama.cpp plain f32 | ours/none | llamacpp-f32/none | 0.80× | 1.50× | ≥ 1.0× |' \
+        in table
+    assert '| our plain int8 / llama.cpp plain Q8_0 | - | llamacpp-q8_0/none | - | - | ≥ 1.0× |' in table
     assert table.endswith('- llamacpp-f32/mtp: aborts\n')
 
 

@@ -167,7 +167,8 @@ class Comparison:
     name: str
     ours: str
     theirs: str
-    ratio: float                   # ours / theirs, tokens per second; NaN when a side was not measured
+    ratio: float                   # ours / theirs, the rows' tokens per second; NaN when a side was not measured
+    paired_ratio: float            # median over (prompt, repeat) of ours / theirs: robust to the machine's drift
     threshold: float
 
 
@@ -201,14 +202,26 @@ def _best(rows: list[Row], family: str, precision: str = '') -> Row | None:
     return max(speculative, key=lambda row: row.tokens_per_s, default=None)
 
 
-def comparisons(rows: list[Row]) -> list[Comparison]:
+def paired_ratio(measurements: list[Measurement], ours: str, theirs: str) -> float:
+    """Median over the (prompt, repeat) pairs of ours / theirs decode tokens per second (NaN without a pair)."""
+    rates = {(m.system, m.prompt_id, m.repeat): tokens_per_second(max(0, m.new_tokens - 1), m.decode_s)
+             for m in measurements if m.system in (ours, theirs)}
+    ratios = [rate / rates[theirs, prompt, repeat] for (system, prompt, repeat), rate in rates.items()
+              if system == ours and rates.get((theirs, prompt, repeat))]
+    return statistics.median(ratios) if ratios else float('nan')
+
+
+def comparisons(rows: list[Row], measurements: list[Measurement]) -> list[Comparison]:
     """Issue 40's ratios: plain against plain at the same precision, and best speculative against best."""
     by_name = {row.system: row for row in rows}
     nan = float('nan')
 
     def compare(name: str, ours: Row | None, theirs: Row | None, threshold: float) -> Comparison:
-        ratio = ours.tokens_per_s / theirs.tokens_per_s if ours and theirs and theirs.tokens_per_s else nan
-        return Comparison(name, ours.system if ours else '-', theirs.system if theirs else '-', ratio, threshold)
+        if not (ours and theirs):
+            return Comparison(name, ours.system if ours else '-', theirs.system if theirs else '-', nan, nan,
+                              threshold)
+        return Comparison(name, ours.system, theirs.system, _divide(ours.tokens_per_s, theirs.tokens_per_s),
+                          paired_ratio(measurements, ours.system, theirs.system), threshold)
 
     result = [compare(name, by_name.get(ours), by_name.get(theirs), threshold)
               for name, ours, theirs, threshold in PLAIN_GOALS]
@@ -218,6 +231,10 @@ def comparisons(rows: list[Row]) -> list[Comparison]:
     result.append(compare("our best speculative / llama.cpp's best speculative at f32", ours_best,
                           _best(rows, 'llamacpp-', 'f32/'), SPECULATIVE_GOAL))
     return result
+
+
+def _divide(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float('nan')
 
 
 def _figure(value: float, pattern: str) -> str:
@@ -233,10 +250,11 @@ def markdown(rows: list[Row], ratios: list[Comparison], skipped: list[Skipped]) 
             row.system, _figure(row.tokens_per_s, '{:.1f}'), _figure(row.ttft_ms, '{:.1f}'),
             _figure(row.decode_tau, '{:.2f}'), _figure(row.acceptance_rate, '{:.2f}'), row.same_as_reference,
             row.generations, row.same_as_own_plain, row.generations))
-    lines += ['', '| comparison | ours | llama.cpp | ratio | goal |', '|---|---|---|---|---|']
+    lines += ['', '| comparison | ours | llama.cpp | ratio | median of pairs | goal |', '|---|---|---|---|---|---|']
     for ratio in ratios:
-        lines.append('| {} | {} | {} | {} | ≥ {:.1f}× |'.format(ratio.name, ratio.ours, ratio.theirs,
-                                                               _figure(ratio.ratio, '{:.2f}×'), ratio.threshold))
+        lines.append('| {} | {} | {} | {} | {} | ≥ {:.1f}× |'.format(
+            ratio.name, ratio.ours, ratio.theirs, _figure(ratio.ratio, '{:.2f}×'),
+            _figure(ratio.paired_ratio, '{:.2f}×'), ratio.threshold))
     if skipped:
         lines += ['', 'Not measured:', ''] + ['- {}: {}'.format(item.system, item.reason) for item in skipped]
     return '\n'.join(lines) + '\n'
