@@ -15,6 +15,7 @@ import torch
 from conftest import SLIDING_WINDOW, chi_squared_p_value, target_distribution
 
 from gemma_spec_ros.engine import CancelToken, Engine, GenerationRequest
+from gemma_spec_ros.engine.control import GoalPassCost, TargetCost
 from gemma_spec_ros.engine.drafters.base import Drafter, Proposal
 from gemma_spec_ros.engine.requests import check_config
 from gemma_spec_ros.engine.runtime import models
@@ -76,8 +77,22 @@ def run_together(engine, requests: dict, recorder: Recorder, cancels: dict | Non
 
 
 def test_row_buckets():
-    assert row_buckets(2) == [2] and row_buckets(4) == [2, 4] and row_buckets(6) == [2, 4, 6]
-    assert [row_bucket(rows, 6) for rows in range(1, 7)] == [2, 2, 4, 4, 6, 6]
+    assert row_buckets(2) == [1, 2] and row_buckets(4) == [1, 2, 4] and row_buckets(6) == [1, 2, 4, 6]
+    assert [row_bucket(rows, 6) for rows in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+
+
+def test_a_goal_pays_its_share_of_a_batched_pass():
+    # a pass of q = 1 split among the goals; each later position among the goals whose rows reach it
+    pass_cost = TargetCost(5)
+    pass_cost.calibrate({1: 4.0, 2: 5.0, 3: 8.0, 4: 8.0, 5: 10.0})
+    share = GoalPassCost(pass_cost)
+    assert not share.measured(1)
+    share.share(pass_cost, 4, [2, 3, 5])
+    assert share.measured(1) and share.relative()[1:] == pytest.approx([1.0, 1.25, 2.25, 2.25, 3.25])
+    share.share(pass_cost, 1, [])  # alone: the whole pass
+    assert share.relative()[1:] == [4.0, 5.0, 8.0, 8.0, 10.0]
+    share.record_pass(3)
+    assert share.last_seconds == share.seconds(3) == 8.0 * pass_cost.load
 
 
 def test_batched_step_matches_single_sequence_steps(tiny_models):

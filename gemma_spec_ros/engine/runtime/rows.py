@@ -27,12 +27,11 @@ from .steps import _Steps, query_variant_ends
 
 def row_buckets(max_rows: int) -> list[int]:
     """
-    Row counts batched steps are built for: powers of two from 2 below max_rows, then max_rows.
+    Row counts batched steps are built for: powers of two from 1 below max_rows, then max_rows.
 
-    A goal alone in the batch runs the 2-row step with an idle row (its products cost about what one row's do), so
-    that no graph is built for a batch of one.
+    A goal alone in slot 0 runs the 1-row step: an idle row would cost it a fifth of its step and more.
     """
-    sizes, size = [], 2
+    sizes, size = [], 1
     while size < max_rows:
         sizes.append(size)
         size *= 2
