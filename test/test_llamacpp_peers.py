@@ -11,13 +11,13 @@ from gemma_spec_ros.benchmarks.systems import Outcome
 
 
 def measurement(system, prompt_id='p', repeat=0, new_tokens=11, decode_s=0.1, passes=11, drafted=0, accepted=0,
-                tokens=None, parity=True, ttft_s=0.01) -> Measurement:
+                tokens=None, parity=True, ttft_s=0.01, decode_cpu_s=0.08) -> Measurement:
     return Measurement(
         system=system, prompt_id=prompt_id, category='code', repeat=repeat, new_tokens=new_tokens, ttft_s=ttft_s,
         decode_s=decode_s, wall_s=ttft_s + decode_s, target_passes=passes, drafted_tokens=drafted,
         accepted_tokens=accepted, per_position_acceptance=[], mean_num_draft_tokens=0.0, draft_cost_ratio=0.0,
         paused_rounds=0, drafter_used='none', warnings=[], peak_rss_bytes=0, rss_growth_bytes=0, parity=parity,
-        first_mismatch=-1 if parity else 3, token_ids=list(tokens or range(new_tokens)))
+        first_mismatch=-1 if parity else 3, token_ids=list(tokens or range(new_tokens)), decode_cpu_s=decode_cpu_s)
 
 
 def test_rows_take_the_median_repeat_and_count_tokens_per_decode_pass():
@@ -29,6 +29,7 @@ def test_rows_take_the_median_repeat_and_count_tokens_per_decode_pass():
     rows = {row.system: row for row in llamacpp_peers.rows_of(measurements)}
     assert list(rows) == ['ours/none', 'llamacpp-q8_0/none', 'llamacpp-q8_0/draft/K3', 'llamacpp-q8_0/ngram/K4']
     assert rows['ours/none'].tokens_per_s == pytest.approx(100.0)   # 10 decode tokens: 100, 50, 200 tok/s
+    assert rows['ours/none'].tokens_per_cpu_s == pytest.approx(125.0)   # 10 tokens in 0.08 CPU s each repeat
     assert rows['ours/none'].ttft_ms == pytest.approx(10.0)
     assert rows['ours/none'].decode_tau == pytest.approx(1.0)
     assert math.isnan(rows['ours/none'].acceptance_rate)
@@ -40,7 +41,7 @@ def test_rows_take_the_median_repeat_and_count_tokens_per_decode_pass():
 
 
 def test_comparisons_pair_plain_by_precision_and_the_best_speculative_systems():
-    rows = [llamacpp_peers.Row(system, rate, 1.0, 1.0, float('nan'), 1, 1, 1) for system, rate in (
+    rows = [llamacpp_peers.Row(system, rate, rate, 1.0, 1.0, float('nan'), 1, 1, 1) for system, rate in (
         ('ours/none', 400.0), ('ours/ngram/adaptive', 700.0), ('ours/mtp/adaptive', 800.0),
         ('llamacpp-f32/none', 500.0), ('llamacpp-q8_0/none', 900.0), ('llamacpp-f32/draft/K3', 250.0),
         ('llamacpp-f32/ngram/K4', 320.0), ('llamacpp-q8_0/ngram/K4', 640.0))]

@@ -113,7 +113,7 @@ class LlamaCppRunner:
         return Outcome(token_ids=answer['token_ids'], ttft_s=answer['ttft_s'], decode_s=answer['decode_s'],
                        wall_s=answer['wall_s'], target_passes=answer['target_passes'],
                        drafted_tokens=answer['drafted_tokens'], accepted_tokens=answer['accepted_tokens'],
-                       drafter_used=self._drafter)
+                       drafter_used=self._drafter, decode_cpu_s=answer['decode_cpu_s'])
 
 
 def plain_of(system: str) -> str:
@@ -154,6 +154,8 @@ class Row:
 
     system: str
     tokens_per_s: float            # median over repeats of decode tokens / decode seconds (all prompts)
+    tokens_per_cpu_s: float        # the same over the decoding thread's CPU seconds: what other processes' load
+                                   # takes from the wall clock does not count
     ttft_ms: float                 # median over generations
     decode_tau: float              # tokens per decode pass; 1.0 for plain decoding
     acceptance_rate: float         # accepted / drafted (NaN: nothing drafted)
@@ -172,6 +174,12 @@ class Comparison:
     threshold: float
 
 
+def _median_rate(by_repeat: dict[int, list[Measurement]], seconds: str) -> float:
+    """Median over repeats of decode tokens / the seconds field (decode_s or decode_cpu_s) over all prompts."""
+    return statistics.median(tokens_per_second(sum(max(0, m.new_tokens - 1) for m in group),
+                                               sum(getattr(m, seconds) for m in group)) for group in by_repeat.values())
+
+
 def rows_of(measurements: list[Measurement]) -> list[Row]:
     """Return a Row per system, in the order the systems first appear."""
     tokens = {(m.system, m.prompt_id, m.repeat): m.token_ids for m in measurements}
@@ -181,11 +189,10 @@ def rows_of(measurements: list[Measurement]) -> list[Row]:
         by_repeat: dict[int, list[Measurement]] = {}
         for sample in samples:
             by_repeat.setdefault(sample.repeat, []).append(sample)
-        rates = [tokens_per_second(sum(max(0, s.new_tokens - 1) for s in group), sum(s.decode_s for s in group))
-                 for group in by_repeat.values()]
         own_plain = plain_of(system)
         rows.append(Row(
-            system=system, tokens_per_s=statistics.median(rates),
+            system=system, tokens_per_s=_median_rate(by_repeat, 'decode_s'),
+            tokens_per_cpu_s=_median_rate(by_repeat, 'decode_cpu_s'),
             ttft_ms=statistics.median(s.ttft_s for s in samples) * 1000.0,
             decode_tau=decode_tau([s.new_tokens for s in samples], [s.target_passes for s in samples]),
             acceptance_rate=acceptance_rate(sum(s.accepted_tokens for s in samples),
@@ -243,11 +250,12 @@ def _figure(value: float, pattern: str) -> str:
 
 def markdown(rows: list[Row], ratios: list[Comparison], skipped: list[Skipped]) -> str:
     """Return the rows, the ratios against their goals and the skipped systems as Markdown tables."""
-    lines = ['| system | decode tok/s | TTFT ms | τ (decode) | acceptance | = our float32 plain | = own plain |',
-             '|---|---|---|---|---|---|---|']
+    lines = ['| system | decode tok/s | per CPU s | TTFT ms | τ (decode) | acceptance | = our float32 plain | '
+             '= own plain |', '|---|---|---|---|---|---|---|---|']
     for row in rows:
-        lines.append('| {} | {} | {} | {} | {} | {} of {} | {} of {} |'.format(
-            row.system, _figure(row.tokens_per_s, '{:.1f}'), _figure(row.ttft_ms, '{:.1f}'),
+        lines.append('| {} | {} | {} | {} | {} | {} | {} of {} | {} of {} |'.format(
+            row.system, _figure(row.tokens_per_s, '{:.1f}'), _figure(row.tokens_per_cpu_s, '{:.1f}'),
+            _figure(row.ttft_ms, '{:.1f}'),
             _figure(row.decode_tau, '{:.2f}'), _figure(row.acceptance_rate, '{:.2f}'), row.same_as_reference,
             row.generations, row.same_as_own_plain, row.generations))
     lines += ['', '| comparison | ours | llama.cpp | ratio | median of pairs | goal |', '|---|---|---|---|---|---|']
