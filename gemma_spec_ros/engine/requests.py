@@ -11,13 +11,14 @@ import os
 import re
 from dataclasses import dataclass
 
-from .types import DRAFTERS, REGISTRY, EngineConfig, GenerationRequest, parameter_name
+from .types import DRAFTERS, REGISTRY, EngineConfig, GenerationRequest, ImageInput, parameter_name
 
 MAX_TEMPERATURE = 2.0
 INT64_MAX = 2 ** 63 - 1
 CHAT_ROLES = ('system', 'user', 'assistant')   # the roles of gemma_spec_msgs/ChatMessage
 _TEMPLATE_ROLE = re.compile(r"""message\[['"]role['"]\]\s*==\s*['"](\w+)['"]""")
 _CONTENT_MARK = '\ue000{}\ue001'                # private-use characters around a message index
+TEXT_ONLY_TARGET = 'the target reads text only (it has no vision tower)'
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class RequestPlan:
     drafter: str
     pinned_k: int        # > 0: fixed K, no adaptation or gating
     compiled_grammar: object | None = None  # the compiled json_schema / grammar (grammar.ConstraintCompiler); None
+    images: tuple[ImageInput, ...] = ()     # the images in the order of their placeholder runs in prompt_ids
 
 
 def check_config(config: EngineConfig) -> None:
@@ -146,13 +148,17 @@ def chat_roles(tokenizer) -> tuple[str, ...]:
     return CHAT_ROLES + tuple(sorted(set(named) - set(CHAT_ROLES)))
 
 
-def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], images: tuple[ImageInput, ...] = (), vision=None) -> list[int]:
     """
     Render chat messages with the chat template; message content is encoded as plain text.
 
     Special tokens typed in a message (e.g. '<end_of_turn>') stay text and cannot open or close turns: the
     template is rendered around placeholders, its own pieces are tokenized with special tokens and each content
     piece with split_special_tokens.
+
+    A message's images (indices into images) are rendered as {"type": "image"} content parts before its text part,
+    as Gemma4Processor renders them; each image token the template writes becomes that image's placeholder run
+    (vision: the target's runtime.VisionTower).
     """
     check_messages(messages)
     if not getattr(tokenizer, 'chat_template', None):
@@ -166,17 +172,70 @@ def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     def render(chat):
         return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
-    marked = render([dict(m, content=_CONTENT_MARK.format(i)) for i, m in enumerate(messages)])
+    def marked_content(index, message):
+        mark = _CONTENT_MARK.format(index)
+        shown = message.get('images') or ()
+        return [{'type': 'image'} for _ in shown] + [{'type': 'text', 'text': mark}] if shown else mark
+
+    marked = render([dict(m, content=marked_content(i, m)) for i, m in enumerate(messages)])
     trims = ' x ' not in render([{'role': 'user', 'content': ' x '}])
+    runs = _ImageRuns(shown_images(images, messages), vision)
     ids: list[int] = []
     rest = marked
     for index, message in enumerate(messages):
         piece, _, rest = rest.partition(_CONTENT_MARK.format(index))
         content = str(message['content'])
-        ids += tokenizer(piece, add_special_tokens=False).input_ids if piece else []
+        ids += runs.expand(tokenizer(piece, add_special_tokens=False).input_ids) if piece else []
         ids += tokenizer(content.strip() if trims else content, add_special_tokens=False,
                          split_special_tokens=True).input_ids
-    return ids + (tokenizer(rest, add_special_tokens=False).input_ids if rest else [])
+    ids += runs.expand(tokenizer(rest, add_special_tokens=False).input_ids) if rest else []
+    runs.check_all_placed()
+    return ids
+
+
+def shown_images(images: tuple[ImageInput, ...], messages: list[dict] | None) -> tuple[ImageInput, ...]:
+    """Return the images in the order the prompt shows them: each message's in its order, or all before a raw prompt."""
+    if not messages:
+        return tuple(images)
+    return tuple(images[index] for message in messages for index in message.get('images') or ())
+
+
+class _ImageRuns:
+    """The image tokens a chat template writes, in order, replaced by the shown images' placeholder runs."""
+
+    def __init__(self, shown: tuple[ImageInput, ...], vision):
+        self._shown, self._vision, self._placed = shown, vision, 0
+
+    def expand(self, ids: list[int]) -> list[int]:
+        if not self._shown:
+            return ids
+        expanded = []
+        for token in ids:
+            if token != self._vision.image_token_id:
+                expanded.append(token)
+            elif self._placed < len(self._shown):
+                expanded += self._vision.placeholder_ids(self._shown[self._placed])
+                self._placed += 1
+            else:
+                raise ValueError("the target's chat template writes more image tokens than the messages show images")
+        return expanded
+
+    def check_all_placed(self) -> None:
+        if self._placed != len(self._shown):
+            raise ValueError("the target's chat template placed {} of the {} images the messages show: it must render "
+                             'a message\'s {{"type": "image"}} content parts as the image token'.format(
+                                 self._placed, len(self._shown)))
+
+
+def _images_first(ids: list[int], field: str, images: tuple[ImageInput, ...], vision, bos_id: int | None) -> list[int]:
+    """Return a raw prompt's ids with the images' placeholder runs first (after a leading BOS)."""
+    if vision is None:
+        return ids
+    if vision.image_token_id in ids:
+        raise ValueError('{} holds the image token (id {}): send the pixels in images, the engine writes their '
+                         'placeholders'.format(field, vision.image_token_id))
+    head = 1 if ids[:1] == [bos_id] else 0
+    return ids[:head] + [token for image in images for token in vision.placeholder_ids(image)] + ids[head:]
 
 
 def check_prompt_size(request: GenerationRequest, config: EngineConfig) -> None:
@@ -191,18 +250,24 @@ def check_prompt_size(request: GenerationRequest, config: EngineConfig) -> None:
             config.max_prompt_chars))
 
 
-def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: EngineConfig) -> list[int]:
-    """Tokenize the request's input (prompt_ids, else messages, else prompt) within the size limits."""
+def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: EngineConfig, vision=None) -> list[int]:
+    """
+    Tokenize the request's input (prompt_ids, else messages, else prompt) within the size limits.
+
+    vision: the target's runtime.VisionTower (None: text only), which writes each image's placeholder run: where
+    the messages show it, or first (after a leading BOS) in a raw prompt or prompt_ids.
+    """
     if request.prompt_ids:
         ids = [int(token) for token in request.prompt_ids]
         if any(not 0 <= token < vocab_size for token in ids):
             raise ValueError('prompt_ids must be token ids in [0, {})'.format(vocab_size))
-        return ids
+        return _images_first(ids, 'prompt_ids', request.images, vision, tokenizer.bos_token_id)
     check_prompt_size(request, config)
     if request.messages:
-        return encode_messages(tokenizer, request.messages)
+        return encode_messages(tokenizer, request.messages, request.images, vision)
     if request.prompt:
-        return tokenizer(request.prompt).input_ids
+        return _images_first(tokenizer(request.prompt).input_ids, 'prompt', request.images, vision,
+                             tokenizer.bos_token_id)
     raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
 
 
@@ -212,8 +277,8 @@ def check_messages(messages: list) -> None:
         if not isinstance(message, dict) or not isinstance(message.get('role'), str) \
                 or not isinstance(message.get('content'), str):
             raise ValueError('messages[{}] needs string "role" and "content", got {!r}'.format(index, message))
-        if not message['content'].strip():
-            raise ValueError('messages[{}].content must not be empty'.format(index))
+        if not message['content'].strip() and not message.get('images'):
+            raise ValueError('messages[{}].content must not be empty (unless the message shows images)'.format(index))
 
 
 def check_image_count(count: int, max_images: int, field: str = 'images') -> None:
@@ -244,6 +309,8 @@ def check_image_indices(messages: list | None, count: int, key: str = 'images') 
     shown = set()
     for index, message in enumerate(messages or ()):
         indices = message.get('images', ()) if isinstance(message, dict) else ()
+        if not isinstance(indices, list | tuple):
+            raise ValueError('messages[{}].{} must be a list of image indices, got {!r}'.format(index, key, indices))
         for position, image in enumerate(indices):
             if isinstance(image, bool) or not isinstance(image, int) or not 0 <= image < count:
                 raise ValueError('messages[{}].{}[{}]: {!r} is not an index into the {} image(s)'.format(
@@ -254,8 +321,12 @@ def check_image_indices(messages: list | None, count: int, key: str = 'images') 
         raise ValueError('image(s) {} are shown by no message: list them in a message\'s {}'.format(unshown, key))
 
 
-def check_images(request: GenerationRequest, config: EngineConfig) -> None:
-    """Check a request's images: count, sizes, pixel bytes, and the messages that show them."""
+def check_images(request: GenerationRequest, config: EngineConfig, prompt_takes_images: bool = False) -> None:
+    """
+    Check a request's images: count, sizes, pixel bytes, and the messages that show them.
+
+    prompt_takes_images: a raw prompt (no messages) may carry images, which go first (the local engine).
+    """
     check_image_count(len(request.images), config.max_images_per_goal)
     for index, image in enumerate(request.images):
         field = 'images[{}]'.format(index)
@@ -263,7 +334,8 @@ def check_images(request: GenerationRequest, config: EngineConfig) -> None:
         if len(image.rgb) != 3 * image.width * image.height:
             raise ValueError('{}.rgb: {} bytes, expected 3 x {} x {} = {}'.format(
                 field, len(image.rgb), image.width, image.height, 3 * image.width * image.height))
-    check_image_indices(request.messages, len(request.images))
+    if request.messages or not prompt_takes_images:
+        check_image_indices(request.messages, len(request.images))
 
 
 def check_fields(request: GenerationRequest, config: EngineConfig) -> SamplingParams:
@@ -281,17 +353,21 @@ def check_fields(request: GenerationRequest, config: EngineConfig) -> SamplingPa
 
 
 def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context_limit: int, config: EngineConfig,
-                 loaded_drafters, default_drafter: str, default_k: int, constraints) -> RequestPlan:
+                 loaded_drafters, default_drafter: str, default_k: int, constraints, vision=None) -> RequestPlan:
     """
     Validate a request, tokenize its prompt and compile its constraint; ValueError with a planner-readable message.
 
-    constraints: the engine's grammar.ConstraintCompiler (passed in, so that this module imports no torch).
+    constraints: the engine's grammar.ConstraintCompiler, vision its target's runtime.VisionTower (None: the target
+    reads text only); passed in, so that this module imports no torch.
     """
     sampling = check_fields(request, config)
+    if request.images and vision is None:
+        raise ValueError('images: {}'.format(TEXT_ONLY_TARGET))
+    check_images(request, config, prompt_takes_images=True)
     drafter = request.drafter or default_drafter
     check_drafter(drafter, loaded_drafters)
     check_num_draft_tokens(request.num_draft_tokens, config)
-    ids = prompt_ids(request, tokenizer, vocab_size, config)
+    ids = prompt_ids(request, tokenizer, vocab_size, config, vision)
     max_new = request.max_new_tokens or config.max_new_tokens
     if request.max_new_tokens:
         check_max_new_tokens(request.max_new_tokens, config)
@@ -307,4 +383,5 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
         pinned = max(1, config.max_draft_tokens // 2)
     compiled = constraints.compile_request(request.json_schema, request.grammar,  # cached per text
                                            request.json_free_whitespace)
-    return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned, compiled)
+    return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned, compiled,
+                       shown_images(request.images, request.messages))

@@ -177,6 +177,7 @@ class RoundTally:
     accepted_at: list[int] = field(default_factory=list)   # [K] rounds that accepted position i
     by_draft_length: list[int] = field(default_factory=lambda: [0])  # [K + 1] rounds that drafted k tokens
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) from the first token on
+    image_seconds: float = 0.0      # the vision tower on the goal's images, before the target's prefill
 
     def add_prefill(self, first_token_time: float) -> None:
         self.target_passes += 1
@@ -216,7 +217,8 @@ def generation_stats(tally: RoundTally, prompt_tokens: int, new_tokens: int, sta
         time_to_first_token=first_token_time - started,
         inter_token_latency_p50=percentile(gaps, 50), inter_token_latency_p95=percentile(gaps, 95),
         tokens_per_second=decode_tokens_per_second(tally.arrivals, new_tokens),
-        wall_time=finished - started, process_peak_rss_bytes=process_peak_rss_bytes())
+        wall_time=finished - started, process_peak_rss_bytes=process_peak_rss_bytes(),
+        image_prefill_ms=tally.image_seconds * 1000.0)
 
 
 def format_stats(stats) -> str:
@@ -229,4 +231,6 @@ def format_stats(stats) -> str:
         stats.drafter or '-', stats.mean_num_draft_tokens, stats.draft_cost_ratio,
         figure(stats.time_to_first_token), figure(stats.inter_token_latency_p50, '{:.4f}'),
         figure(stats.inter_token_latency_p95, '{:.4f}'), figure(stats.tokens_per_second, '{:.1f}'), stats.wall_time,
-        mib(stats.process_peak_rss_bytes), stats.decode_path or '-')
+        mib(stats.process_peak_rss_bytes), stats.decode_path or '-') + (
+        '  image prefill {:.1f} ms'.format(stats.image_prefill_ms) if is_known(stats.image_prefill_ms) and
+        stats.image_prefill_ms > 0 else '')

@@ -14,7 +14,7 @@ from ..logits.grammar import ConstraintCompiler, mask_logits
 from ..logits.sampling import logits_to_probs, sample
 from ..logits.verify import verify
 from ..requests import RequestPlan, SamplingParams
-from ..runtime import causal_lm, models
+from ..runtime import causal_lm, models, vision
 from ..runtime.warmup import STOP_WAIT_SECONDS, Warmup, decode_path, order_jobs, step_calls
 from ..stats import acceptance_rate, generation_stats, tau
 from ..types import (
@@ -29,7 +29,7 @@ from ..types import (
     StreamDelta,
     WarmupState,
 )
-from . import calibration
+from . import calibration, images
 from .batch import start_batching
 from .run import Run, end_of_output, new_run
 
@@ -49,8 +49,7 @@ class Engine(Backend):
         self._tokenizer = tokenizer
         self._drafters = drafters
         self.drafter_errors = dict(drafter_errors or {})  # drafter -> why its model failed to load (disabled)
-        self._device = device
-        self._dtype = dtype
+        self._device, self._dtype = device, dtype
         self._lock = threading.Lock()          # one single-goal generation, or one batched round, at a time
         self._measure_lock = threading.Lock()  # controllers and lifetime counters, read by status()
         self._default_drafter = config.drafter
@@ -58,6 +57,7 @@ class Engine(Backend):
         self._context_limit = models.context_limit(config, target_lm.model)
         self._vocab_size = models.text_config(target_lm.model).vocab_size
         self._eos_ids = models.eos_token_ids(target_lm.model, tokenizer)
+        self._vision = vision.VisionTower.of(target_lm.model, config.target_path)  # None: the target reads text only
         self._warmup_state = warmup or WarmupState(config.warmup)
         self._warmup: Warmup | None = None  # a background warm-up, while and after it runs
         self._batch = start_batching(self, target_lm, drafters)  # None with engine.max_batch 1 (or off the fast path)
@@ -131,7 +131,8 @@ class Engine(Backend):
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities('local', tuple(sorted(self._usable_drafters())), num_draft_tokens_per_goal=True,
-                            max_concurrent_goals=1 if self._batch is None else self._batch.num_slots)
+                            max_concurrent_goals=1 if self._batch is None else self._batch.num_slots,
+                            image_refusal='' if self._vision is not None else requests.TEXT_ONLY_TARGET)
 
     @property
     def device(self) -> str:
@@ -186,14 +187,14 @@ class Engine(Backend):
         """Check a request and tokenize its prompt (no model work): the plan, or ValueError naming the field."""
         return requests.plan_request(request, self._tokenizer, self._vocab_size, self._context_limit, self.config,
                                      self._usable_drafters(), self._default_drafter, self._default_k,
-                                     self._constraints)
+                                     self._constraints, self._vision)
 
     def generate(self, request: GenerationRequest | RequestPlan, on_delta: DeltaCallback | None = None,
                  cancel: CancelToken | None = None) -> GenerationResult:
         """Run one request (or a plan from validate); one StreamDelta per verify round. One request at a time."""
         plan = request if isinstance(request, RequestPlan) else self.validate(request)
         run = self._new_run(plan)
-        if self._batch is not None and self._batch.takes(run.drafter):
+        if self._batch is not None and self._batch.takes(run.drafter) and not plan.images:  # images: one at a time
             return self._batch.generate(run, on_delta, cancel, step_calls(self._step_runners))
         with self._lock, torch.inference_mode():
             return self._run(run, on_delta, cancel)
@@ -247,7 +248,7 @@ class Engine(Backend):
                 run.controller.start(run.drafter.draft_calls(run.plan.sampling, run.constraint is not None),
                                      pinned_k=bool(run.plan.pinned_k))
         prompt = torch.tensor([run.tokens], device=self._device)
-        out = self._target.prefill(prompt, logits_to_keep=1, want_states=run.drafter.needs_target_states)
+        out = self._target.prefill(prompt, 1, run.drafter.needs_target_states, images.soft_tokens(self._vision, run))
         logits = out.logits[0, -1:]  # [1, vocab]
         if run.constraint is not None:
             logits = mask_logits(logits, run.constraint.next_mask(self._device))

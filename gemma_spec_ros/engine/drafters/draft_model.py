@@ -18,12 +18,18 @@ from .base import (
 
 
 class DraftModelDrafter(Drafter):
-    """A smaller Gemma4ForCausalLM with its own KV cache, rolled back to the accepted prefix after each round."""
+    """
+    A smaller Gemma4ForCausalLM with its own KV cache, rolled back to the accepted prefix after each round.
+
+    It reads the text: in its prompt the target's image placeholders (placeholders: image, video and audio token ids,
+    whose positions hold the vision tower's embeddings in the target) are pad, which keeps its positions the target's.
+    """
 
     name = 'draft'
 
-    def __init__(self, draft_lm):
+    def __init__(self, draft_lm, placeholders: frozenset[int] = frozenset()):
         self._lm = draft_lm  # causal_lm.FastCausalLM or DynamicCausalLM, as engine.compile says
+        self._placeholders = placeholders
         self.weights_bytes = causal_lm.parameter_bytes(draft_lm.model)
         self.kv_cache_bytes = draft_lm.nbytes
         self._proposed = 0  # drafts proposed in the round being verified
@@ -38,7 +44,7 @@ class DraftModelDrafter(Drafter):
         # steps of up to K_max + 1 tokens: a round's rollback of up to K_max - 1 drafts must fit the sliding slack
         draft_lm = causal_lm.build_causal_lm(model, context.config.compile, context.context_limit,
                                              context.config.max_draft_tokens + 1, 'draft model', context.progress)
-        return cls(draft_lm)
+        return cls(draft_lm, models.placeholder_ids(context.target))
 
     def warmup(self, progress) -> int:
         batched = 0 if self._batch_rows is None else self._batch_rows.runner.warmup(progress)
@@ -62,6 +68,9 @@ class DraftModelDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> None:
         # prefill here, so that the first round's drafting cost is a normal step
         self._lm.reset()
+        if self._placeholders:
+            pad = models.text_config(self._lm.model).pad_token_id
+            prompt_ids = [pad if token in self._placeholders else token for token in prompt_ids]
         self._lm.prefill(torch.tensor([prompt_ids], device=self._lm.model.device), logits_to_keep=1)
         self._proposed = 0
 

@@ -2,6 +2,7 @@
 
 import torch
 
+from ..runtime import models
 from .base import DraftContext, Drafter, LoadContext, Proposal
 
 
@@ -12,14 +13,18 @@ class NgramDrafter(Drafter):
     Example: tokens [5, 6, 7, 9, 5, 6] with n = 2 match (5, 6) at position 0, so k = 2 proposes [7, 9];
     tokens [1, 2, 1, 2] with n = 2 match (1, 2) at position 0 and k = 3 proposes [1, 2, 1] (periodic).
     Longer n-grams are tried first. An incremental index keeps the work per round independent of context length.
+    It reads the text: a continuation never copies an image placeholder (placeholders: the target's image, video and
+    audio token ids, whose positions hold an encoder's embeddings), so a match just before an image proposes nothing.
     """
 
     name = 'ngram'
 
-    def __init__(self, ngram_min: int, ngram_max: int, device: torch.device):
+    def __init__(self, ngram_min: int, ngram_max: int, device: torch.device,
+                 placeholders: frozenset[int] = frozenset()):
         assert 1 <= ngram_min <= ngram_max, 'requests.check_config enforces the n-gram sizes'
         self._sizes = range(ngram_max, ngram_min - 1, -1)
         self._device = device
+        self._placeholders = placeholders
         self._continuation: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it last
         self._indexed = 0
 
@@ -27,11 +32,12 @@ class NgramDrafter(Drafter):
         return []  # no model: each goal proposes on its own
 
     def for_batch(self, slot: int) -> 'NgramDrafter':
-        return NgramDrafter(self._sizes[-1], self._sizes[0], self._device)  # an index of its own
+        return NgramDrafter(self._sizes[-1], self._sizes[0], self._device, self._placeholders)  # an index of its own
 
     @classmethod
     def load(cls, context: LoadContext) -> 'NgramDrafter':
-        return cls(context.config.ngram_min, context.config.ngram_max, context.device)
+        return cls(context.config.ngram_min, context.config.ngram_max, context.device,
+                   models.placeholder_ids(context.target))
 
     def start(self, prompt_ids: list[int]) -> None:
         self._continuation.clear()
@@ -45,18 +51,22 @@ class NgramDrafter(Drafter):
                 continue
             follow = self._continuation.get(tuple(tokens[-n:]))
             if follow is not None:
-                draft = self._continue(tokens, follow, k)
+                draft = self._continue(tokens, follow, k, self._placeholders)
                 if context.constraint is not None:  # cut at the first token the grammar refuses
                     draft = draft[:context.constraint.allowed_prefix_len(draft)]
                 return Proposal(torch.tensor(draft, device=self._device), None) if draft else None
         return None
 
     @staticmethod
-    def _continue(tokens: list[int], follow: int, k: int) -> list[int]:
-        # copy what followed the match; a match just behind the end repeats the pattern periodically
+    def _continue(tokens: list[int], follow: int, k: int, placeholders: frozenset[int]) -> list[int]:
+        # copy what followed the match, up to an image placeholder; a match just behind the end repeats the pattern
+        # periodically
         draft: list[int] = []
         for index in range(follow, follow + k):
-            draft.append(tokens[index] if index < len(tokens) else draft[index - len(tokens)])
+            token = tokens[index] if index < len(tokens) else draft[index - len(tokens)]
+            if token in placeholders:
+                break
+            draft.append(token)
         return draft
 
     def _index_until(self, tokens: list[int], end: int) -> None:

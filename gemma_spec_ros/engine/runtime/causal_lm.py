@@ -14,9 +14,11 @@ from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .model import StepOutput
 from .runner import FastCausalLM, WarmupReport
+from .vision import SoftTokens
 
 NO_MASKS = {'full_attention': None, 'sliding_attention': None}
 
@@ -47,23 +49,35 @@ class DynamicCausalLM:
         self._cache.activate_past_recording()  # sliding layers keep rolled-back K/V until the next crop
         self.length = 0
 
-    def prefill(self, input_ids: torch.Tensor, logits_to_keep: int = 1, want_states: bool = False) -> StepOutput:
-        """Append input_ids [1, n] (the prompt); logits (and states) of the last logits_to_keep positions."""
-        out = self.append(input_ids, logits_to_keep, want_states)
+    def prefill(self, input_ids: torch.Tensor, logits_to_keep: int = 1, want_states: bool = False,
+                soft: SoftTokens | None = None) -> StepOutput:
+        """
+        Append input_ids [1, n] (the prompt); logits (and states) of the last logits_to_keep positions.
+
+        soft: an image goal's image embeddings (vision.py), which Gemma4Model merges at their token's positions (its
+        mask lets an image's tokens see each other where the model says so).
+        """
+        images = {} if soft is None else {
+            'mm_encoder_outputs': {'image': BaseModelOutputWithPooling(pooler_output=(soft.features,))},
+            'mm_token_type_ids': (input_ids == soft.token_id).long()}
+        out = self.append(input_ids, logits_to_keep, want_states, **images)
         self._cache.crop(0)
         return out
 
-    def append(self, input_ids: torch.Tensor, logits_to_keep: int = 0, want_states: bool = False) -> StepOutput:
+    def append(self, input_ids: torch.Tensor, logits_to_keep: int = 0, want_states: bool = False,
+               **images) -> StepOutput:
         """
         Append input_ids [1, q] at the cache end; logits of the last logits_to_keep positions (0: all).
 
         want_states: also the final hidden states (of the kept positions) and the shared K/V the MTP assistant reads.
+        images: a prefill's image inputs to transformers' forward.
         """
         q = input_ids.shape[1]
         positions = torch.arange(self.length, self.length + q, device=input_ids.device).unsqueeze(0)
         extra = {'output_hidden_states': -1, 'return_shared_kv_states': True} if want_states else {}
         out = self.model(input_ids=input_ids, position_ids=positions, cache=self._cache, use_cache=True,
-                         logits_to_keep=logits_to_keep, attention_mask=single_token_masks(input_ids), **extra)
+                         logits_to_keep=logits_to_keep, attention_mask=single_token_masks(input_ids), **extra,
+                         **images)
         self.length += q
         if not want_states:
             return StepOutput(out.logits, None)

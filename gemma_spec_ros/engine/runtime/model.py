@@ -38,6 +38,7 @@ from .layers import (
 from .layers import ROW_PRODUCT_MAX_ROWS_ENV as ROW_PRODUCT_MAX_ROWS_ENV
 from .layers import _mkl_runs_tuned_code as _mkl_runs_tuned_code
 from .layers import _row_product_max_rows as _row_product_max_rows
+from .vision import SoftTokens, image_blocks
 from .weights import BLOCK_WIDTH as BLOCK_WIDTH
 from .weights import FlatTensors, _Layer, _layer_parts, _stored, _text_parts
 from .weights import block_matrix as block_matrix
@@ -216,6 +217,8 @@ class LeanGemma4(_Decoder):
             getattr(multimodal, name) for name in ('image_token_id', 'video_token_id', 'audio_token_id')
             if getattr(multimodal, name, None) is not None]
         self.pad_token_id = config.pad_token_id
+        # 'vision': an image's tokens see each other in sliding layers (at the prefill of an image goal)
+        self.image_runs_bidirectional = getattr(config, 'use_bidirectional_attention', None) == 'vision'
         self.per_layer_size = config.hidden_size_per_layer_input
         if self.per_layer_size:
             self._per_layer_embed = tensors.add(text_model.embed_tokens_per_layer.weight)
@@ -251,11 +254,20 @@ class LeanGemma4(_Decoder):
         """Scaled token embedding [..., hidden] (what the MTP assistant's input starts with)."""
         return F.embedding(input_ids, self.embed) * self.embed_scale
 
-    def _inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids [q] -> embeddings [q, hidden] and per-layer inputs [q, layers, per_layer] (or None)."""
+    def _inputs(self, input_ids: torch.Tensor,
+                soft: SoftTokens | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """
+        input_ids [q] -> embeddings [q, hidden] and per-layer inputs [q, layers, per_layer] (or None).
+
+        soft (an image goal's prefill): its features replace the embeddings at its token's positions, as Gemma4Model
+        merges them, so the per-layer inputs' context part reads them too (their token part reads pad there).
+        """
+        images = None if soft is None else (input_ids == soft.token_id)[:, None]
         for placeholder in self.placeholder_ids:
             input_ids = torch.where(input_ids == placeholder, self.pad_token_id, input_ids)
         embeds = self.embed_tokens(input_ids)
+        if images is not None:
+            embeds = embeds.masked_scatter(images, soft.features)
         if not self.per_layer_size:
             return embeds, None
         q = input_ids.shape[0]
@@ -319,23 +331,27 @@ class LeanGemma4(_Decoder):
         out = self._head(kept)
         return StepOutput(out.logits.view(rows, logits_to_keep, -1), out.hidden.view(rows, logits_to_keep, -1))
 
-    def prefill(self, input_ids: torch.Tensor, cache: StaticKvCache, start: int, logits_to_keep: int) -> StepOutput:
+    def prefill(self, input_ids: torch.Tensor, cache: StaticKvCache, start: int, logits_to_keep: int,
+                soft: SoftTokens | None = None) -> StepOutput:
         """
         Any number of tokens [1, n] at positions start.. (eager, dynamic shapes): the prompt, or a long extension.
 
         Sliding layers attend over [ring entries before start, new keys]; the last ring_size new keys are written
-        into the ring after the pass. Records the write in the cache.
+        into the ring after the pass. Records the write in the cache. soft: the images' embeddings (_inputs).
         """
         count = input_ids.shape[1]
         cache.check_write(start, count)
         positions = torch.arange(start, start + count, device=self.device)
-        hidden, per_layer = self._inputs(input_ids[0])
+        hidden, per_layer = self._inputs(input_ids[0], soft)
         query_positions = positions[:, None]
         old_ring = cache.ring_positions
         old_ring = torch.where(old_ring < start, old_ring, torch.full_like(old_ring, EMPTY_POSITION))
         sliding_keys = torch.cat((old_ring, positions))[None, :]
+        seen = sliding_keys <= query_positions
+        if soft is not None and self.image_runs_bidirectional:
+            seen = seen | image_blocks(input_ids[0], soft.token_id, cache.ring_size)
         masks = {FULL: cache.key_positions[None, :start + count] <= query_positions,
-                 SLIDING: (sliding_keys <= query_positions) & (sliding_keys > query_positions - self.sliding_window)}
+                 SLIDING: seen & (sliding_keys > query_positions - self.sliding_window)}
         state = _Pass(cache, positions, self.rope.at(positions), masks, start + count, pending={})
         hidden = self._layers(hidden, state, per_layer)
         kept = positions[-cache.ring_size:]

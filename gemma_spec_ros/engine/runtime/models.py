@@ -10,6 +10,12 @@ from ..types import DEVICES, DTYPES
 TARGET_TYPES = ('gemma4_text', 'gemma4')  # text-only Gemma4ForCausalLM, multimodal Gemma4ForConditionalGeneration
 ASSISTANT_TYPE = 'gemma4_assistant'
 TORCH_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+# A Gemma4ForCausalLM checkpoint's text weight names to Gemma4ForConditionalGeneration's: the bundled vision model's
+# shard index takes its text weights from the bundled target's file; a real Gemma 4 checkpoint has none to rename
+SHARED_TEXT_KEY_MAPPING = {r'^model\.(?=(?:embed_tokens|layers|norm)\.)': 'model.language_model.'}
+# Gemma4Config's multimodal tokens: the placeholders the encoders' outputs replace, and the markers around them
+PLACEHOLDER_FIELDS = ('image_token_id', 'video_token_id', 'audio_token_id')
+MULTIMODAL_TOKEN_FIELDS = PLACEHOLDER_FIELDS + ('boi_token_id', 'eoi_token_id', 'boa_token_id', 'eoa_token_index')
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,10 @@ def _read_config(directory: Path, role: str):
         raise ValueError('cannot read the {} config in {}: {}'.format(role, directory, exc)) from exc
 
 
-def _from_pretrained(model_class, directory: Path, role: str, device: torch.device, dtype: torch.dtype):
+def _from_pretrained(model_class, directory: Path, role: str, device: torch.device, dtype: torch.dtype, **options):
     try:
         model = model_class.from_pretrained(str(directory), dtype=dtype, use_safetensors=True,
-                                            trust_remote_code=False, local_files_only=True)
+                                            trust_remote_code=False, local_files_only=True, **options)
     except Exception as exc:  # corrupt or truncated weights surface as many error types
         raise ValueError('cannot load the {} from {}: {}: {}'.format(role, directory, type(exc).__name__, exc)) \
             from exc
@@ -97,7 +103,12 @@ def _own_buffers(model) -> None:
 
 
 def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtype):
-    """Load a Gemma 4 language model: Gemma4ForCausalLM, or Gemma4ForConditionalGeneration used for text only."""
+    """
+    Load a Gemma 4 language model: Gemma4ForCausalLM, or Gemma4ForConditionalGeneration.
+
+    A Gemma4ForConditionalGeneration keeps its vision tower and embedder (vision.VisionTower reads images with
+    them); its text model is what the engine decodes with.
+    """
     from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     directory = check_model_dir(path, role)
@@ -105,7 +116,8 @@ def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtyp
     if config.model_type == 'gemma4_text':
         return _from_pretrained(Gemma4ForCausalLM, directory, role, device, dtype)
     if config.model_type == 'gemma4':
-        return _from_pretrained(Gemma4ForConditionalGeneration, directory, role, device, dtype)
+        return _from_pretrained(Gemma4ForConditionalGeneration, directory, role, device, dtype,
+                                key_mapping=SHARED_TEXT_KEY_MAPPING)
     raise ValueError('{} at {} is a {!r} model ({}); expected a Gemma 4 language model ({})'.format(
         role, directory, config.model_type, ', '.join(config.architectures or []), ' or '.join(TARGET_TYPES)))
 
@@ -170,9 +182,24 @@ def check_same_vocab(target, target_tokenizer, drafter, drafter_path: str, role:
     if not any((directory / name).is_file() for name in ('tokenizer.json', 'tokenizer.model')):
         return
     drafter_tokenizer = load_tokenizer(drafter_path)
-    if drafter_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+    differing = set(drafter_tokenizer.get_vocab().items()) ^ set(target_tokenizer.get_vocab().items())
+    # a multimodal target names its image and audio tokens where a text tokenizer has other tokens at those ids
+    if {token_id for _, token_id in differing} - multimodal_token_ids(target):
         raise ValueError('{} at {} ships a tokenizer that differs from the target tokenizer; target and drafter '
                          'must share the tokenizer'.format(role, drafter_path))
+
+
+def multimodal_token_ids(model) -> set[int]:
+    """Return the ids of a Gemma4ForConditionalGeneration's multimodal tokens (MULTIMODAL_TOKEN_FIELDS)."""
+    values = (getattr(model.config, name, None) for name in MULTIMODAL_TOKEN_FIELDS)
+    return {value for value in values if value is not None} if model.config.model_type == 'gemma4' else set()
+
+
+def placeholder_ids(model) -> frozenset[int]:
+    """Return the ids whose positions take an encoder's output in a Gemma4ForConditionalGeneration (image, ...)."""
+    values = (getattr(model.config, name, None) for name in PLACEHOLDER_FIELDS)
+    return frozenset(value for value in values if value is not None) if model.config.model_type == 'gemma4' \
+        else frozenset()
 
 
 def check_assistant_fits(target, assistant, assistant_path: str) -> None:

@@ -44,6 +44,7 @@ from .layers import ROW_PRODUCT_MAX_ROWS
 from .model import LeanGemma4, StepOutput
 from .steps import _Steps, query_variant_ends, resolve_compile_mode, stores_blocked
 from .torch_internals import mark_static_address
+from .vision import SoftTokens
 
 Progress = Callable[[str], None]
 
@@ -167,14 +168,15 @@ class FastCausalLM(_Shadowed):
         self.cache.crop(tokens_to_remove)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, logits_to_keep: int = 1, want_states: bool = False) -> StepOutput:
+    def prefill(self, input_ids: torch.Tensor, logits_to_keep: int = 1, want_states: bool = False,
+                soft: SoftTokens | None = None) -> StepOutput:
         """
         Append input_ids [1, n] (any n) eager; logits and hidden of the last logits_to_keep (0: all).
 
         The hidden states come free, whatever want_states says (it is there for causal_lm.DynamicCausalLM's
-        interface).
+        interface). soft: an image goal's image embeddings (vision.py), read at their token's positions.
         """
-        return self.lean.prefill(input_ids, self.cache, self.cache.length, logits_to_keep)
+        return self.lean.prefill(input_ids, self.cache, self.cache.length, logits_to_keep, soft)
 
     def append(self, input_ids: torch.Tensor, logits_to_keep: int = 0, want_states: bool = False) -> StepOutput:
         """Append input_ids [1, n]: through the step for n when n <= max_query, else through prefill."""
