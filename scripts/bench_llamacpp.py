@@ -3,10 +3,11 @@ Our engine against llama.cpp (the engine inside llama_ros) on the same bundled m
 
 Greedy, the held-out code prompts of bench/prompts.jsonl, the same prompt token ids and token budget for every
 system, 1 thread each (torch threads for ours, n_threads for llama.cpp). Per repeat and prompt every system runs
-once in a shuffled order. Ours: plain float32, plain int8 (engine.quantization, when the engine has it), n-gram,
-draft model and MTP at adaptive K. llama.cpp (scripts/llamacpp_worker.py in .venv-llamacpp): plain f32, f16 and
-Q8_0; prompt lookup and the draft model at f32 and Q8_0; the MTP assistant is probed and reported. Needs
-scripts/setup_llamacpp.sh and the GGUFs of scripts/export_gguf.py (docs/llamacpp.md).
+once in a shuffled order. Ours: plain float32, n-gram, draft model and MTP at adaptive K; int8 (engine.quantization
+of the target and the draft model, when the engine has it) plain, draft model and MTP. llama.cpp
+(scripts/llamacpp_worker.py in .venv-llamacpp): plain f32, f16 and Q8_0; prompt lookup and the draft model at f32
+and Q8_0; the MTP assistant is probed and reported. Needs scripts/setup_llamacpp.sh and the GGUFs of
+scripts/export_gguf.py (docs/llamacpp.md).
 
     source scripts/env.sh && flock /tmp/bench.lock python scripts/bench_llamacpp.py --out bench/results/llamacpp
 """
@@ -36,13 +37,12 @@ def load_engine(args, quantization: str):
     from gemma_spec_ros.engine.types import EngineConfig
 
     options = {'quantization': quantization} if quantization != 'none' else {}
-    speculative = {} if options else {'assistant_path': resolve_model_path(MODELS['assistant']),
-                                      'draft_model_path': resolve_model_path(MODELS['draft'])}
     print('loading our engine (compile {}, quantization {})'.format(args.compile, quantization), file=sys.stderr)
     return Engine.from_config(EngineConfig(
         target_path=resolve_model_path(MODELS['target']), drafter='none', device='cpu', dtype='float32',
+        assistant_path=resolve_model_path(MODELS['assistant']), draft_model_path=resolve_model_path(MODELS['draft']),
         max_draft_tokens=args.max_draft_tokens, num_threads=args.threads, compile=args.compile, warmup='blocking',
-        **speculative, **options), progress=lambda message: print('  ' + message, file=sys.stderr))
+        **options), progress=lambda message: print('  ' + message, file=sys.stderr))
 
 
 def int8_missing() -> str:
@@ -105,7 +105,10 @@ def main() -> int:
         skipped.append(Skipped(llamacpp_peers.OURS_INT8, no_int8))
     else:
         try:
-            runners[llamacpp_peers.OURS_INT8] = EngineRunner(load_engine(args, 'int8'), 'none', 0)
+            int8 = load_engine(args, 'int8')
+            runners[llamacpp_peers.OURS_INT8] = EngineRunner(int8, 'none', 0)
+            runners |= {'ours-int8/{}/adaptive'.format(drafter): EngineRunner(int8, drafter, 0)
+                        for drafter in ('draft', 'mtp')}  # llama.cpp's Q8_0 has a draft model only
         except (ValueError, ImportError, NotImplementedError) as error:  # the quantization work is in progress
             print('bench_llamacpp: int8 engine: {}'.format(error), file=sys.stderr)
             skipped.append(Skipped(llamacpp_peers.OURS_INT8, 'our int8 engine did not load: {}'.format(error)))

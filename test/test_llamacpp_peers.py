@@ -43,6 +43,7 @@ def test_rows_take_the_median_repeat_and_count_tokens_per_decode_pass():
 def test_comparisons_pair_plain_by_precision_and_the_best_speculative_systems():
     rows = [llamacpp_peers.Row(system, rate, rate, 1.0, 1.0, float('nan'), 1, 1, 1) for system, rate in (
         ('ours/none', 400.0), ('ours/ngram/adaptive', 700.0), ('ours/mtp/adaptive', 800.0),
+        ('ours-int8/mtp/adaptive', 960.0),
         ('llamacpp-f32/none', 500.0), ('llamacpp-q8_0/none', 900.0), ('llamacpp-f32/draft/K3', 250.0),
         ('llamacpp-f32/ngram/K4', 320.0), ('llamacpp-q8_0/ngram/K4', 640.0))]
     # per prompt: ours 2x faster on one, 1.5x on another, slower on the third; the median pair is 1.5x
@@ -56,10 +57,12 @@ def test_comparisons_pair_plain_by_precision_and_the_best_speculative_systems():
     assert plain.paired_ratio == pytest.approx(1.5)
     int8 = ratios['our plain int8 / llama.cpp plain Q8_0']
     assert int8.ours == '-' and math.isnan(int8.ratio) and math.isnan(int8.paired_ratio)   # no int8 row measured
-    best = ratios["our best speculative / llama.cpp's best speculative (any precision)"]
-    assert (best.ours, best.theirs, best.ratio) == ('ours/mtp/adaptive', 'llamacpp-q8_0/ngram/K4', 1.25)
-    at_f32 = ratios["our best speculative / llama.cpp's best speculative at f32"]
-    assert (at_f32.theirs, at_f32.ratio) == ('llamacpp-f32/ngram/K4', 2.5)
+    best = ratios["our best speculative / llama.cpp's best speculative, any precision"]
+    assert (best.ours, best.theirs, best.ratio) == ('ours-int8/mtp/adaptive', 'llamacpp-q8_0/ngram/K4', 1.5)
+    at_f32 = ratios["our best speculative / llama.cpp's best speculative, float32 against f32"]
+    assert (at_f32.ours, at_f32.theirs, at_f32.ratio) == ('ours/mtp/adaptive', 'llamacpp-f32/ngram/K4', 2.5)
+    at_int8 = ratios["our best speculative / llama.cpp's best speculative, int8 against Q8_0"]
+    assert (at_int8.ours, at_int8.theirs, at_int8.ratio) == ('ours-int8/mtp/adaptive', 'llamacpp-q8_0/ngram/K4', 1.5)
     table = llamacpp_peers.markdown(rows, list(ratios.values()), [Skipped('llamacpp-f32/mtp', 'aborts')])
     assert '| our plain float32 / llama.cpp plain f32 | ours/none | llamacpp-f32/none | 0.80× | 1.50× | ≥ 1.0× |' \
         in table

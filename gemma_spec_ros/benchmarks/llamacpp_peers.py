@@ -203,9 +203,10 @@ def rows_of(measurements: list[Measurement]) -> list[Row]:
     return rows
 
 
-def _best(rows: list[Row], family: str, precision: str = '') -> Row | None:
-    speculative = [row for row in rows if row.system.startswith(family + precision) and
-                   not row.system.endswith('/none') and is_known(row.tokens_per_s)]
+def _best(rows: list[Row], *prefixes: str) -> Row | None:
+    """Return the fastest speculative row among the systems named with one of prefixes (None without one)."""
+    speculative = [row for row in rows if row.system.startswith(prefixes) and not row.system.endswith('/none') and
+                   is_known(row.tokens_per_s)]
     return max(speculative, key=lambda row: row.tokens_per_s, default=None)
 
 
@@ -232,11 +233,11 @@ def comparisons(rows: list[Row], measurements: list[Measurement]) -> list[Compar
 
     result = [compare(name, by_name.get(ours), by_name.get(theirs), threshold)
               for name, ours, theirs, threshold in PLAIN_GOALS]
-    ours_best = _best(rows, 'ours/')
-    result.append(compare("our best speculative / llama.cpp's best speculative (any precision)", ours_best,
-                          _best(rows, 'llamacpp-'), SPECULATIVE_GOAL))
-    result.append(compare("our best speculative / llama.cpp's best speculative at f32", ours_best,
-                          _best(rows, 'llamacpp-', 'f32/'), SPECULATIVE_GOAL))
+    for name, ours, theirs in (('any precision', ('ours/', 'ours-int8/'), ('llamacpp-',)),
+                               ('float32 against f32', ('ours/',), ('llamacpp-f32/',)),
+                               ('int8 against Q8_0', ('ours-int8/',), ('llamacpp-q8_0/',))):
+        result.append(compare("our best speculative / llama.cpp's best speculative, {}".format(name),
+                              _best(rows, *ours), _best(rows, *theirs), SPECULATIVE_GOAL))
     return result
 
 
