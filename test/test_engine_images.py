@@ -220,6 +220,16 @@ def test_transformers_forward_reads_images_too(vision_models, plain_tokens):
         assert result.token_ids == plain_tokens and result.stats.image_prefill_ms > 0
 
 
+def test_image_goals_run_alone_beside_a_batch(vision_models, plain_tokens):
+    engine = Engine.from_config(engine_config(vision_models, max_batch=2))
+    try:
+        assert engine._batch is not None
+        for drafter in ('none', 'mtp'):
+            assert engine.generate(image_goal(drafter=drafter, num_draft_tokens=3)).token_ids == plain_tokens
+    finally:
+        engine.close()
+
+
 def test_sampling_with_an_image_follows_the_target(vision_models, vision_engine):
     # the MTP assistant drafts from the target's K/V over the image: sampled outputs keep the target's distribution
     temperature, top_k, length, samples = 2.0, 2, 3, 250
