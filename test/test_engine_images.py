@@ -49,7 +49,7 @@ def image_goal(**fields) -> GenerationRequest:
 
 @dataclasses.dataclass
 class VisionModels:
-    target: str      # Gemma4ForConditionalGeneration: layers S,F,S,F, per-layer inputs, a one-layer vision tower
+    target: str      # Gemma4ForConditionalGeneration: 6 layers, KV sharing, per-layer inputs, a one-layer tower
     causal: str      # the same without bidirectional attention inside an image
     assistant: str   # Gemma4AssistantForCausalLM on the target
     draft: str       # a smaller Gemma4ForCausalLM
@@ -94,7 +94,9 @@ def build_vision_models(root: Path) -> VisionModels:
     paths = {}
     for name, bidirectional in (('target', 'vision'), ('causal', None)):
         torch.manual_seed(1234)
-        text = _text_config(vocab, 64, [sliding, full, sliding, full], use_bidirectional_attention=bidirectional)
+        # what E2B and E4B use besides the tower: per-layer inputs, KV sharing (the last three layers), softcapping
+        text = _text_config(vocab, 64, [sliding, sliding, full, sliding, sliding, full], num_kv_shared_layers=3,
+                            final_logit_softcapping=5.0, use_bidirectional_attention=bidirectional)
         text.hidden_size_per_layer_input, text.vocab_size_per_layer_input = 8, vocab
         model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
                                                             audio_config=None, **ids)).eval()
