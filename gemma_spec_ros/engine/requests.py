@@ -64,6 +64,10 @@ def check_config(config: EngineConfig) -> None:
             config.ngram_min, config.ngram_max))
     check_max_new_tokens(config.max_new_tokens, config)
     check_batching(config)
+    if config.quantization != 'none' and config.compile == 'transformers':
+        raise ValueError("{}={} needs the lean forward; {}=transformers runs transformers' own forward, which "
+                         'reads float weights'.format(parameter_name('quantization'), config.quantization,
+                                                      parameter_name('compile')))
 
 
 def check_batching(config: EngineConfig) -> None:

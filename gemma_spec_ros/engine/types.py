@@ -23,6 +23,8 @@ WARMUP_POLICIES = ('background', 'blocking', 'off')
 # (queue.goal_timeout)
 FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
 INT32_MAX = 2 ** 31 - 1
+# weight-only quantization of the target and the draft model (runtime/quantize.py)
+QUANTIZATIONS = ('none', 'int8', 'int4')
 
 
 # the drafters by name (each one's class lives in engine/drafters/)
@@ -71,6 +73,10 @@ class EngineConfig:
     device: str = config_field('auto', 'auto|cpu|cuda or cuda:N (auto: cuda when available)')
     dtype: str = config_field('auto', 'auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)',
                             choices=DTYPES)
+    quantization: str = config_field('none', 'weight-only quantization of the target and the draft model, done at '
+                                   'load: none, int8 (per channel) or int4 (groups of 32 in the decoder layers, int8 '
+                                   'elsewhere); needs the lean forward (any engine.compile but transformers)',
+                                   choices=QUANTIZATIONS)
     num_draft_tokens: int = config_field(0, 'K, tokens drafted per round; 0 = adaptive (changeable at run time)',
                                        limits=(0, 64), runtime=True)
     max_draft_tokens: int = config_field(8, 'upper bound for adaptive K', limits=(1, 64))

@@ -67,7 +67,7 @@ class Engine(Backend):
         if self._batch is not None:  # after the single-goal graphs
             self._graph_jobs += self._batch.graph_jobs
         self._step_runners = list({id(job.steps): job.steps for job in self._graph_jobs}.values())
-        self._weights_bytes = causal_lm.parameter_bytes(target_lm.model) + sum(
+        self._weights_bytes = causal_lm.weights_bytes(target_lm) + sum(
             drafter.weights_bytes for drafter in drafters.values())
         self._kv_cache_bytes = target_lm.nbytes + sum(drafter.kv_cache_bytes for drafter in drafters.values()) + (
             0 if self._batch is None else self._batch.rows.nbytes)

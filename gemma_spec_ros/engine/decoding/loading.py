@@ -37,7 +37,7 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
     target = models.load_causal_lm(config.target_path, 'target', device, dtype)
     tokenizer = models.load_tokenizer(config.target_path)
     target_lm = causal_lm.build_causal_lm(target, config.compile, models.context_limit(config, target),
-                                          config.max_draft_tokens + 1, 'target', progress)
+                                          config.max_draft_tokens + 1, 'target', progress, config.quantization)
     context = LoadContext(config, target_lm, tokenizer, device, dtype, progress)
     drafters, errors = {}, {}
     for name, spec in REGISTRY.items():

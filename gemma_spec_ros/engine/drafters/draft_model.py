@@ -30,7 +30,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, draft_lm, placeholders: frozenset[int] = frozenset()):
         self._lm = draft_lm  # causal_lm.FastCausalLM or DynamicCausalLM, as engine.compile says
         self._placeholders = placeholders
-        self.weights_bytes = causal_lm.parameter_bytes(draft_lm.model)
+        self.weights_bytes = causal_lm.weights_bytes(draft_lm)
         self.kv_cache_bytes = draft_lm.nbytes
         self._proposed = 0  # drafts proposed in the round being verified
         self._batch_rows: DraftModelRows | None = None  # drafting for a batch's goals (join_batch)
@@ -43,7 +43,8 @@ class DraftModelDrafter(Drafter):
         models.check_same_vocab(context.target, context.tokenizer, model, path, 'draft model')
         # steps of up to K_max + 1 tokens: a round's rollback of up to K_max - 1 drafts must fit the sliding slack
         draft_lm = causal_lm.build_causal_lm(model, context.config.compile, context.context_limit,
-                                             context.config.max_draft_tokens + 1, 'draft model', context.progress)
+                                             context.config.max_draft_tokens + 1, 'draft model', context.progress,
+                                             context.config.quantization)
         return cls(draft_lm, models.placeholder_ids(context.target))
 
     def warmup(self, progress) -> int:

@@ -100,25 +100,36 @@ class DynamicCausalLM:
 
 
 def build_causal_lm(model, compile_mode: str, context_limit: int, max_query: int, role: str,
-                    progress: Callable[[str], None]) -> 'FastCausalLM | DynamicCausalLM':
+                    progress: Callable[[str], None], quantization: str = 'none') -> 'FastCausalLM | DynamicCausalLM':
     """
     Build the runner engine.compile asks for: transformers' forward for 'transformers', else the fast path.
 
     With auto, a model the lean forward does not cover (it raises ValueError saying why) runs transformers' forward,
-    and progress says so; with an explicit mode that is an error.
+    and progress says so; with an explicit mode, or with quantization (only the lean forward reads quantized
+    weights), that is an error. quantization: none, int8 or int4 (quantize.py), done here and logged.
     """
     if compile_mode == 'transformers':
         return DynamicCausalLM(model)
     try:
-        return FastCausalLM(model, context_limit, max_query, compile_mode)
+        runner = FastCausalLM(model, context_limit, max_query, compile_mode, quantization)
     except ValueError as exc:
-        if compile_mode != 'auto':
-            raise ValueError('engine.compile={} cannot run the {}: {}'.format(compile_mode, role, exc)) from exc
+        if compile_mode != 'auto' or quantization != 'none':
+            raise ValueError('engine.compile={} (engine.quantization={}) cannot run the {}: {}'.format(
+                compile_mode, quantization, role, exc)) from exc
         progress("{}: fast path not available ({}); running transformers' forward".format(role, exc))
         return DynamicCausalLM(model)
+    if runner.quantization is not None:
+        progress(runner.quantization.describe(role))
+    return runner
 
 
 def parameter_bytes(model) -> int:
     """Bytes of a model's parameters and buffers."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def weights_bytes(runner: 'FastCausalLM | DynamicCausalLM') -> int:
+    """Bytes of a runner's weights: its model's parameters and buffers, quantized matrices at their stored size."""
+    quantization = getattr(runner, 'quantization', None)  # a quantized parameter's own data is released
+    return parameter_bytes(runner.model) + (0 if quantization is None else quantization.bytes_after)

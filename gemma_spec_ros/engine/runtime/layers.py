@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import FULL
+from .quantize import QuantizedWeight, quantized_linear
 
 
 class _Weights(NamedTuple):
@@ -52,6 +53,8 @@ class _Shape:
     head_dim: int
     eps: float
     row_product_max_rows: int  # _linear's
+    # attention in float64 (quantized models): its result then does not depend on how many queries share the pass
+    attention_dtype: torch.dtype | None = None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -66,19 +69,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attend query [q, heads, d] to keys/values [kv_heads, L, d] where mask [q, L] -> [q, heads * d] (scale 1)."""
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """
+    Attend query [q, heads, d] to keys/values [kv_heads, L, d] where mask [q, L] -> [q, heads * d] (scale 1).
+
+    dtype: compute in it (float64: _Shape.attention_dtype), the result in query's dtype.
+    """
+    if dtype is not None:
+        return _attend(query.to(dtype), keys.to(dtype), values.to(dtype), mask).to(query.dtype)
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                          scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
     return out[0].transpose(0, 1).reshape(query.shape[0], -1)
 
 
-def _attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """
-    Attend each batch row's query to its own keys and values (scale 1).
+    Attend each batch row's query to its own keys and values (scale 1), computed in dtype as _attend.
 
     query [B * Q, heads, d], keys/values [B, kv_heads, L, d], mask [B, Q, L] -> [B * Q, heads * d].
     """
+    if dtype is not None:
+        return _attend_rows(query.to(dtype), keys.to(dtype), values.to(dtype), mask).to(query.dtype)
     rows, length = mask.shape[0], mask.shape[1]
     query = query.view(rows, length, query.shape[1], query.shape[2]).transpose(1, 2)  # [B, heads, Q, d]
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=1.0,
@@ -144,7 +157,7 @@ def _row_product(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight * row).sum(-1)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def _linear(x: torch.Tensor, weight: 'torch.Tensor | QuantizedWeight', bias: torch.Tensor | None = None,
             row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> torch.Tensor:
     """
     Return x [q, in] times weight [out, in] (or blocked: block_matrix) transposed, plus bias: [q, out].
@@ -155,8 +168,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     passes and eager runs keep aten's product (a 16-bit weight is converted, a blocked one multiplied block by block
     or unblocked, so a step that dynamo runs eager after all, say past its recompile limit, stays correct), which
     inductor's C++ GEMM template generates in graphs compiled on frozen weights (runner: engine.compile
-    inductor-gemm).
+    inductor-gemm). A quantized weight runs aten's weight-only kernel (quantize.quantized_linear) in every case.
     """
+    if isinstance(weight, QuantizedWeight):
+        out = quantized_linear(x, weight)
+        return out if bias is None else out + bias
     blocked = weight.dim() == 3
     if _compiling_for_cpu(x) and x.shape[0] <= row_product_max_rows:  # q is static here (steps.query_variant)
         rows = x.as_strided(x.shape, x.stride()).unbind(0)  # a view inductor keeps: x is computed once, not per output
@@ -214,7 +230,7 @@ def _step_layer(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer_inpu
         values.index_copy_(1, slots, new_values)
     if shape.layer_type == FULL:
         keys, values = keys[:, :mask.shape[-1]], values[:, :mask.shape[-1]]
-    return _finish(shape, w, hidden, _attend(query, keys, values, mask), per_layer_input)
+    return _finish(shape, w, hidden, _attend(query, keys, values, mask, shape.attention_dtype), per_layer_input)
 
 
 def _slot_rows(tensor: torch.Tensor, rows: int, per_slot: int, length: int) -> torch.Tensor:
@@ -239,4 +255,5 @@ def _step_layer_rows(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer
         values.index_copy_(1, slots, new_values)
     rows, length = mask.shape[0], mask.shape[-1]
     return _finish(shape, w, hidden, _attend_rows(query, _slot_rows(keys, rows, per_slot, length),
-                                                  _slot_rows(values, rows, per_slot, length), mask), per_layer_input)
+                                                  _slot_rows(values, rows, per_slot, length), mask,
+                                                  shape.attention_dtype), per_layer_input)

@@ -20,7 +20,6 @@ as themselves (``import x as x``) are re-exported: test_fast_forward reads them 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .cache import EMPTY_POSITION, FULL, SLIDING, KvLayerSpec, SlottedKvCache, StaticKvCache
 from .layers import BLOCKED_BATCH_MAX_ROWS as BLOCKED_BATCH_MAX_ROWS
@@ -38,6 +37,7 @@ from .layers import (
 from .layers import ROW_PRODUCT_MAX_ROWS_ENV as ROW_PRODUCT_MAX_ROWS_ENV
 from .layers import _mkl_runs_tuned_code as _mkl_runs_tuned_code
 from .layers import _row_product_max_rows as _row_product_max_rows
+from .quantize import Quantizer, embedding
 from .vision import SoftTokens, image_blocks
 from .weights import BLOCK_WIDTH as BLOCK_WIDTH
 from .weights import FlatTensors, _Layer, _layer_parts, _stored, _text_parts
@@ -153,7 +153,8 @@ class _Decoder:
             else:
                 new_keys, new_values = state.pending[layer.kv_index]
                 keys, values = torch.cat((keys, new_keys), dim=1), torch.cat((values, new_values), dim=1)
-            hidden = _finish(layer.shape, weights, hidden, _attend(query, keys, values, state.masks[kind]),
+            hidden = _finish(layer.shape, weights, hidden, _attend(query, keys, values, state.masks[kind],
+                                                                   layer.shape.attention_dtype),
                              per_layer_input)
         return hidden
 
@@ -189,13 +190,16 @@ class LeanGemma4(_Decoder):
     per_layer_model_projection = _stored('per_layer_model_projection')
     per_layer_projection_norm = _stored('per_layer_projection_norm')
 
-    def __init__(self, model, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS, blocked: bool = False):
+    def __init__(self, model, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS, blocked: bool = False,
+                 quantizer: Quantizer | None = None):
         """
         Read the model's weights; pack them where every compiled step is one graph (_packs_weights).
 
         row_product_max_rows: the longest compiled CPU pass whose products are multiply-reduces (_linear).
         blocked: store the layers' matrices blocked (block_matrix) where the weights are packed.
+        quantizer: quantize the matrices and embedding tables (quantize.py); their float data is released.
         """
+        table = (lambda tensor: tensor) if quantizer is None else quantizer.table
         text_model, lm_head, config, multimodal = _text_parts(model)
         _check_activation(config)
         if getattr(config, 'use_bidirectional_attention', None) == 'all':
@@ -207,9 +211,9 @@ class LeanGemma4(_Decoder):
         weight = text_model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.tensors = tensors = FlatTensors()
-        self._embed = tensors.add(weight)
+        self._embed = tensors.add(table(weight))
         self._embed_scale = tensors.add(text_model.embed_tokens.embed_scale.to(self.dtype))
-        self._lm_head = tensors.add(lm_head.weight)
+        self._lm_head = tensors.add(table(lm_head.weight))  # tied: the embedding's handle (quantized once)
         self._final_norm = tensors.add(text_model.norm.weight)
         self.hidden_size = config.hidden_size
         # multimodal placeholder ids are replaced by pad before embedding, as Gemma4Model does
@@ -221,9 +225,9 @@ class LeanGemma4(_Decoder):
         self.image_runs_bidirectional = getattr(config, 'use_bidirectional_attention', None) == 'vision'
         self.per_layer_size = config.hidden_size_per_layer_input
         if self.per_layer_size:
-            self._per_layer_embed = tensors.add(text_model.embed_tokens_per_layer.weight)
+            self._per_layer_embed = tensors.add(table(text_model.embed_tokens_per_layer.weight))
             self._per_layer_embed_scale = tensors.add(text_model.embed_tokens_per_layer.embed_scale.to(self.dtype))
-            self._per_layer_model_projection = tensors.add(text_model.per_layer_model_projection.weight)
+            self._per_layer_model_projection = tensors.add(table(text_model.per_layer_model_projection.weight))
             self.per_layer_projection_scale = text_model.per_layer_model_projection_scale
             self._per_layer_projection_norm = tensors.add(text_model.per_layer_projection_norm.weight)
             self.per_layer_input_scale = text_model.per_layer_input_scale
@@ -241,7 +245,7 @@ class LeanGemma4(_Decoder):
                 self.kv_specs.append(KvLayerSpec(index, attn.layer_type, num_kv_heads, attn.head_dim))
                 producer_of[attn.layer_type] = kv_index
             self.layers.append(_layer_parts(layer, kv_index, config.num_attention_heads, self.eps, tensors,
-                                            row_product_max_rows, blocked))
+                                            row_product_max_rows, blocked, quantizer))
         self.rope = _Rope(text_model.rotary_emb, config.layer_types, self.dtype, tensors)
         if self._packs_weights(self.device):
             tensors.pack()
@@ -252,7 +256,7 @@ class LeanGemma4(_Decoder):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Scaled token embedding [..., hidden] (what the MTP assistant's input starts with)."""
-        return F.embedding(input_ids, self.embed) * self.embed_scale
+        return embedding(input_ids, self.embed, self.dtype) * self.embed_scale
 
     def _inputs(self, input_ids: torch.Tensor,
                 soft: SoftTokens | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,7 +275,7 @@ class LeanGemma4(_Decoder):
         if not self.per_layer_size:
             return embeds, None
         q = input_ids.shape[0]
-        token_part = (F.embedding(input_ids, self.per_layer_embed) * self.per_layer_embed_scale).view(
+        token_part = (embedding(input_ids, self.per_layer_embed, self.dtype) * self.per_layer_embed_scale).view(
             q, len(self.layers), self.per_layer_size)
         context_part = (_linear(embeds, self.per_layer_model_projection, None, self.row_product_max_rows)
                         * self.per_layer_projection_scale)

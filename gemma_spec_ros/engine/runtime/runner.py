@@ -42,6 +42,7 @@ from .cache import StaticKvCache
 from .compile_cache import release_compile_garbage as _release_compile_garbage  # also bench.fast_measure's
 from .layers import ROW_PRODUCT_MAX_ROWS
 from .model import LeanGemma4, StepOutput
+from .quantize import Quantizer
 from .steps import _Steps, query_variant_ends, resolve_compile_mode, stores_blocked
 from .torch_internals import mark_static_address
 from .vision import SoftTokens
@@ -132,12 +133,15 @@ class FastCausalLM(_Shadowed):
     ``max_query`` is the longest step (K_max + 1). Not thread-safe: one request at a time.
     """
 
-    def __init__(self, model, context_limit: int, max_query: int, compile_mode: str = 'auto'):
+    def __init__(self, model, context_limit: int, max_query: int, compile_mode: str = 'auto',
+                 quantization: str = 'none'):
         self.model = model
         self.mode = resolve_compile_mode(compile_mode, model.device)
+        quantizer = None if quantization == 'none' else Quantizer(quantization)
         # inductor-gemm: passes of 2 tokens or more keep aten's products, which the GEMM template generates
         self.lean = LeanGemma4(model, 1 if self.mode == 'inductor-gemm' else ROW_PRODUCT_MAX_ROWS,
-                               blocked=stores_blocked(self.mode, max_query))
+                               blocked=stores_blocked(self.mode, max_query), quantizer=quantizer)
+        self.quantization = None if quantizer is None else quantizer.report
         if self.mode == 'inductor-gemm':  # weights that freezing may treat as constants
             for weights in self.lean.tensors.buffers:
                 mark_static_address(weights)

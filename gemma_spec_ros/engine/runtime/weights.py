@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from .layers import ROW_PRODUCT_MAX_ROWS, _Shape, _Weights
+from .quantize import QuantizedWeight, Quantizer
 
 # Outputs per block of a blocked matrix: one AVX-512 vector of float32.
 BLOCK_WIDTH = 16
@@ -61,6 +62,8 @@ class FlatTensors:
         """Return the handle of tensor (None for None); only before pack(). blocked: store a matrix blocked."""
         if tensor is None:
             return None
+        if isinstance(tensor, QuantizedWeight):  # its integer data and its scales, each a tensor of its own
+            return QuantizedWeight(self.add(tensor.data), self.add(tensor.scales), tensor.group_size)
         assert not self.buffers, 'FlatTensors.add after pack'
         handle = self._handles.get(id(tensor))
         if handle is None:
@@ -105,7 +108,12 @@ class FlatTensors:
     def _lookup(self):
         """Return handle -> tensor: a slice of the flat buffers while compiling packed tensors, else the tensor."""
         read = self._slice if self.buffers and torch.compiler.is_compiling() else self._tensors.__getitem__
-        return lambda handle: None if handle is None else read(handle)
+
+        def lookup(handle):
+            if isinstance(handle, QuantizedWeight):
+                return QuantizedWeight(read(handle.data), read(handle.scales), handle.group_size)
+            return None if handle is None else read(handle)
+        return lookup
 
     def _slice(self, handle: int) -> torch.Tensor:
         index, offset, shape = self._places[handle]
@@ -179,7 +187,8 @@ _LAYER_MATRICES = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj
 
 
 def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: FlatTensors,
-                 row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS, blocked: bool = False) -> _Layer:
+                 row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS, blocked: bool = False,
+                 quantizer: Quantizer | None = None) -> _Layer:
     if getattr(layer, 'enable_moe_block', False):
         raise ValueError('the fast path does not cover Gemma 4 MoE layers (enable_moe_block); use compile=off '
                          'with the transformers forward')
@@ -200,8 +209,14 @@ def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: Flat
         per_layer_gate=layer.per_layer_input_gate.weight if ple else None,
         per_layer_projection=layer.per_layer_projection.weight if ple else None,
         per_layer_norm=layer.post_per_layer_input_norm.weight if ple else None)
+    if quantizer is not None:  # quantized matrices are never blocked: aten's kernels read their own layouts
+        weights = weights._replace(**{name: quantizer.matrix(getattr(weights, name)) for name in _LAYER_MATRICES})
+        weights = weights._replace(per_layer_gate=quantizer.table(weights.per_layer_gate),
+                                   per_layer_projection=quantizer.table(weights.per_layer_projection))
+    # quantized products are exact per row whatever the pass, but their 16-bit outputs turn attention's tiny
+    # pass-to-pass differences into whole rounding steps (greedy outputs then depended on K): float64 removes them
     shape = _Shape(attn.layer_type, num_heads, num_heads // attn.num_key_value_groups, attn.head_dim, eps,
-                   row_product_max_rows)
+                   row_product_max_rows, None if quantizer is None else torch.float64)
     return _Layer(shape, kv_index, tensors.add_each(weights, _LAYER_MATRICES if blocked else ()))
 
 

@@ -1,0 +1,160 @@
+"""
+Weight-only quantization of a lean model's matrices and embedding tables (engine.quantization: int8 or int4).
+
+A quantized matrix is a QuantizedWeight: integer data plus scales, read by quantized_linear. The products run aten's
+weight-only kernels, which take 16-bit activations: on CPU `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`
+with bfloat16 (their float32 forms ran 6-12x slower than a float32 product; measured in docs/quantization.md), on
+CUDA `_weight_int4pack_mm` for int4 and a product over the int8 data converted on the fly for int8. The activations
+are rounded to 16 bits for the product only; norms, attention and the KV cache keep the model's dtype.
+
+- int8: every matrix per output channel (symmetric, 127 levels), as are the embedding tables (per row), so a tied
+  embedding and LM head share one QuantizedWeight.
+- int4: the decoder layers' matrices in groups of INT4_GROUP_SIZE inputs (asymmetric: a scale and a zero per group);
+  the embeddings, the LM head and any matrix whose shape the int4 kernels do not take stay int8.
+
+The quantized model is the target that speculative decoding reproduces exactly: plain decoding and verification
+run the same kernels.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..types import QUANTIZATIONS
+
+INT8_LEVELS = 127
+INT4_GROUP_SIZE = 32
+INT4_LEVELS = 15
+INT4_INNER_K_TILES = {'cpu': 1, 'cuda': 8}  # what aten's int4 packing takes per device (8 is tinygemm's CUDA layout)
+INT4_MULTIPLES = {'cpu': (1, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples its kernels accept
+PRODUCT_DTYPE = torch.bfloat16  # activations of the weight-only products
+
+
+class QuantizedWeight(NamedTuple):
+    """A matrix [out, in] or embedding table [rows, width] stored as integers; a tuple of tensors dynamo traces."""
+
+    data: torch.Tensor     # int8 [out, in]; int4: aten's packed layout for the device
+    scales: torch.Tensor   # int8: [out] (bfloat16); int4: [in / group, out, 2] scale and zero per group (bfloat16)
+    group_size: int        # 0 for int8 (per output channel), else the int4 group
+
+
+def _int8(weight: torch.Tensor) -> QuantizedWeight:
+    weight = weight.detach().float()
+    scales = (weight.abs().amax(dim=1) / INT8_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
+    data = torch.round(weight / scales[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    return QuantizedWeight(data, scales.to(PRODUCT_DTYPE), 0)
+
+
+def int4_fits(weight: torch.Tensor) -> bool:
+    """Whether aten's int4 kernels take a matrix of this shape on its device."""
+    out_multiple, in_multiple = INT4_MULTIPLES.get(weight.device.type, (0, 0))
+    return bool(out_multiple) and weight.shape[0] % out_multiple == 0 and weight.shape[1] % in_multiple == 0
+
+
+def _int4(weight: torch.Tensor) -> QuantizedWeight:
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scales = ((high - low) / INT4_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
+    levels = torch.round((groups - low) / scales).clamp(0, INT4_LEVELS).to(torch.int32).view(out_features, -1)
+    # aten's kernels compute (level - 8) * scale + zero, so the zero is the value of level 8
+    zeros = low + (INT4_LEVELS + 1) // 2 * scales
+    scales_and_zeros = torch.cat((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(PRODUCT_DTYPE)
+    tiles = INT4_INNER_K_TILES[weight.device.type]
+    if weight.device.type == 'cpu':
+        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, tiles)
+    else:
+        nibbles = (levels[:, ::2] << 4 | levels[:, 1::2]).to(torch.uint8)
+        data = torch.ops.aten._convert_weight_to_int4pack(nibbles, tiles)
+    return QuantizedWeight(data, scales_and_zeros, INT4_GROUP_SIZE)
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Return x [q, in] times the quantized weight [out, in] transposed: [q, out] in x's dtype."""
+    product_input = x.to(PRODUCT_DTYPE)
+    if weight.group_size:
+        if x.device.type == 'cpu':
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(product_input, weight.data, weight.group_size,
+                                                             weight.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm(product_input, weight.data, weight.group_size, weight.scales)
+    elif x.device.type == 'cpu':
+        out = torch.ops.aten._weight_int8pack_mm(product_input, weight.data, weight.scales)
+    else:
+        out = F.linear(product_input, weight.data.to(PRODUCT_DTYPE)) * weight.scales
+    return out.to(x.dtype)
+
+
+def embedding(input_ids: torch.Tensor, table: 'torch.Tensor | QuantizedWeight', dtype: torch.dtype) -> torch.Tensor:
+    """Rows of an embedding table, float or int8 (per-row scales), in dtype."""
+    if isinstance(table, QuantizedWeight):
+        return F.embedding(input_ids, table.data).to(dtype) * F.embedding(input_ids, table.scales[:, None]).to(dtype)
+    return F.embedding(input_ids, table)
+
+
+@dataclass
+class QuantizationReport:
+    """What quantizing one model did: its matrices' bytes before and after, and the time it took."""
+
+    mode: str
+    matrices: int = 0
+    int4_matrices: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    seconds: float = 0.0
+
+    def describe(self, role: str) -> str:
+        """One line for the load log."""
+        int4 = ' ({} int4, the rest int8)'.format(self.int4_matrices) if self.mode == 'int4' else ''
+        return '{} quantized to {}: {} matrices{}, {:.1f} -> {:.1f} MiB in {:.2f} s'.format(
+            role, self.mode, self.matrices, int4, self.bytes_before / 2 ** 20, self.bytes_after / 2 ** 20,
+            self.seconds)
+
+
+@dataclass
+class Quantizer:
+    """
+    Quantizes a transformers model's parameters once each (a tied embedding and LM head share the result).
+
+    Each quantized parameter's float data is released (an empty tensor), so the model's own forward fails instead
+    of running without its weights; only the lean forward runs a quantized model.
+    """
+
+    mode: str
+    report: QuantizationReport = None
+    _done: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.mode not in QUANTIZATIONS or self.mode == 'none':
+            raise ValueError('Quantizer mode must be one of {}, got {!r}'.format(', '.join(QUANTIZATIONS[1:]),
+                                                                                 self.mode))
+        self.report = QuantizationReport(self.mode)
+
+    def matrix(self, parameter: torch.Tensor | None) -> 'QuantizedWeight | None':
+        """Quantize a decoder layer's matrix: int4 where the mode and its shape allow, else int8."""
+        if parameter is None:
+            return None
+        return self._quantize(parameter, self.mode == 'int4')
+
+    def table(self, parameter: torch.Tensor | None) -> 'QuantizedWeight | None':
+        """Quantize an embedding table, an LM head or a projection outside the layers: int8."""
+        return None if parameter is None else self._quantize(parameter, False)
+
+    def _quantize(self, parameter: torch.Tensor, int4_allowed: bool) -> QuantizedWeight:
+        if id(parameter) in self._done:
+            return self._done[id(parameter)]
+        started = time.perf_counter()
+        int4 = int4_allowed and int4_fits(parameter)
+        quantized = _int4(parameter) if int4 else _int8(parameter)
+        report = self.report
+        report.matrices += 1
+        report.int4_matrices += int4
+        report.bytes_before += parameter.numel() * parameter.element_size()
+        report.bytes_after += sum(t.numel() * t.element_size() for t in (quantized.data, quantized.scales))
+        parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+        report.seconds += time.perf_counter() - started
+        self._done[id(parameter)] = quantized
+        return quantized
