@@ -25,7 +25,7 @@ class SoftTokens:
     """A goal's images as the target's prefill reads them: features at the positions that hold token_id."""
 
     token_id: int            # the image token: its positions in the prompt take the features, in order
-    features: torch.Tensor   # [image tokens, hidden] the embedder's output, in the target's dtype
+    features: torch.Tensor   # [image tokens, hidden] the embedder's output
     seconds: float           # what the processor, the tower and the embedder took
 
 
@@ -44,7 +44,6 @@ class VisionTower:
         self.image_token_id = config.image_token_id
         self.begin_id, self.end_id = config.boi_token_id, config.eoi_token_id
         self.processor = _image_processor(directory, vision)
-        self._dtype = model.get_input_embeddings().weight.dtype
 
     @classmethod
     def of(cls, model, directory: str) -> 'VisionTower | None':
@@ -80,7 +79,7 @@ class VisionTower:
         pixels = torch.from_numpy(np.asarray(batch['pixel_values'])).to(device, tower_dtype)
         positions = torch.from_numpy(np.asarray(batch['image_position_ids'])).to(device)
         out = self._model.get_image_features(pixels, positions, return_dict=True)
-        features = torch.cat(out.pooler_output).to(self._dtype)
+        features = torch.cat(out.pooler_output)  # in the tower's dtype: the model's, as the text embeddings
         expected = sum(self.soft_token_count(image.width, image.height) for image in images)
         if features.shape[0] != expected:  # the placeholder runs were sized by soft_token_count
             raise RuntimeError('the vision tower made {} soft tokens for {} placeholders'.format(
