@@ -1,5 +1,5 @@
 """
-``python -m gemma_spec_ros train <tokenizer|target|draft|assistant|ordered-head|eval-drafter>``.
+``python -m gemma_spec_ros train <tokenizer|target|draft|assistant|ordered-head|eval-drafter|vision>``.
 
 Training commands share: --seed, a tqdm bar with loss and tokens/s, safetensors checkpoints in --run-dir
 every --checkpoint-every steps, --resume, --max-minutes, and a from_pretrained-loadable --out directory
@@ -307,6 +307,34 @@ def eval_drafter_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def vision_command(args: argparse.Namespace) -> int:
+    from gemma_spec_ros.train import vision
+
+    device = common_setup(args)
+    if device.type != 'cpu':
+        raise ValueError('train vision runs on the CPU (the bundled target is small); pass --device cpu')
+    out = Path(args.out)
+    shape = vision.VisionShape.parse(args.shape)
+    tokenizer = vision.multimodal_tokenizer(Path(args.tokenizer), out)
+    config = vision.multimodal_config(Path(args.target), shape, tokenizer)
+    model = vision.build_model(Path(args.target), config, args.output_scale)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f'vision tower {args.shape} + embedder: {trainable / 1e6:.2f} M trainable parameters (target frozen)')
+    encoder = vision.SceneEncoder(tokenizer, shape)
+    result = train_loop(model, vision.vision_step(model, encoder, args.batch_size, args.seed), loop_settings(args),
+                        'vision', lr_multipliers={'model.embed_vision.': args.embedder_lr_multiplier})
+    start = time.time()
+    held = vision.held_out_accuracy(model, encoder, args.eval_scenes)
+    print(f'held-out exact match ({args.eval_scenes} scenes, {time.time() - start:.0f} s): {held.exact_match}')
+    report = training_report(args, result, shape=args.shape, trainable_parameters=trainable,
+                             target=args.target, held_out_scenes=args.eval_scenes,
+                             held_out_exact_match=held.exact_match, held_out_examples=held.examples)
+    vision.save_vision_model(model, out, Path(args.target), report)
+    vision.write_processor_config(out, shape, image_seq_length=encoder.image_processor.max_soft_tokens)
+    print(f'saved {out}')
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------------ parser
 def add_corpus_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--input', nargs='+', metavar='PATH',
@@ -415,6 +443,29 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument('--threads', type=int, default=0, help='torch CPU threads; 0 = default')
     evaluate.add_argument('--seed', type=int, default=0, help='prompt sampling seed')
     evaluate.set_defaults(run=eval_drafter_command)
+
+    vis = commands.add_parser('vision', help='train a vision tower + embedder on the frozen target (synthetic scenes)')
+    vis.add_argument('--target', default='models/gemma4-spec-target', help='the frozen text model')
+    vis.add_argument('--tokenizer', default='models/tokenizer', help='tokenizer to copy with image tokens added')
+    vis.add_argument('--shape', default='2x128x512', help='vision tower LAYERSxHIDDENxINTERMEDIATE')
+    vis.add_argument('--out', default='models/gemma4-spec-vision', help='output directory')
+    vis.add_argument('--run-dir', default='runs/vision', help='checkpoints and optimizer state (not for git)')
+    vis.add_argument('--resume', action='store_true', help='continue from the checkpoint in --run-dir')
+    vis.add_argument('--steps', type=int, default=600, help='optimizer steps (sets the schedule)')
+    vis.add_argument('--max-minutes', type=float, default=0.0, help='stop early after this wall time; 0 = off')
+    vis.add_argument('--batch-size', type=int, default=16, help='scenes (one question each) per step')
+    vis.add_argument('--lr', type=float, default=2e-3, help='peak learning rate (AdamW, warmup + cosine)')
+    vis.add_argument('--warmup', type=int, default=30, help='warmup steps')
+    vis.add_argument('--checkpoint-every', type=int, default=50, help='steps between checkpoints')
+    vis.add_argument('--output-scale', type=float, default=10.0,
+                     help="initial soft-token RMS, in units of the target's scaled token embeddings' RMS")
+    vis.add_argument('--embedder-lr-multiplier', type=float, default=10.0,
+                     help="the embedder's learning rate over --lr (its weights start --output-scale times larger)")
+    vis.add_argument('--eval-scenes', type=int, default=40, help='held-out scenes (every question of each)')
+    vis.add_argument('--device', default='cpu', help='cpu')
+    vis.add_argument('--threads', type=int, default=1, help='torch CPU threads; 0 = default')
+    vis.add_argument('--seed', type=int, default=0, help='random seed (training scenes)')
+    vis.set_defaults(run=vision_command)
     return parser
 
 

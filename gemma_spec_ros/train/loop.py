@@ -78,13 +78,23 @@ def load_checkpoint(model: torch.nn.Module, optimizer, run_dir: Path) -> dict:
 
 
 def train_loop(model: torch.nn.Module, step_fn: StepFn, settings: LoopSettings, description: str,
-               extra_state: dict | None = None) -> LoopResult:
-    """Optimize the trainable parameters of model with step_fn's loss; checkpoints into settings.run_dir."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': settings.weight_decay},
-                                   {'params': no_decay, 'weight_decay': 0.0}],
+               extra_state: dict | None = None, lr_multipliers: dict[str, float] | None = None) -> LoopResult:
+    """
+    Optimize the trainable parameters of model with step_fn's loss; checkpoints into settings.run_dir.
+
+    lr_multipliers: parameter-name prefix -> factor on the learning rate (e.g. a layer whose weights are large).
+    """
+    multipliers = lr_multipliers or {}
+    groups: dict[tuple[float, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            factor = next((f for prefix, f in multipliers.items() if name.startswith(prefix)), 1.0)
+            groups.setdefault((factor, p.dim() >= 2), []).append(p)
+    params = [p for group in groups.values() for p in group]
+    ordered = sorted(groups.items(), key=lambda item: (item[0][0], not item[0][1]))  # decay first, as before
+    optimizer = torch.optim.AdamW([{'params': group, 'lr_multiplier': factor,
+                                    'weight_decay': settings.weight_decay if decays else 0.0}
+                                   for (factor, decays), group in ordered],
                                   lr=settings.learning_rate, betas=(0.9, 0.95))
     state = {'step': 0, 'tokens': 0, 'wall_seconds': 0.0, 'settings': {
         k: str(v) for k, v in asdict(settings).items()}, **(extra_state or {})}
@@ -95,7 +105,8 @@ def train_loop(model: torch.nn.Module, step_fn: StepFn, settings: LoopSettings, 
     bar = tqdm(total=settings.steps, initial=state['step'], desc=description, dynamic_ncols=True, mininterval=2)
     while state['step'] < settings.steps:
         for group in optimizer.param_groups:
-            group['lr'] = learning_rate_at(state['step'], settings)
+            # a checkpoint from before lr_multipliers has none
+            group['lr'] = learning_rate_at(state['step'], settings) * group.get('lr_multiplier', 1.0)
         loss, tokens = step_fn(state['step'])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
