@@ -82,14 +82,19 @@ def test_row_buckets():
 
 
 def test_a_goal_pays_its_share_of_a_batched_pass():
-    # a pass of q = 1 split among the goals; each later position among the goals whose rows reach it
+    # a pass of q = 1 split among the goals; each later position among the goals whose rows reach it: the ones
+    # that speculate as their controllers choose (partners) reach any, the others what they reached last round
     pass_cost = TargetCost(5)
     pass_cost.calibrate({1: 4.0, 2: 5.0, 3: 8.0, 4: 8.0, 5: 10.0})
     share = GoalPassCost(pass_cost)
     assert not share.measured(1)
-    share.share(pass_cost, 4, [2, 3, 5])
+    share.share(pass_cost, 4, 0, [2, 3, 5])
     assert share.measured(1) and share.relative()[1:] == pytest.approx([1.0, 1.25, 2.25, 2.25, 3.25])
-    share.share(pass_cost, 1, [])  # alone: the whole pass
+    share.share(pass_cost, 4, 1, [1, 3])  # one partner, a plain goal, a goal that drafted 2
+    assert share.relative()[1:] == pytest.approx([1.0, 4 / 3, 7 / 3, 7 / 3 + 0, 7 / 3 + 1])
+    share.share(pass_cost, 4, 0, [1, 1, 1])  # among plain goals: every later position alone
+    assert share.relative()[1:] == pytest.approx([1.0, 2.0, 5.0, 5.0, 7.0])
+    share.share(pass_cost, 1, 0, [])  # alone: the whole pass
     assert share.relative()[1:] == [4.0, 5.0, 8.0, 8.0, 10.0]
     share.record_pass(3)
     assert share.last_seconds == share.seconds(3) == 8.0 * pass_cost.load

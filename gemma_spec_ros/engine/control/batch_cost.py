@@ -5,9 +5,10 @@ In a batch (engine.max_batch > 1) every goal's row runs in one target pass, padd
 costs by its row bucket and its query length q: one TargetCost per row bucket (calibrated at load, following the
 load online). A goal's controller must not read that whole cost as its own, nor the single-goal curve: it sees its
 share. The pass over one token per row is split evenly among the goals, and each further position of query length
-among the goals whose rows reach it, as a runway's segments are split among the planes that need them: a goal
-drafting K pays its share of every position up to K + 1 that the others' rows (their widths last round) also need,
-and alone for the positions only it needs.
+among the goals whose rows reach it, as a runway's segments are split among the planes that need them. The goals
+whose own controllers speculate now (partners) are taken to reach whatever this goal drafts, so goals that all
+speculate share every position alike; the others reach what their rows reached last round (a pinned K, a plain
+goal's one token). A goal among plain ones pays its longer row alone.
 
 With the controller's own rule on this curve (SpeculationController: the best K, the profit gate), a goal speculates
 only where its tokens pay for the time its drafting and its longer row add to everyone's round: a goal whose drafter
@@ -25,12 +26,11 @@ class GoalPassCost:
         self._relative: list[float | None] = [None] * len(pass_cost.relative())
         self.last_seconds: float | None = None  # the goal's share of the latest pass (the controller's record)
 
-    def share(self, pass_cost: TargetCost, goals: int, other_widths: list[int]) -> None:
+    def share(self, pass_cost: TargetCost, goals: int, partners: int, other_widths: list[int]) -> None:
         """
-        Price this round: pass_cost is its row bucket's, goals run in it, other_widths the other goals' row lengths.
+        Price this round: pass_cost is its row bucket's, goals run in it.
 
-        A goal that joins or drafts on its own (the others' widths 1) pays a pass of q = 1 split goals ways, plus
-        every later position alone.
+        partners: the other goals whose controllers speculate now; other_widths: the rest's row lengths last round.
         """
         self._pass_cost = pass_cost
         shape = pass_cost.relative()
@@ -39,7 +39,7 @@ class GoalPassCost:
             return
         relative = [shape[1] / goals] * 2
         for q in range(2, len(shape)):
-            sharing = 1 + sum(width >= q for width in other_widths)
+            sharing = 1 + partners + sum(width >= q for width in other_widths)
             relative.append(relative[-1] + (shape[q] - shape[q - 1]) / sharing)
         self._relative = relative
 

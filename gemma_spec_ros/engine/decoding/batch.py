@@ -264,11 +264,10 @@ class BatchScheduler:
     def _propose(self, goals: list[BatchGoal], batch: int) -> None:
         """Each goal's drafts for this round: on its own, or with the goals whose drafters share a model."""
         engine, shared = self._engine, {}
-        widths = [goal.width for goal in goals]  # last round's rows, which each goal shares its pass with
-        for index, goal in enumerate(goals):
+        for goal in goals:
             run = goal.run
             goal.proposal, goal.drafts, goal.draft_seconds = None, [], 0.0
-            goal.decision = self._decide(goal, batch, len(goals), widths[:index] + widths[index + 1:])
+            goal.decision = self._decide(goal, goals, batch)
             budget = min(run.plan.max_new_tokens - len(run.generated), engine._context_limit - len(run.tokens)) - 1
             k = min(goal.decision.num_draft_tokens, budget, self.rows.max_query - 1)
             if k <= 0:
@@ -298,17 +297,26 @@ class BatchScheduler:
                 goal.drafts = goal.proposal.tokens.tolist()
             goal.width = 1 + len(goal.drafts)
 
-    def _decide(self, goal: BatchGoal, batch: int, num_goals: int, other_widths: list[int]) -> Decision:
+    def _decide(self, goal: BatchGoal, goals: list[BatchGoal], batch: int) -> Decision:
         """Choose the goal's K this round: pinned, or its controller's on its share of this round's pass (else 0)."""
         run = goal.run
         if run.controller is None:
             return Decision(0, False)
-        goal.pass_cost.share(self.pass_costs[batch], num_goals, other_widths)
+        others = [other for other in goals if other is not goal]
+        partners = [other for other in others if self._speculates_as_it_chooses(other)]
+        goal.pass_cost.share(self.pass_costs[batch], len(goals), len(partners),
+                             [other.width for other in others if other not in partners])
         if run.plan.pinned_k:
             return Decision(run.plan.pinned_k, True)
         decision = run.controller.decide()
         run.tally.paused_rounds += not decision.speculating and decision.num_draft_tokens == 0
         return decision
+
+    @staticmethod
+    def _speculates_as_it_chooses(goal: BatchGoal) -> bool:
+        """Whether the goal's controller chooses its K and speculates now (its gate is open; K not pinned)."""
+        controller = goal.run.controller
+        return controller is not None and not goal.run.plan.pinned_k and controller.speculating
 
     @staticmethod
     def _drafts_by_row(goals: list[BatchGoal], batch: int) -> list[list[int]]:
