@@ -131,7 +131,6 @@ BAD_INDICES = [
      "image(s) [1] are shown by no message: list them in a message's image_indices"),
     ([ChatMessage(role='user', content='see', image_indices=[0])], 0,
      'messages[0].image_indices[0]: 0 is not an index into the 0 image(s)'),
-    ([], 1, "images need chat messages that show them (a message's image_indices): a raw prompt cannot place them"),
 ]
 
 
@@ -141,3 +140,8 @@ def test_image_indices_must_show_every_image_and_no_other(messages, count, expec
     with pytest.raises(ValueError) as error:
         goal_to_request(goal, ImageLimits(max_images=4, max_pixels=16))
     assert str(error.value) == expected
+
+
+def test_a_prompt_goal_takes_its_images_as_they_are():   # the engine puts them before the prompt's text
+    request = goal_to_request(Generate.Goal(prompt='see', images=[raw()]), LIMITS)
+    assert request.prompt == 'see' and request.messages is None and request.images[0].rgb == RGB

@@ -1,4 +1,4 @@
-"""Image goals through the node with a real rclpy client: bad images end the goal naming the field."""
+"""Image goals through the node with a real rclpy client: answered on the bundled vision model, bad ones refused."""
 
 import io
 import json
@@ -25,6 +25,7 @@ from gemma_spec_ros.tools.client import compressed_image_from_file, image_from_f
 DOMAIN_ID = 11 + (os.getpid() + 59) % 80
 MAX_PIXELS = 64 * 64
 QUESTION = 'Which objects are on the table?'
+VISION_MODEL = REPO_ROOT / 'models' / 'gemma4-spec-vision'   # the bundled target with a vision tower
 
 
 def rgb8(width=4, height=4, encoding='rgb8', data=None) -> Image:
@@ -68,7 +69,7 @@ BAD_IMAGE_GOALS = [
     (image_goal(compressed_images=[CompressedImage(format='jpeg', data=png())]),
      'compressed_images[0].data: a png image, but format says jpeg'),
     (image_goal([rgb8()], indices=[1]), 'messages[0].image_indices[0]: 1 is not an index into the 1 image(s)'),
-    (make_goal(prompt=QUESTION, images=[rgb8()]), 'images need chat messages that show them'),
+    (make_goal(prompt=QUESTION, images=[rgb8()]), 'images: the target reads text only (it has no vision tower)'),
 ]
 
 
@@ -148,3 +149,30 @@ def test_diagnostics_show_image_prefill_apart(served):
     _, _, values, _ = engine_status(client, 'gemma_spec_images', lambda entry: 'images' in entry[2])
     capabilities = node.backend.capabilities
     assert values['images'] == ('accepted' if capabilities.images else 'refused: ' + capabilities.image_refusal)
+
+
+@pytest.fixture(scope='module')
+def vision_served(context):
+    params = {'engine.target_path': str(VISION_MODEL), 'engine.drafter': 'none', 'engine.device': 'cpu',
+              'engine.dtype': 'float32', 'engine.compile': TEST_COMPILE, 'diagnostic_updater.period': 0.2}
+    with spinning_node(context, 'gemma_spec_vision', params) as pair:
+        yield pair
+
+
+def test_an_image_goal_gets_the_same_answer_from_every_encoding(vision_served):
+    node, client = vision_served
+    assert node.backend.capabilities.images, node.backend.capabilities.image_refusal
+    scene = json.loads((VISION_MODEL / 'demo_scene.json').read_text())
+    compressed = compressed_image_from_file(VISION_MODEL / 'demo_scene.png')
+    rgb = image_from_file(VISION_MODEL / 'demo_scene.png')
+    pixels = bytes(rgb.data)
+    bgr = Image(width=rgb.width, height=rgb.height, encoding='bgr8', step=rgb.step,
+                data=b''.join(pixels[i:i + 3][::-1] for i in range(0, len(pixels), 3)))
+    outcomes = [client.send(make_goal(messages=[('user', scene['question'], [0])], max_new_tokens=16, **images))
+                for images in (dict(compressed_images=[compressed]), dict(images=[rgb]), dict(images=[bgr]))]
+    for outcome in outcomes:
+        assert outcome.status == 'succeeded', outcome.result.error
+    first = outcomes[0].result
+    assert first.text.strip() and first.stats.image_prefill_ms > 0
+    assert first.stats.time_to_first_token * 1000 > first.stats.image_prefill_ms
+    assert [list(o.result.token_ids) for o in outcomes[1:]] == [list(first.token_ids)] * 2

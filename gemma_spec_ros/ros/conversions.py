@@ -47,10 +47,12 @@ def goal_to_request(goal, limits: ImageLimits) -> GenerationRequest:
     Build a GenerationRequest from the goal's fields as they are (0, '' and -1 mean what the action says).
 
     Its images are goal.images then goal.compressed_images, decoded to RGB (a message's image_indices count them in
-    that order); limits bound their count and size before anything is decoded. ValueError naming the bad field.
+    that order, and must show each); limits bound their count and size before anything is decoded. ValueError
+    naming the bad field.
     """
     messages = [message_to_dict(m) for m in goal.messages]
-    check_image_indices(messages, len(goal.images) + len(goal.compressed_images), key='image_indices')
+    if messages:   # a raw prompt's images go before its text; messages place theirs
+        check_image_indices(messages, len(goal.images) + len(goal.compressed_images), key='image_indices')
     return GenerationRequest(
         prompt='' if messages else goal.prompt, messages=messages or None, max_new_tokens=int(goal.max_new_tokens),
         temperature=float(goal.temperature), top_p=float(goal.top_p), top_k=int(goal.top_k), stop=list(goal.stop),
