@@ -109,7 +109,7 @@ def run_cli(*args):
                           timeout=300, cwd=REPO_ROOT)
 
 
-def test_record_and_replay_an_image_goal(served, tmp_path):
+def test_record_and_replay_an_image_goal(vision_served, tmp_path):
     (tmp_path / 'scene.png').write_bytes(png(6, 5))
     (tmp_path / 'scene.jpg').write_bytes(png(8, 8, 'JPEG'))
     requests = tmp_path / 'requests.jsonl'
@@ -117,8 +117,8 @@ def test_record_and_replay_an_image_goal(served, tmp_path):
         'request_id': 'image', 'images': ['scene.png'], 'compressed_images': ['scene.jpg'], 'max_new_tokens': 4,
         'messages': [{'role': 'user', 'content': QUESTION, 'image_indices': [1, 0]}]}) + '\n')
     bag = tmp_path / 'bag'
-    recorded = run_cli('record', str(requests), '--output', str(bag), '--node', 'gemma_spec_images',
-                       '--action', '/gemma_spec_images/generate')
+    recorded = run_cli('record', str(requests), '--output', str(bag), '--node', 'gemma_spec_vision',
+                       '--action', '/gemma_spec_vision/generate')
     assert recorded.returncode == 0, recorded.stdout + recorded.stderr
 
     with Reader(bag) as reader:   # rosbags' own CDR decoder reads the sensor_msgs/Image it wrote
@@ -129,10 +129,11 @@ def test_record_and_replay_an_image_goal(served, tmp_path):
         tmp_path / 'scene.png').data.tobytes()
     (_, request), = read_bag(bag)[0]
     assert list(request.messages[0].image_indices) == [1, 0] and request.compressed_images[0].format == 'jpeg'
+    assert read_bag(bag)[1]['image'].status == 'succeeded'
 
-    replayed = run_cli('replay', str(bag), '--node', 'gemma_spec_images', '--action', '/gemma_spec_images/generate')
+    replayed = run_cli('replay', str(bag), '--node', 'gemma_spec_vision', '--action', '/gemma_spec_vision/generate')
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert '0 of 1 requests failed' in replayed.stdout
+    assert 'greedy parity: 1/1 identical; 0 of 1 requests failed' in replayed.stdout
 
 
 def test_diagnostics_show_image_prefill_apart(served):
