@@ -111,8 +111,9 @@ class _LeanReference:
 
     def __init__(self, path: str, mode: str):
         device = model_loading.resolve_device(ON_TEST_DEVICE['device'])
-        model = model_loading.load_causal_lm(path, 'target', device, torch.float32)
-        self.runner = FastCausalLM(model, 64, 8, 'eager', mode)
+        quantizer = Quantizer(mode)
+        model = model_loading.load_causal_lm(path, 'target', device, torch.float32, quantizer)
+        self.runner = FastCausalLM(model, 64, 8, 'eager', quantizer)
         self.device = device
 
     def __call__(self, input_ids: torch.Tensor):
@@ -145,3 +146,21 @@ def test_the_quantized_distribution_differs_from_float_where_the_test_has_power(
     quantized = _LeanReference(tiny_models.target, 'int4')(torch.tensor([prompt_ids])).logits[0, -1]
     full = tiny_engine._target.model(torch.tensor([prompt_ids])).logits[0, -1]
     assert not torch.allclose(quantized, full, atol=1e-3)
+
+
+@pytest.mark.parametrize('mode', ['int8', 'int4'])
+def test_loading_into_quantized_weights_equals_quantizing_a_loaded_model(tiny_models, mode):
+    # the engine's path (quantized_loading: row blocks read straight into integers) against quantizing a model that
+    # from_pretrained loaded whole: the same weights, so the same logits
+    device = model_loading.resolve_device(ON_TEST_DEVICE['device'])
+    ids = torch.tensor([list(range(5, 40))], device=device)
+    logits = []
+    for streamed in (True, False):
+        quantizer = Quantizer(mode)
+        model = model_loading.load_causal_lm(tiny_models.target, 'target', device, torch.float32,
+                                             quantizer if streamed else None)
+        assert all(parameter.device.type != 'meta' for parameter in model.parameters())
+        runner = FastCausalLM(model, 64, 8, 'eager', quantizer)
+        assert runner.quantization.matrices == 4 * 7 + 1  # every layer matrix and the tied embedding
+        logits.append(runner.prefill(ids, logits_to_keep=0).logits)
+    assert torch.equal(logits[0], logits[1])

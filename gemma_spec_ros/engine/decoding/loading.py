@@ -11,6 +11,7 @@ from .. import requests
 from ..drafters import drafter_class
 from ..drafters.base import LoadContext
 from ..runtime import causal_lm, models
+from ..runtime.quantize import Quantizer
 from ..runtime.warmup import Warmup, warm_up_blocking
 from ..stats import mib
 from ..types import REGISTRY, DisabledDrafter, EngineConfig
@@ -34,10 +35,11 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
     device = models.resolve_device(config.device)
     dtype = models.resolve_dtype(config.dtype, device)
     progress('loading target {} on {} ({})'.format(config.target_path, device, str(dtype).replace('torch.', '')))
-    target = models.load_causal_lm(config.target_path, 'target', device, dtype)
+    quantizer = Quantizer.for_mode(config.quantization)
+    target = models.load_causal_lm(config.target_path, 'target', device, dtype, quantizer)
     tokenizer = models.load_tokenizer(config.target_path)
     target_lm = causal_lm.build_causal_lm(target, config.compile, models.context_limit(config, target),
-                                          config.max_draft_tokens + 1, 'target', progress, config.quantization)
+                                          config.max_draft_tokens + 1, 'target', progress, quantizer)
     context = LoadContext(config, target_lm, tokenizer, device, dtype, progress)
     drafters, errors = {}, {}
     for name, spec in REGISTRY.items():

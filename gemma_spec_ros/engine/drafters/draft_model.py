@@ -3,6 +3,7 @@
 import torch
 
 from ..runtime import FastCausalLM, causal_lm, models
+from ..runtime.quantize import Quantizer
 from ..runtime.rows import FastRows, row_bucket
 from .base import (
     DraftContext,
@@ -39,12 +40,13 @@ class DraftModelDrafter(Drafter):
     def load(cls, context: LoadContext) -> 'DraftModelDrafter':
         path = context.config.draft_model_path
         context.progress('loading draft model {}'.format(path))
-        model = models.load_causal_lm(path, 'draft model', context.device, context.dtype)
+        quantizer = Quantizer.for_mode(context.config.quantization)
+        model = models.load_causal_lm(path, 'draft model', context.device, context.dtype, quantizer)
         models.check_same_vocab(context.target, context.tokenizer, model, path, 'draft model')
         # steps of up to K_max + 1 tokens: a round's rollback of up to K_max - 1 drafts must fit the sliding slack
         draft_lm = causal_lm.build_causal_lm(model, context.config.compile, context.context_limit,
                                              context.config.max_draft_tokens + 1, 'draft model', context.progress,
-                                             context.config.quantization)
+                                             quantizer)
         return cls(draft_lm, models.placeholder_ids(context.target))
 
     def warmup(self, progress) -> int:

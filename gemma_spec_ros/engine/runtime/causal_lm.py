@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .model import StepOutput
+from .quantize import Quantizer
 from .runner import FastCausalLM, WarmupReport
 from .vision import SoftTokens
 
@@ -100,22 +101,24 @@ class DynamicCausalLM:
 
 
 def build_causal_lm(model, compile_mode: str, context_limit: int, max_query: int, role: str,
-                    progress: Callable[[str], None], quantization: str = 'none') -> 'FastCausalLM | DynamicCausalLM':
+                    progress: Callable[[str], None], quantizer: Quantizer | None = None
+                    ) -> 'FastCausalLM | DynamicCausalLM':
     """
     Build the runner engine.compile asks for: transformers' forward for 'transformers', else the fast path.
 
     With auto, a model the lean forward does not cover (it raises ValueError saying why) runs transformers' forward,
-    and progress says so; with an explicit mode, or with quantization (only the lean forward reads quantized
-    weights), that is an error. quantization: none, int8 or int4 (quantize.py), done here and logged.
+    and progress says so; with an explicit mode, or with a quantizer (only the lean forward reads quantized
+    weights), that is an error. quantizer: the model's (quantize.py; the load may have quantized part already),
+    logged.
     """
     if compile_mode == 'transformers':
         return DynamicCausalLM(model)
     try:
-        runner = FastCausalLM(model, context_limit, max_query, compile_mode, quantization)
+        runner = FastCausalLM(model, context_limit, max_query, compile_mode, quantizer)
     except ValueError as exc:
-        if compile_mode != 'auto' or quantization != 'none':
+        if compile_mode != 'auto' or quantizer is not None:
             raise ValueError('engine.compile={} (engine.quantization={}) cannot run the {}: {}'.format(
-                compile_mode, quantization, role, exc)) from exc
+                compile_mode, 'none' if quantizer is None else quantizer.mode, role, exc)) from exc
         progress("{}: fast path not available ({}); running transformers' forward".format(role, exc))
         return DynamicCausalLM(model)
     if runner.quantization is not None:

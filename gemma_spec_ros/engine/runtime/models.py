@@ -6,6 +6,8 @@ from pathlib import Path
 import torch
 
 from ..types import DEVICES, DTYPES
+from .quantize import Quantizer
+from .quantized_loading import load_quantized
 
 TARGET_TYPES = ('gemma4_text', 'gemma4')  # text-only Gemma4ForCausalLM, multimodal Gemma4ForConditionalGeneration
 ASSISTANT_TYPE = 'gemma4_assistant'
@@ -74,8 +76,12 @@ def _read_config(directory: Path, role: str):
         raise ValueError('cannot read the {} config in {}: {}'.format(role, directory, exc)) from exc
 
 
-def _from_pretrained(model_class, directory: Path, role: str, device: torch.device, dtype: torch.dtype, **options):
+def _from_pretrained(model_class, directory: Path, role: str, device: torch.device, dtype: torch.dtype,
+                     quantizer: Quantizer | None = None, **options):
     try:
+        if quantizer is not None:  # never holds every float weight at once
+            return load_quantized(model_class, _read_config(directory, role), directory, device, dtype, quantizer,
+                                  options.get('key_mapping'))
         model = model_class.from_pretrained(str(directory), dtype=dtype, use_safetensors=True,
                                             trust_remote_code=False, local_files_only=True, **options)
     except Exception as exc:  # corrupt or truncated weights surface as many error types
@@ -102,21 +108,22 @@ def _own_buffers(model) -> None:
             setattr(module, name, copies[id(buffer)])  # stays a buffer, persistent or not as it was
 
 
-def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtype):
+def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtype, quantizer: Quantizer | None = None):
     """
     Load a Gemma 4 language model: Gemma4ForCausalLM, or Gemma4ForConditionalGeneration.
 
     A Gemma4ForConditionalGeneration keeps its vision tower and embedder (vision.VisionTower reads images with
-    them); its text model is what the engine decodes with.
+    them); its text model is what the engine decodes with. quantizer: read the matrices the lean forward quantizes
+    straight into their quantized form (quantized_loading).
     """
     from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     directory = check_model_dir(path, role)
     config = _read_config(directory, role)
     if config.model_type == 'gemma4_text':
-        return _from_pretrained(Gemma4ForCausalLM, directory, role, device, dtype)
+        return _from_pretrained(Gemma4ForCausalLM, directory, role, device, dtype, quantizer)
     if config.model_type == 'gemma4':
-        return _from_pretrained(Gemma4ForConditionalGeneration, directory, role, device, dtype,
+        return _from_pretrained(Gemma4ForConditionalGeneration, directory, role, device, dtype, quantizer,
                                 key_mapping=SHARED_TEXT_KEY_MAPPING)
     raise ValueError('{} at {} is a {!r} model ({}); expected a Gemma 4 language model ({})'.format(
         role, directory, config.model_type, ', '.join(config.architectures or []), ' or '.join(TARGET_TYPES)))

@@ -31,6 +31,28 @@ INT4_LEVELS = 15
 INT4_INNER_K_TILES = {'cpu': 1, 'cuda': 8}  # what aten's int4 packing takes per device (8 is tinygemm's CUDA layout)
 INT4_MULTIPLES = {'cpu': (1, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples its kernels accept
 PRODUCT_DTYPE = torch.bfloat16  # activations of the weight-only products
+# what a text model's parameters are called where the lean forward reads them quantized (quantized_kind)
+QUANTIZED_MATRICES = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+QUANTIZED_TABLES = ('embed_tokens.weight', 'embed_tokens_per_layer.weight', 'per_layer_model_projection.weight')
+QUANTIZED_LAYER_TABLES = ('per_layer_input_gate', 'per_layer_projection')
+
+
+def quantized_kind(name: str) -> str:
+    """
+    Return how the lean forward stores a text model's parameter, by its name in either class.
+
+    'matrix' (a decoder layer's; int4 in int4 mode), 'table' (int8) or '' (float: norms, scalars, and a
+    Gemma4ForConditionalGeneration's vision tower).
+    """
+    if name == 'lm_head.weight':
+        return 'table'
+    text_name = name.removeprefix('model.').removeprefix('language_model.')
+    if text_name in QUANTIZED_TABLES:
+        return 'table'
+    parts = text_name.split('.')
+    if parts[0] != 'layers' or text_name == name or parts[-1] != 'weight':
+        return ''
+    return 'matrix' if parts[-2] in QUANTIZED_MATRICES else 'table' if parts[-2] in QUANTIZED_LAYER_TABLES else ''
 
 
 class QuantizedWeight(NamedTuple):
@@ -127,6 +149,11 @@ class Quantizer:
     report: QuantizationReport = None
     _done: dict = field(default_factory=dict)
 
+    @classmethod
+    def for_mode(cls, mode: str) -> 'Quantizer | None':
+        """Return a quantizer for engine.quantization's mode; None for none."""
+        return None if mode == 'none' else cls(mode)
+
     def __post_init__(self):
         if self.mode not in QUANTIZATIONS or self.mode == 'none':
             raise ValueError('Quantizer mode must be one of {}, got {!r}'.format(', '.join(QUANTIZATIONS[1:]),
@@ -143,18 +170,26 @@ class Quantizer:
         """Quantize an embedding table, an LM head or a projection outside the layers: int8."""
         return None if parameter is None else self._quantize(parameter, False)
 
-    def _quantize(self, parameter: torch.Tensor, int4_allowed: bool) -> QuantizedWeight:
-        if id(parameter) in self._done:
-            return self._done[id(parameter)]
+    def quantize_values(self, values: torch.Tensor, int4_allowed: bool) -> QuantizedWeight:
+        """Quantize a float matrix: int4 where allowed and its shape fits, else int8 (timed into the report)."""
         started = time.perf_counter()
-        int4 = int4_allowed and int4_fits(parameter)
-        quantized = _int4(parameter) if int4 else _int8(parameter)
+        quantized = _int4(values) if int4_allowed and self.mode == 'int4' and int4_fits(values) else _int8(values)
+        self.report.seconds += time.perf_counter() - started
+        return quantized
+
+    def adopt(self, parameter: torch.Tensor, quantized: QuantizedWeight, bytes_before: int) -> None:
+        """Take quantized as parameter's weight (quantized_loading: the float data was never held)."""
         report = self.report
         report.matrices += 1
-        report.int4_matrices += int4
-        report.bytes_before += parameter.numel() * parameter.element_size()
+        report.int4_matrices += bool(quantized.group_size)
+        report.bytes_before += bytes_before
         report.bytes_after += sum(t.numel() * t.element_size() for t in (quantized.data, quantized.scales))
+        self._done[id(parameter)] = (parameter, quantized)  # holding the parameter keeps its id unique
+
+    def _quantize(self, parameter: torch.Tensor, int4_allowed: bool) -> QuantizedWeight:
+        if id(parameter) in self._done:
+            return self._done[id(parameter)][1]
+        quantized = self.quantize_values(parameter.detach(), int4_allowed)
+        self.adopt(parameter, quantized, parameter.numel() * parameter.element_size())
         parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
-        report.seconds += time.perf_counter() - started
-        self._done[id(parameter)] = quantized
         return quantized

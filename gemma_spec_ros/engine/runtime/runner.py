@@ -134,10 +134,9 @@ class FastCausalLM(_Shadowed):
     """
 
     def __init__(self, model, context_limit: int, max_query: int, compile_mode: str = 'auto',
-                 quantization: str = 'none'):
+                 quantizer: Quantizer | None = None):
         self.model = model
         self.mode = resolve_compile_mode(compile_mode, model.device)
-        quantizer = None if quantization == 'none' else Quantizer(quantization)
         # inductor-gemm: passes of 2 tokens or more keep aten's products, which the GEMM template generates
         self.lean = LeanGemma4(model, 1 if self.mode == 'inductor-gemm' else ROW_PRODUCT_MAX_ROWS,
                                blocked=stores_blocked(self.mode, max_query), quantizer=quantizer)
