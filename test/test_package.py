@@ -25,6 +25,7 @@ ROSDEP_KEYS = {
     'lifecycle_msgs': 'lifecycle_msgs',
     'psutil': 'python3-psutil',
     'diagnostic_msgs': 'diagnostic_msgs',
+    'sensor_msgs': 'sensor_msgs',
     'diagnostic_updater': 'diagnostic_updater',
     'launch': 'launch',
     'launch_ros': 'launch_ros',
@@ -41,6 +42,7 @@ ROSDEP_KEYS = {
     'rosbags': 'python3-rosbags-pip',
     'xgrammar': 'python3-xgrammar-pip',
     'jsonschema': 'python3-jsonschema',
+    'PIL': 'python3-pil',
 }
 
 
