@@ -334,6 +334,9 @@ def test_a_goal_whose_drafter_does_not_pay_runs_plain_while_the_others_speculate
         assert stats.paused_rounds == 0 and stats.rounds_by_draft_length[0] == 0, name
         assert stats.accepted_tokens == stats.drafted_tokens and stats.mean_num_draft_tokens > 2, name
         assert recorder.interleaved('dear', name) or recorder.interleaved(name, 'dear'), name
+    # the drafter's next goal takes over what its controller learned: it opens with a probe and stays plain
+    again = batch_engine.generate(requests['dear']).stats
+    assert sum(again.rounds_by_draft_length[1:]) < sum(dear.rounds_by_draft_length[1:]), (again, dear)
 
 
 class UnjoinableDrafter(RepeatingDrafter):

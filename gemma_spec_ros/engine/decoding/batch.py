@@ -55,6 +55,7 @@ class BatchGoal:
     slot: int = -1                                   # its KV-cache slot once admitted
     admitted: float | None = None                    # when it got its slot
     pass_cost: GoalPassCost | None = None            # its share of the batched passes (with a controller)
+    idle_controllers: list | None = None             # where its controller goes when it ends (its drafter's)
     decision: Decision = field(default_factory=lambda: Decision(0, True))  # this round's K
     proposal: Proposal | None = None                 # this round's drafts
     drafts: list[int] = field(default_factory=list)  # ... as token ids
@@ -81,6 +82,8 @@ class BatchScheduler:
         self._slots: list[BatchGoal | None] = [None] * rows.cache.num_slots
         # a batched pass's seconds by its query length, per row bucket: what the goals' controllers share
         self.pass_costs = {bucket: TargetCost(rows.max_query) for bucket in row_buckets(rows.cache.num_slots)}
+        # per drafter: the controllers (and their pass shares) of its goals that ended, for its next goals
+        self._idle_controllers: dict[Drafter, list[tuple[SpeculationController, GoalPassCost]]] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -194,8 +197,9 @@ class BatchScheduler:
                 self._slots[free] = goal
             try:
                 goal.admitted = time.perf_counter()
-                goal.run.drafter = goal.run.drafter.for_batch(free)
-                self._start_controller(goal)
+                drafter = goal.run.drafter
+                goal.run.drafter = drafter.for_batch(free)
+                self._start_controller(goal, drafter)
                 if goal.cancel is not None and goal.cancel.cancelled:  # cancelled while it waited: nothing runs
                     goal.run.finish = 'cancelled'
                     self._end(goal)
@@ -204,19 +208,24 @@ class BatchScheduler:
             except Exception as exc:  # noqa: BLE001 (the goal's caller gets it; the others go on)
                 self._end(goal, exc)
 
-    def _start_controller(self, goal: BatchGoal) -> None:
+    def _start_controller(self, goal: BatchGoal, drafter: Drafter) -> None:
         """
         Give a speculating goal a controller of its own, on its share of the batched passes.
 
-        Its text and its batch are its own, so nothing the engine's per-drafter controllers (single-goal passes,
-        other texts) learned applies; a pinned K is only measured, as on the single-goal path.
+        One that an earlier goal of its drafter left, if any: what it learned of the drafter's acceptance and
+        drafting cost carries over, as the single-goal engine's one controller per drafter does (not that one: its
+        costs are single-goal passes). A pinned K is only measured, as on the single-goal path.
         """
         run, config = goal.run, self._engine.config
         if run.controller is None:  # drafter none, or its model failed to load
             return
-        goal.pass_cost = GoalPassCost(self.pass_costs[row_bucket(goal.slot + 1, self.num_slots)])
-        run.controller = SpeculationController(config.max_draft_tokens, goal.pass_cost, config.profit_gate,
-                                               config.probe_interval, run.drafter.cut_saves_drafting)
+        goal.idle_controllers = self._idle_controllers.setdefault(drafter, [])
+        if goal.idle_controllers:
+            run.controller, goal.pass_cost = goal.idle_controllers.pop()
+        else:
+            goal.pass_cost = GoalPassCost(self.pass_costs[row_bucket(goal.slot + 1, self.num_slots)])
+            run.controller = SpeculationController(config.max_draft_tokens, goal.pass_cost, config.profit_gate,
+                                                   config.probe_interval, run.drafter.cut_saves_drafting)
         run.controller.start(run.drafter.draft_calls(run.plan.sampling, run.constraint is not None),
                              pinned_k=bool(run.plan.pinned_k))
 
@@ -378,6 +387,8 @@ class BatchScheduler:
                 goal.result = self._engine._result(goal.run, goal.started, goal.steps_before)
         except Exception as exc:  # noqa: BLE001 (its caller gets it, never a wait without end)
             error = exc
+        if goal.idle_controllers is not None and goal.run.controller is not None:  # not after a drafter failure
+            goal.idle_controllers.append((goal.run.controller, goal.pass_cost))
         goal.error = error
         goal.done.set()
 
