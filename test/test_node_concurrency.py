@@ -197,6 +197,7 @@ def test_the_batched_local_engine_serves_two_goals_together_through_the_node(con
         assert batched.result.text == single.result.text and batched.streamed_text == batched.result.text
     assert latest is not None, '/diagnostics never listed both goals of the batch'
     engine_values = latest[NAME + '_batched: engine'][2]
-    listed = sorted(value for key, value in engine_values.items() if key.startswith('batch slot'))
+    listed = sorted(value for key, value in engine_values.items() if re.fullmatch(r'batch slot \d+', key))
     assert listed[0].startswith('ngram, ') and listed[1].startswith('plain decoding, tau 1.00, '), listed
     assert all(re.search(r'tau [0-9.]+, [0-9]+ tokens, waited [0-9.]+ s for its slot$', value) for value in listed)
+    assert engine_values['batch slots'] == '2'
