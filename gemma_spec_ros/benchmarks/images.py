@@ -11,6 +11,7 @@ Two measurements, interleaved over --repeats so that drift hits both alike:
 - steps: the target's plain decode steps after each prompt, --steps of them with the argmax fed back and EOS
   ignored, so that the rate covers the same number of steps whatever the model answers: the decode rate at the
   image goal's context against the text goal's.
+- frame sizes: the image prefill alone (VisionTower.encode) of the image resized to common camera frames.
 """
 
 import argparse
@@ -26,6 +27,7 @@ from gemma_spec_ros.engine.types import ImageInput
 
 MODELS = Path(__file__).resolve().parents[2] / 'models'
 QUESTION = 'Which objects are on the table?'
+FRAMES = ((320, 240), (640, 480), (1280, 720))
 
 
 def read_image(path: str) -> ImageInput:
@@ -58,6 +60,13 @@ def decode_steps_per_second(engine: Engine, request: GenerationRequest, steps: i
         return steps / (time.perf_counter() - started)
 
 
+def resized(image: ImageInput, width: int, height: int) -> ImageInput:
+    from PIL import Image
+
+    picture = Image.frombytes('RGB', (image.width, image.height), image.rgb).resize((width, height))
+    return ImageInput(width, height, picture.tobytes())
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[1])
     parser.add_argument('--target', default=str(MODELS / 'gemma4-spec-vision'))
@@ -79,6 +88,8 @@ def main(argv=None) -> None:
     cases = [(drafter, shown) for drafter in drafters for shown in (image, None)]
     rows: dict[tuple[str, bool], list] = {(drafter, shown is not None): [] for drafter, shown in cases}
     rates: dict[bool, list[float]] = {True: [], False: []}
+    frames = {size: resized(image, *size) for size in FRAMES}
+    encode_ms: dict[tuple[int, int], list[float]] = {size: [] for size in frames}
     for drafter, shown in cases:  # warm-up: first calls build what a goal needs
         engine.generate(goal(shown, drafter, args.new_tokens))
     for _ in range(args.repeats):
@@ -86,6 +97,8 @@ def main(argv=None) -> None:
             rows[drafter, shown is not None].append(engine.generate(goal(shown, drafter, args.new_tokens)).stats)
         for shown in (image, None):
             rates[shown is not None].append(decode_steps_per_second(engine, goal(shown, 'none', 1), args.steps))
+        for size, frame in frames.items():
+            encode_ms[size].append(engine._vision.encode((frame,)).seconds * 1000.0)
 
     print('\nimage {} ({}x{}); target {}, decode steps {}; medians of {} repeats\n'.format(
         Path(args.image).name, image.width, image.height, Path(args.target).name, engine._target.mode,
@@ -101,6 +114,9 @@ def main(argv=None) -> None:
             median('tau')))
     print('\ntarget plain decode steps ({} steps, EOS ignored): {:.1f} tok/s after the image goal\'s prompt, {:.1f} '
           'after the text goal\'s'.format(args.steps, statistics.median(rates[True]), statistics.median(rates[False])))
+    print('image prefill of a camera frame: ' + ', '.join('{}x{} {:.1f} ms ({} soft tokens)'.format(
+        width, height, statistics.median(encode_ms[width, height]), engine._vision.soft_token_count(width, height))
+        for width, height in frames))
 
 
 if __name__ == '__main__':
