@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared check for a lent CUDA machine (one run, under 10 minutes): benchmarks.gpu_check on the bundled
-# models and on a random model of Gemma-4-E2B's shape, then the engine's tests on CUDA with captured steps.
+# models and on a random model of Gemma-4-E2B's shape, then the engine's tests on CUDA with captured steps, and the
+# quantized targets' (int8 and int4 on CUDA: never run yet).
 #
 #   bash scripts/device_check.sh OUT_DIR
 #   DEVICE_CHECK_STAGES="tests bundled" DEVICE_CHECK_MODES=cudagraph,eager bash scripts/device_check.sh OUT_DIR
@@ -22,7 +23,7 @@ if compgen -G '.whl/*.whl' >/dev/null; then
 else
   export PYTHONPATH="$PWD"
 fi
-stages=" ${DEVICE_CHECK_STAGES:-environment bundled e2b tests} "
+stages=" ${DEVICE_CHECK_STAGES:-environment bundled e2b tests quantization} "
 modes="${DEVICE_CHECK_MODES:-cudagraph,eager,off}"
 failed=0
 stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to OUT/check.log, count a failure
@@ -47,5 +48,7 @@ stage e2b 200 python3 -m gemma_spec_ros.benchmarks.gpu_check --models e2b --mode
 stage tests 220 env GEMMA_SPEC_TEST_DEVICE=cuda GEMMA_SPEC_TEST_COMPILE=cudagraph python3 -m pytest -q \
   -p no:cacheprovider --durations=15 --junitxml="$out/tests.xml" test/test_engine_fast.py test/test_engine.py \
   test/test_engine_grammar.py test/test_grammar_json.py
+stage quantization 90 env GEMMA_SPEC_TEST_DEVICE=cuda GEMMA_SPEC_TEST_COMPILE=cudagraph python3 -m pytest -q \
+  -p no:cacheprovider --durations=10 --junitxml="$out/quantization.xml" test/test_quantization.py
 echo "stages failed: $failed" | tee -a "$out/check.log"
 exit "$failed"

@@ -90,8 +90,9 @@ def test_quantized_weights_are_smaller_and_reported(quantized_engine, tiny_engin
     assert isinstance(runner, FastCausalLM) and runner.quantization.mode == quantized_engine.config.quantization
     report = runner.quantization
     assert report.bytes_after < report.bytes_before / 3
-    # the target and the draft model shrink; the MTP assistant stays float
-    assert quantized.weights_bytes < full.weights_bytes - 2 * report.bytes_after
+    # the target, the draft model and the MTP assistant shrink
+    assert quantized.weights_bytes < full.weights_bytes / 3
+    assert quantized_engine._drafters['mtp']._fast.quantization.matrices > 0
 
 
 @pytest.mark.parametrize('drafter', ['none', 'ngram', 'draft', 'mtp'])

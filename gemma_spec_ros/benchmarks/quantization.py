@@ -5,6 +5,8 @@ Weight-only quantization (engine.quantization), measured: speed, quality, τ and
     python -m gemma_spec_ros.benchmarks.quantization quality      # bundled target: agreement and perplexity vs float
     python -m gemma_spec_ros.benchmarks.quantization tau          # τ of each drafter with a quantized target
     python -m gemma_spec_ros.benchmarks.quantization memory-table # E2B shape per precision against Orin boards
+    python -m gemma_spec_ros.benchmarks.quantization e2b-write --models DIR   # random E2B shape + assistant, bf16
+    python -m gemma_spec_ros.benchmarks.quantization e2b-load --models DIR --precision int8   # peak RSS, decode
 
 Each prints one JSON object on stdout; progress goes to stderr.
 """
@@ -240,9 +242,60 @@ def _stored_bytes(weight) -> int:
     return sum(t.numel() * t.element_size() for t in (weight.data, weight.scales))
 
 
+def e2b_write(args) -> dict:
+    """Write a random-weight E2B-shape target and its assistant (gpu_check's shapes) in bfloat16 to --models."""
+    from pathlib import Path
+
+    import torch
+
+    from gemma_spec_ros.benchmarks.gpu_check import _random_e2b
+    from gemma_spec_ros.train.export import copy_tokenizer
+
+    torch.set_default_dtype(torch.bfloat16)  # built in bfloat16: float32 would take 20 GB
+    started = time.perf_counter()
+    target, assistant = _random_e2b(0, torch.device('cpu'), torch.bfloat16)
+    for model, name in ((target, 'target'), (assistant, 'assistant')):
+        model.config.eos_token_id, model.config.bos_token_id, model.config.pad_token_id = 1, 2, 0
+        model.save_pretrained(Path(args.models) / name)
+        copy_tokenizer(Path(TARGET), Path(args.models) / name)
+    return {'models': args.models, 'seconds': round(time.perf_counter() - started, 1)}
+
+
+def e2b_load(args) -> dict:
+    """Load the E2B shape (e2b-write) with its assistant at one precision, decode, and report the peak memory."""
+    import resource
+    from pathlib import Path
+
+    from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
+
+    dtype, quantization = PRECISIONS[args.precision]
+    started = time.perf_counter()
+    engine = Engine.from_config(EngineConfig(
+        target_path=str(Path(args.models) / 'target'), assistant_path=str(Path(args.models) / 'assistant'),
+        dtype=dtype, quantization=quantization, compile='eager', warmup='off', context_limit=args.context,
+        num_threads=args.threads), progress=_say)
+    loaded = time.perf_counter() - started
+    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB
+    figures = {}
+    for drafter in ('none', 'mtp'):
+        out = engine.generate(GenerationRequest(prompt='def main():', max_new_tokens=args.new_tokens, drafter=drafter,
+                                                num_draft_tokens=2 if drafter == 'mtp' else 0))
+        figures[drafter] = {'tokens': out.token_ids,
+                            'decode_tokens_per_s': round((out.stats.new_tokens - 1) / max(
+                                1e-9, out.stats.wall_time - out.stats.time_to_first_token), 2)}
+    status = engine.status()
+    engine.close()
+    return {'precision': args.precision, 'load_seconds': round(loaded, 1), 'context': args.context,
+            'weights_gib': round(status.weights_bytes / 2 ** 30, 2),
+            'kv_cache_gib': round(status.kv_cache_bytes / 2 ** 30, 3),
+            'peak_rss_after_load_gib': round(load_peak, 2),
+            'peak_rss_gib': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2),
+            'same_tokens_with_mtp': figures['none']['tokens'] == figures['mtp']['tokens'], 'decode': figures}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('what', choices=('speed', 'quality', 'tau', 'memory-table'))
+    parser.add_argument('what', choices=('speed', 'quality', 'tau', 'memory-table', 'e2b-write', 'e2b-load'))
     parser.add_argument('--threads', type=int, default=1)
     parser.add_argument('--precisions', default='float32,bfloat16,int8,int4')
     parser.add_argument('--random-target', default='12x1536x6144', help='speed: LAYERSxHIDDENxINTERMEDIATE')
@@ -254,11 +307,14 @@ def main(argv=None) -> int:
     parser.add_argument('--window', type=int, default=256, help='quality: tokens per held-out window')
     parser.add_argument('--windows', type=int, default=32, help='quality')
     parser.add_argument('--per-category', type=int, default=2, help='tau: held-out prompts per category')
-    parser.add_argument('--context', type=int, default=4096, help='memory-table: KV cache tokens')
+    parser.add_argument('--context', type=int, default=4096, help='memory-table, e2b-load: KV cache tokens')
+    parser.add_argument('--models', default='/tmp/gemma_spec_e2b', help='e2b-write, e2b-load: the E2B-shape models')
+    parser.add_argument('--precision', default='int8', choices=tuple(PRECISIONS), help='e2b-load')
     parser.add_argument('--usable', type=float, default=0.75,
                         help='memory-table: share of the board memory a model may take (the OS, perception...)')
     args = parser.parse_args(argv)
-    run = {'speed': speed, 'quality': quality, 'tau': tau, 'memory-table': memory_table}[args.what]
+    run = {'speed': speed, 'quality': quality, 'tau': tau, 'memory-table': memory_table, 'e2b-write': e2b_write,
+           'e2b-load': e2b_load}[args.what]
     print(json.dumps(run(args), indent=2))
     return 0
 

@@ -23,7 +23,7 @@ WARMUP_POLICIES = ('background', 'blocking', 'off')
 # (queue.goal_timeout)
 FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
 INT32_MAX = 2 ** 31 - 1
-# weight-only quantization of the target and the draft model (runtime/quantize.py)
+# weight-only quantization of the target and the model drafters (runtime/quantize.py)
 QUANTIZATIONS = ('none', 'int8', 'int4')
 
 
@@ -73,7 +73,7 @@ class EngineConfig:
     device: str = config_field('auto', 'auto|cpu|cuda or cuda:N (auto: cuda when available)')
     dtype: str = config_field('auto', 'auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)',
                             choices=DTYPES)
-    quantization: str = config_field('none', 'weight-only quantization of the target and the draft model, done at '
+    quantization: str = config_field('none', 'weight-only quantization of the target and the model drafters, as they '
                                    'load: none, int8 (per channel) or int4 (groups of 32 in the decoder layers, int8 '
                                    'elsewhere); needs the lean forward (any engine.compile but transformers)',
                                    choices=QUANTIZATIONS)

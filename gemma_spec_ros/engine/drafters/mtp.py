@@ -8,6 +8,7 @@ import torch
 from ..requests import SamplingParams
 from ..runtime import FastAssistant, FastCausalLM, causal_lm, models
 from ..runtime.assistant import greedy_calls
+from ..runtime.quantize import Quantizer
 from ..runtime.rows import AssistantRows
 from ..types import one_call_per_draft
 from .base import (
@@ -38,13 +39,14 @@ class MtpDrafter(Drafter):
     name = 'mtp'
     needs_target_states = True
 
-    def __init__(self, assistant, target_lm):
+    def __init__(self, assistant, target_lm, quantizer: Quantizer | None = None):
         self._assistant = assistant
-        self._fast = FastAssistant(assistant, target_lm, target_lm.mode) if isinstance(target_lm, FastCausalLM) \
-            else None
+        self._fast = FastAssistant(assistant, target_lm, target_lm.mode, quantizer) \
+            if isinstance(target_lm, FastCausalLM) else None
         self.cut_saves_drafting = self._fast is None  # greedy rounds on the fast path draft in calls of several
         self._embed = target_lm.model.get_input_embeddings()
-        self.weights_bytes = causal_lm.parameter_bytes(assistant)
+        self.weights_bytes = causal_lm.parameter_bytes(assistant) + (0 if quantizer is None else
+                                                                     quantizer.report.bytes_after)
         self._hidden = None      # [1, 1, hidden] target state that predicted the last token
         self._shared_kv = None   # transformers' path: {layer_type: (keys, values)} up to the token before the last
         self._batch_rows: MtpRows | None = None  # drafting for a batch's goals (join_batch)
@@ -53,10 +55,13 @@ class MtpDrafter(Drafter):
     def load(cls, context: LoadContext) -> 'MtpDrafter':
         path = context.config.assistant_path
         context.progress('loading MTP assistant {}'.format(path))
-        assistant = models.load_assistant(path, context.device, context.dtype)
+        quantizer = Quantizer.for_mode(context.config.quantization)
+        assistant = models.load_assistant(path, context.device, context.dtype, quantizer)
         models.check_same_vocab(context.target, context.tokenizer, assistant, path, 'MTP assistant')
         models.check_assistant_fits(context.target, assistant, path)
-        drafter = cls(assistant, context.target_lm)
+        drafter = cls(assistant, context.target_lm, quantizer)
+        if quantizer is not None:
+            context.progress(quantizer.report.describe('MTP assistant'))
         if drafter._fast is not None and drafter._fast.weights_dtype is not None:
             context.progress('MTP assistant: matrices stored as {} (exact), computed in float32'.format(
                 str(drafter._fast.weights_dtype).replace('torch.', '')))

@@ -13,6 +13,7 @@ import torch
 
 from ..logits.sampling import greedy_pick
 from .model import LeanAssistant, StepOutput
+from .quantize import Quantizer
 from .runner import FastCausalLM, GraphJob, Progress, WarmupReport, _Shadowed, _stage_shadow_graphs
 from .steps import INDUCTOR_MODES, _Steps, resolve_compile_mode
 from .weights import store_exact_half
@@ -44,12 +45,14 @@ class FastAssistant(_Shadowed):
     model's catch-up steps of two tokens ran slower so (bench figures in bench/RESULTS.md).
     """
 
-    def __init__(self, assistant, target: FastCausalLM, compile_mode: str = 'auto'):
+    def __init__(self, assistant, target: FastCausalLM, compile_mode: str = 'auto', quantizer: Quantizer | None = None):
         self.target = target
         self.mode = resolve_compile_mode(compile_mode, target.lean.device)
         compiled_for_cpu = self.mode in INDUCTOR_MODES and target.lean.device.type == 'cpu'
-        self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu else None
-        self.lean = LeanAssistant(assistant, target.lean)  # after the dtype change: it packs the weights as they are
+        self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu and quantizer is None else None
+        # after the dtype change: it packs the weights as they are
+        self.lean = LeanAssistant(assistant, target.lean, quantizer)
+        self.quantization = None if quantizer is None else quantizer.report
         self._steps = self._new_steps()
 
     def _new_steps(self) -> _Steps:

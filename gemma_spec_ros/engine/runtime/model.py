@@ -37,7 +37,7 @@ from .layers import (
 from .layers import ROW_PRODUCT_MAX_ROWS_ENV as ROW_PRODUCT_MAX_ROWS_ENV
 from .layers import _mkl_runs_tuned_code as _mkl_runs_tuned_code
 from .layers import _row_product_max_rows as _row_product_max_rows
-from .quantize import Quantizer, embedding
+from .quantize import QuantizedWeight, Quantizer, embedding
 from .vision import SoftTokens, image_blocks
 from .weights import BLOCK_WIDTH as BLOCK_WIDTH
 from .weights import FlatTensors, _Layer, _layer_parts, _stored, _text_parts
@@ -388,7 +388,8 @@ class LeanAssistant(_Decoder):
     centroids = _stored('centroids')              # [num_centroids, hidden]
     token_ordering = _stored('token_ordering')    # [vocab]
 
-    def __init__(self, assistant, target: LeanGemma4):
+    def __init__(self, assistant, target: LeanGemma4, quantizer: Quantizer | None = None):
+        """quantizer: quantize its layers' matrices and its LM head (quantize.py); its projections stay float."""
         text_model = assistant.model
         config = assistant.config.get_text_config()
         _check_activation(config)
@@ -409,7 +410,8 @@ class LeanAssistant(_Decoder):
             if attn.layer_type not in producers:
                 raise ValueError('MTP assistant layer {} reads {} K/V, which the target does not produce'.format(
                     index, attn.layer_type))
-            parts = _layer_parts(layer, producers[attn.layer_type], config.num_attention_heads, self.eps, tensors)
+            parts = _layer_parts(layer, producers[attn.layer_type], config.num_attention_heads, self.eps, tensors,
+                                 quantizer=quantizer)
             spec = target.kv_specs[parts.kv_index]
             if (parts.shape.head_dim, parts.shape.num_kv_heads) != (spec.head_dim, spec.num_kv_heads):
                 raise ValueError('MTP assistant layer {} ({}) expects head_dim {} and {} KV heads but the target '
@@ -420,7 +422,9 @@ class LeanAssistant(_Decoder):
         self._pre_projection = tensors.add(assistant.pre_projection.weight)
         self._post_projection = tensors.add(assistant.post_projection.weight)
         self._final_norm = tensors.add(text_model.norm.weight)
-        self._lm_head = tensors.add(assistant.lm_head.weight)
+        self.vocab_size = assistant.lm_head.weight.shape[0]
+        self._lm_head = tensors.add(assistant.lm_head.weight if quantizer is None else
+                                    quantizer.table(assistant.lm_head.weight))
         self.rope = _Rope(text_model.rotary_emb, config.layer_types, target.dtype, tensors)
         embedder = assistant.masked_embedding
         self.ordered = embedder is not None
@@ -476,16 +480,20 @@ class LeanAssistant(_Decoder):
         top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices               # [B, top_k]
         clusters = self.token_ordering.long().view(self.num_centroids, -1)
         selected = clusters[top].flatten(1)                                                      # [B, top_k * per]
-        selected_logits = torch.bmm(self.lm_head[selected].to(x.dtype), x[:, :, None])[:, :, 0]  # [B, top_k * per]
+        selected_logits = torch.bmm(self._head_rows(selected, x.dtype).to(x.dtype), x[:, :, None])[:, :, 0]
         floor = selected_logits.min(dim=-1, keepdim=True).values - 1.0
-        return floor.expand(x.shape[0], self.lm_head.shape[0]).clone().scatter_(-1, selected, selected_logits)
+        return floor.expand(x.shape[0], self.vocab_size).clone().scatter_(-1, selected, selected_logits)
 
     def _ordered_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [1, vocab] from x [1, hidden]: exact for the tokens of the top centroids, the rest below their min."""
         top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices                # [1, top_k]
         clusters = self.token_ordering.long().view(self.num_centroids, -1)
         selected = clusters[top].reshape(1, -1)                                                  # [1, top_k * per]
-        selected_logits = _linear(x, self.lm_head[selected[0]])                                  # [1, top_k * per]
+        selected_logits = _linear(x, self._head_rows(selected[0], x.dtype))                      # [1, top_k * per]
         floor = selected_logits.min() - 1.0
-        return floor.expand(1, self.lm_head.shape[0]).clone().scatter_(-1, selected, selected_logits)
+        return floor.expand(1, self.vocab_size).clone().scatter_(-1, selected, selected_logits)
 
+    def _head_rows(self, selected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Return the LM head's rows of the selected tokens (an int8 head's in dtype: its rows times their scales)."""
+        head = self.lm_head
+        return embedding(selected, head, dtype) if isinstance(head, QuantizedWeight) else head[selected]

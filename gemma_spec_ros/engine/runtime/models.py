@@ -129,8 +129,8 @@ def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtyp
         role, directory, config.model_type, ', '.join(config.architectures or []), ' or '.join(TARGET_TYPES)))
 
 
-def load_assistant(path: str, device: torch.device, dtype: torch.dtype):
-    """Load a Gemma4AssistantForCausalLM (the MTP drafter)."""
+def load_assistant(path: str, device: torch.device, dtype: torch.dtype, quantizer: Quantizer | None = None):
+    """Load a Gemma4AssistantForCausalLM (the MTP drafter); quantizer as load_causal_lm's."""
     from transformers import Gemma4AssistantForCausalLM
 
     directory = check_model_dir(path, 'MTP assistant')
@@ -138,7 +138,7 @@ def load_assistant(path: str, device: torch.device, dtype: torch.dtype):
     if config.model_type != ASSISTANT_TYPE:
         raise ValueError('MTP assistant at {} is a {!r} model; expected {!r} (Gemma4AssistantForCausalLM)'.format(
             directory, config.model_type, ASSISTANT_TYPE))
-    return _from_pretrained(Gemma4AssistantForCausalLM, directory, 'MTP assistant', device, dtype)
+    return _from_pretrained(Gemma4AssistantForCausalLM, directory, 'MTP assistant', device, dtype, quantizer)
 
 
 def load_tokenizer(path: str):

@@ -135,7 +135,12 @@ def _quantize_rows(stored: _StoredTensor, kind: str, quantizer: Quantizer, devic
     rows = stored.shape[0]
     if kind == 'matrix' and quantizer.mode == 'int4':
         return quantizer.quantize_values(stored.read().to(device, torch.float32), True)
-    blocks = [quantizer.quantize_values(stored.rows(first, min(rows, first + LOAD_ROWS)).to(device, torch.float32),
-                                        False) for first in range(0, rows, LOAD_ROWS)]
-    return QuantizedWeight(torch.cat([block.data for block in blocks]), torch.cat([block.scales for block in blocks]),
-                           0)
+    data, scales = None, None
+    for first in range(0, rows, LOAD_ROWS):  # into the result as they come: joining the blocks would hold it twice
+        end = min(rows, first + LOAD_ROWS)
+        block = quantizer.quantize_values(stored.rows(first, end).to(device, torch.float32), False)
+        if data is None:
+            data = torch.empty((rows, *block.data.shape[1:]), dtype=block.data.dtype, device=device)
+            scales = torch.empty(rows, dtype=block.scales.dtype, device=device)
+        data[first:end], scales[first:end] = block.data, block.scales
+    return QuantizedWeight(data, scales, 0)
