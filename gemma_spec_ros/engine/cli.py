@@ -8,7 +8,16 @@ from pathlib import Path
 
 from .config_file import load_engine_config, read_constraint_files, resolve_model_path
 from .stats import format_stats
-from .types import COMPILE_MODES, DEVICES, DRAFTERS, DTYPES, WARMUP_POLICIES, GenerationRequest, GenerationResult
+from .types import (
+    COMPILE_MODES,
+    DEVICES,
+    DRAFTERS,
+    DTYPES,
+    QUANTIZATIONS,
+    WARMUP_POLICIES,
+    GenerationRequest,
+    GenerationResult,
+)
 
 DEFAULT_TARGET = 'models/gemma4-spec-target'
 DEFAULT_ASSISTANT = 'models/gemma4-spec-assistant'
@@ -43,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--num-draft-tokens', type=int, default=None, help='K; 0 = adaptive')
     parser.add_argument('--device', choices=DEVICES, help='default: auto')
     parser.add_argument('--dtype', choices=DTYPES, help='default: auto')
+    parser.add_argument('--quantization', choices=QUANTIZATIONS, help='weight-only quantization (default: none)')
     parser.add_argument('--threads', type=int, default=None,
                         help='torch CPU threads (engine.num_threads, default 1; 0 = torch default)')
     parser.add_argument('--compile', choices=COMPILE_MODES, help='decode steps (engine.compile, default auto)')
@@ -57,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_overrides(args) -> dict:
     overrides = {'target_path': args.target, 'drafter': args.drafter, 'device': args.device, 'dtype': args.dtype,
                  'num_draft_tokens': args.num_draft_tokens, 'num_threads': args.threads, 'compile': args.compile,
-                 'warmup': args.warmup}
+                 'warmup': args.warmup, 'quantization': args.quantization}
     if not args.config:
         # the bundled drafters belong to the bundled target; with --target only --drafter-path adds one
         overrides['target_path'] = args.target or DEFAULT_TARGET

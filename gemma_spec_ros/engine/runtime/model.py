@@ -422,7 +422,7 @@ class LeanAssistant(_Decoder):
         self._pre_projection = tensors.add(assistant.pre_projection.weight)
         self._post_projection = tensors.add(assistant.post_projection.weight)
         self._final_norm = tensors.add(text_model.norm.weight)
-        self.vocab_size = assistant.lm_head.weight.shape[0]
+        self.vocab_size = config.vocab_size  # not the head's shape: a quantized load leaves that empty
         self._lm_head = tensors.add(assistant.lm_head.weight if quantizer is None else
                                     quantizer.table(assistant.lm_head.weight))
         self.rope = _Rope(text_model.rotary_emb, config.layer_types, target.dtype, tensors)
