@@ -4,7 +4,7 @@ Our engine against llama.cpp (the engine inside llama_ros) on the same bundled m
 Greedy, the held-out code prompts of bench/prompts.jsonl, the same prompt token ids and token budget for every
 system, 1 thread each (torch threads for ours, n_threads for llama.cpp). Per repeat and prompt every system runs
 once in a shuffled order. Ours: plain float32, n-gram, draft model and MTP at adaptive K; int8 (engine.quantization
-of the target and the draft model, when the engine has it) plain, draft model and MTP. llama.cpp
+of the target and the model drafters, when the engine has it) plain, draft model and MTP. llama.cpp
 (scripts/llamacpp_worker.py in .venv-llamacpp): plain f32, f16 and Q8_0; prompt lookup and the draft model at f32
 and Q8_0; the MTP assistant is probed and reported. Needs scripts/setup_llamacpp.sh and the GGUFs of
 scripts/export_gguf.py (docs/llamacpp.md).
