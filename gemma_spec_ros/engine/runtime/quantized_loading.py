@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from .quantize import QuantizedWeight, Quantizer, quantized_kind
+from .weights import return_freed_memory
 
 LOAD_ROWS = 4096  # rows read per block of a large matrix (one block: 4096 x 9 k bfloat16 = 72 MiB for E2B's PLE)
 SAFETENSORS_DTYPES = {'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16, 'I64': torch.int64,
@@ -101,6 +102,7 @@ def load_quantized(model_class, config, directory: Path, device: torch.device, d
         kind = quantized_kind(name)
         if kind:
             quantized = _quantize_rows(stored[name], kind, quantizer, device)
+            return_freed_memory()  # the blocks' float copies: glibc otherwise keeps their heap (E2B: +3 GB peak)
             replacement = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
             quantizer.adopt(replacement, quantized, _numel(stored[name].shape) * torch.finfo(dtype).bits // 8)
         else:
