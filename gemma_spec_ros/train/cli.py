@@ -320,9 +320,10 @@ def vision_command(args: argparse.Namespace) -> int:
     model = vision.build_model(Path(args.target), config, args.output_scale)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f'vision tower {args.shape} + embedder: {trainable / 1e6:.2f} M trainable parameters (target frozen)')
-    encoder = vision.SceneEncoder(tokenizer, shape)
-    result = train_loop(model, vision.vision_step(model, encoder, args.batch_size, args.seed), loop_settings(args),
-                        'vision', lr_multipliers={'model.embed_vision.': args.embedder_lr_multiplier})
+    encoder = vision.SceneEncoder(tokenizer, shape.image_processor())
+    step = vision.vision_step(model, encoder, args.batch_size, args.seed, tuple(args.kinds))
+    result = train_loop(model, step, loop_settings(args), 'vision',
+                        lr_multipliers={'model.embed_vision.': args.embedder_lr_multiplier})
     start = time.time()
     held = vision.held_out_accuracy(model, encoder, args.eval_scenes)
     print(f'held-out exact match ({args.eval_scenes} scenes, {time.time() - start:.0f} s): {held.exact_match}')
@@ -453,10 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
     vis.add_argument('--resume', action='store_true', help='continue from the checkpoint in --run-dir')
     vis.add_argument('--steps', type=int, default=600, help='optimizer steps (sets the schedule)')
     vis.add_argument('--max-minutes', type=float, default=0.0, help='stop early after this wall time; 0 = off')
-    vis.add_argument('--batch-size', type=int, default=16, help='scenes (one question each) per step')
+    vis.add_argument('--batch-size', type=int, default=2, help='scenes per step (every question of each)')
     vis.add_argument('--lr', type=float, default=2e-3, help='peak learning rate (AdamW, warmup + cosine)')
     vis.add_argument('--warmup', type=int, default=30, help='warmup steps')
     vis.add_argument('--checkpoint-every', type=int, default=50, help='steps between checkpoints')
+    vis.add_argument('--kinds', nargs='+', default=['objects', 'door', 'where', 'count', 'colour'],
+                     help='question kinds to train on (the objects question is the one every scene has)')
     vis.add_argument('--output-scale', type=float, default=10.0,
                      help="initial soft-token RMS, in units of the target's scaled token embeddings' RMS")
     vis.add_argument('--embedder-lr-multiplier', type=float, default=10.0,
