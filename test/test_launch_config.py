@@ -162,12 +162,12 @@ def test_yaml_runs_the_node_on_cpu_with_client_and_diag_tools():
         diag = subprocess.run([sys.executable, '-m', 'gemma_spec_ros', 'diag', '--once'], env=env,
                               capture_output=True, text=True, timeout=60)
         assert diag.returncode == 0, diag.stderr
-        assert 'gemma_spec: engine' in diag.stdout and 'gemma4-spec-target' in diag.stdout
+        assert 'gemma_spec: engine' in diag.stdout and 'gemma4-spec-vision' in diag.stdout
     finally:
         node.send_signal(signal.SIGINT)
         output, _ = node.communicate(timeout=30)
     assert node.returncode == 0, output
-    assert 'ready in' in output and 'gemma4-spec-target' in output
+    assert 'ready in' in output and 'gemma4-spec-vision' in output
 
 
 def test_vllm_dev_launch_starts_the_server_and_a_node_with_backend_vllm():
