@@ -176,6 +176,17 @@ def test_prefill_matches_transformers_forward_with_images(vision_models, vision_
                               atol=1e-2)  # the images change the logits: the comparison above has power
 
 
+def processor_ids(engine, plan, question: str) -> list[int]:
+    """Return Gemma4Processor's ids: the template rendered, each image token expanded, the text tokenized whole."""
+    tokenizer, vision = engine.tokenizer, engine._vision
+    parts = [{'type': 'image'} for _ in plan.images] + [{'type': 'text', 'text': question}]
+    chat = [{'role': 'user', 'content': parts}]
+    pieces = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True).split('<|image|>')
+    runs = [tokenizer.decode(vision.placeholder_ids(image)) for image in plan.images]
+    text = pieces[0] + ''.join(run + piece for run, piece in zip(runs, pieces[1:], strict=True))
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def test_prompt_shows_each_image_as_its_placeholder_run(vision_engine):
     vision = vision_engine._vision
     plan = vision_engine.validate(image_goal())
@@ -186,6 +197,7 @@ def test_prompt_shows_each_image_as_its_placeholder_run(vision_engine):
     assert ids[start:start + len(runs[0]) + len(runs[1])] == runs[0] + runs[1]  # both before the text, in order
     text = vision_engine.tokenizer(QUESTION, add_special_tokens=False).input_ids
     assert ids[start + len(runs[0]) + len(runs[1]):][:len(text)] == text
+    assert ids == processor_ids(vision_engine, plan, QUESTION)
     # a raw prompt: the images first, after BOS
     raw = vision_engine.validate(GenerationRequest(prompt=QUESTION, images=IMAGES[:1]))
     assert raw.prompt_ids[0] == vision_engine.tokenizer.bos_token_id
@@ -316,6 +328,9 @@ def test_bundled_vision_model_keeps_plain_decoding_with_every_drafter():
     engine = Engine.from_config(config)
     goal = GenerationRequest(messages=[{'role': 'user', 'content': 'Which objects are on the table?', 'images': [0]}],
                              images=(picture(96, 64, 3),), max_new_tokens=24)
+    # the prompt the vision tower was trained on: the template's '\n\n' after the image is tokenized with the text
+    assert engine.validate(goal).prompt_ids == processor_ids(engine, engine.validate(goal),
+                                                             'Which objects are on the table?')
     plain = engine.generate(goal)
     assert plain.stats.image_prefill_ms > 0
     for drafter in ('ngram', 'draft', 'mtp'):

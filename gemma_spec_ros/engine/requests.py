@@ -184,15 +184,30 @@ def encode_messages(tokenizer, messages: list[dict], images: tuple[ImageInput, .
     marked = render([dict(m, content=marked_content(i, m)) for i, m in enumerate(messages)])
     trims = ' x ' not in render([{'role': 'user', 'content': ' x '}])
     runs = _ImageRuns(shown_images(images, messages), vision)
+    added = re.compile('|'.join(re.escape(token) for token in sorted(tokenizer.added_tokens_encoder, key=len,
+                                                                       reverse=True)))
+
+    def plain(text):
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids if text else []
+
+    # the template's text next to a content (after a piece's last added token, before the next one's first) is
+    # tokenized with it, as the tokenizer reads the whole rendered text (Gemma4Processor): '\n\nWhich' is not
+    # '\n\n' + 'Which'
     ids: list[int] = []
-    rest = marked
-    for index, message in enumerate(messages):
-        piece, _, rest = rest.partition(_CONTENT_MARK.format(index))
-        content = str(message['content'])
-        ids += runs.expand(tokenizer(piece, add_special_tokens=False).input_ids) if piece else []
-        ids += tokenizer(content.strip() if trims else content, add_special_tokens=False,
-                         split_special_tokens=True).input_ids
-    ids += runs.expand(tokenizer(rest, add_special_tokens=False).input_ids) if rest else []
+    text, rest = '', marked
+    for index, message in enumerate(messages + [None]):
+        piece, _, rest = rest.partition(_CONTENT_MARK.format(index)) if message is not None else (rest, '', '')
+        tokens = list(added.finditer(piece))
+        if tokens:
+            ids += plain(text + piece[:tokens[0].start()])
+            ids += runs.expand(tokenizer(piece[tokens[0].start():tokens[-1].end()], add_special_tokens=False).input_ids)
+            text = piece[tokens[-1].end():]
+        else:
+            text += piece
+        if message is not None:
+            content = str(message['content'])
+            text += content.strip() if trims else content
+    ids += plain(text)
     runs.check_all_placed()
     return ids
 
