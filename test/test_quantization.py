@@ -177,3 +177,15 @@ def test_an_ordered_head_assistant_drafts_when_quantized(tiny_engine_config, tin
                                                num_draft_tokens=3))
     engine.close()
     assert result.token_ids == plain.token_ids and result.stats.drafted_tokens > 0 and not result.warnings
+
+
+@pytest.mark.parametrize('role', ['target', 'draft', 'assistant', 'assistant_ordered'])
+def test_a_quantized_load_has_the_buffers_from_pretrained_computes(tiny_models, role):
+    path = getattr(tiny_models, role)
+    load = model_loading.load_assistant if role.startswith('assistant') else (
+        lambda path, device, dtype, quantizer=None: model_loading.load_causal_lm(path, role, device, dtype, quantizer))
+    streamed = dict(load(path, torch.device('cpu'), torch.float32, Quantizer('int8')).named_buffers())
+    loaded = dict(load(path, torch.device('cpu'), torch.float32).named_buffers())
+    assert streamed.keys() == loaded.keys()
+    for name, buffer in loaded.items():
+        assert torch.equal(streamed[name], buffer), name

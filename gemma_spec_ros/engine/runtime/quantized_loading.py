@@ -79,12 +79,20 @@ def _stored_tensors(directory: Path, key_mapping: dict[str, str] | None) -> dict
 
 
 def _remake_computed_buffers(model, device: torch.device) -> None:
-    """Make the buffers the constructor computed (not stored in checkpoints) again on device, with their values."""
-    for module in model.modules():
+    """
+    Make the buffers the constructor computed (not stored in checkpoints) again on device, with their values.
+
+    Each module is initialised by its nearest enclosing PreTrainedModel, as from_pretrained does: an assistant's
+    text model computes its rope and embedding scale from its own config, not the assistant's.
+    """
+    owners = {name: module for name, module in model.named_modules() if hasattr(module, '_init_weights')}
+    for name, module in model.named_modules():
         if module._non_persistent_buffers_set:
-            for name in module._non_persistent_buffers_set:
-                module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
-            model._init_weights(module)  # its parameters are still on meta: only the buffers get values
+            for buffer in module._non_persistent_buffers_set:
+                module._buffers[buffer] = torch.empty_like(module._buffers[buffer], device=device)
+            owner = max((prefix for prefix in owners if not prefix or name == prefix or name.startswith(prefix + '.')),
+                        key=len)
+            owners[owner]._init_weights(module)  # its parameters are still on meta: only the buffers get values
 
 
 def load_quantized(model_class, config, directory: Path, device: torch.device, dtype: torch.dtype,
