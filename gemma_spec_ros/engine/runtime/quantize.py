@@ -13,7 +13,8 @@ are rounded to 16 bits for the product only; norms, attention and the KV cache k
   the embeddings, the LM head and any matrix whose shape the int4 kernels do not take stay int8.
 
 The quantized model is the target that speculative decoding reproduces exactly: plain decoding and verification
-run the same kernels.
+run the same kernels, each row's product is independent of the rows beside it, and a quantized model's attention
+runs in float64 (weights._layer_parts) so that its result does not depend on the pass either.
 """
 
 import time
@@ -70,8 +71,19 @@ def _int8(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(data, scales.to(PRODUCT_DTYPE), 0)
 
 
+# aten's weight-only kernels are underscore ops, outside torch's documented API: this module is their only user.
+# Without the int8 one, int8 products run on the integer data converted on the fly (the same values, slower);
+# without the int4 ones, int4 mode stores int8.
+HAS_INT8_KERNEL = hasattr(torch.ops.aten, '_weight_int8pack_mm')
+HAS_INT4_KERNELS = {'cpu': all(hasattr(torch.ops.aten, name) for name in (
+    '_convert_weight_to_int4pack_for_cpu', '_weight_int4pack_mm_for_cpu')),
+    'cuda': all(hasattr(torch.ops.aten, name) for name in ('_convert_weight_to_int4pack', '_weight_int4pack_mm'))}
+
+
 def int4_fits(weight: torch.Tensor) -> bool:
     """Whether aten's int4 kernels take a matrix of this shape on its device."""
+    if not HAS_INT4_KERNELS.get(weight.device.type, False):
+        return False
     out_multiple, in_multiple = INT4_MULTIPLES.get(weight.device.type, (0, 0))
     return bool(out_multiple) and weight.shape[0] % out_multiple == 0 and weight.shape[1] % in_multiple == 0
 
@@ -103,7 +115,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
                                                              weight.scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm(product_input, weight.data, weight.group_size, weight.scales)
-    elif x.device.type == 'cpu':
+    elif x.device.type == 'cpu' and HAS_INT8_KERNEL:
         out = torch.ops.aten._weight_int8pack_mm(product_input, weight.data, weight.scales)
     else:
         out = F.linear(product_input, weight.data.to(PRODUCT_DTYPE)) * weight.scales
