@@ -117,8 +117,9 @@ def build_causal_lm(model, compile_mode: str, context_limit: int, max_query: int
         runner = FastCausalLM(model, context_limit, max_query, compile_mode, quantizer)
     except ValueError as exc:
         if compile_mode != 'auto' or quantizer is not None:
-            raise ValueError('engine.compile={} (engine.quantization={}) cannot run the {}: {}'.format(
-                compile_mode, 'none' if quantizer is None else quantizer.mode, role, exc)) from exc
+            quantized = '' if quantizer is None else ' (engine.quantization={})'.format(quantizer.mode)
+            raise ValueError('engine.compile={}{} cannot run the {}: {}'.format(compile_mode, quantized, role,
+                                                                              exc)) from exc
         progress("{}: fast path not available ({}); running transformers' forward".format(role, exc))
         return DynamicCausalLM(model)
     if runner.quantization is not None:
