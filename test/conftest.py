@@ -363,9 +363,8 @@ def chi_squared_p_value(observed: Counter, expected: dict[tuple[int, ...], float
                                    torch.tensor(statistic / 2, dtype=torch.float64)).item()
 
 
-def target_distribution(model, prompt_ids: list[int], temperature: float, top_k: int,
-                        length: int) -> dict[tuple[int, ...], float]:
-    """Exact probabilities of every length-token output under top-k sampling of the target (χ² tests)."""
+def sampling_distribution(next_logits, temperature: float, top_k: int, length: int) -> dict[tuple[int, ...], float]:
+    """Exact probabilities of every length-token output under top-k sampling, next_logits(prefix) -> [vocab]."""
     import torch
 
     expected = {}
@@ -374,10 +373,19 @@ def target_distribution(model, prompt_ids: list[int], temperature: float, top_k:
             if len(prefix) == length:
                 expected[prefix] = probability
                 return
-            logits = model(torch.tensor([prompt_ids + list(prefix)], device=model.device)).logits[0, -1].double()
-            top = torch.topk(logits / temperature, top_k)
+            top = torch.topk(next_logits(prefix).double() / temperature, top_k)
             for token, token_probability in zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist(),
                                                 strict=True):
                 extend(prefix + (token,), probability * token_probability)
         extend((), 1.0)
     return expected
+
+
+def target_distribution(model, prompt_ids: list[int], temperature: float, top_k: int,
+                        length: int) -> dict[tuple[int, ...], float]:
+    """Exact probabilities of every length-token output under top-k sampling of the target (χ² tests)."""
+    import torch
+
+    return sampling_distribution(
+        lambda prefix: model(torch.tensor([prompt_ids + list(prefix)], device=model.device)).logits[0, -1],
+        temperature, top_k, length)

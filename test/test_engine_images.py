@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ON_TEST_DEVICE, TEST_COMPILE, TOKENIZER_DIR, chi_squared_p_value
+from conftest import ON_TEST_DEVICE, TEST_COMPILE, TOKENIZER_DIR, chi_squared_p_value, sampling_distribution
 
 from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.runtime import FastCausalLM
@@ -252,19 +252,12 @@ def test_sampling_with_an_image_follows_the_target(vision_models, vision_engine)
                              num_draft_tokens=2)
     plan = vision_engine.validate(goal)
     model, inputs = reference_model(vision_models.target), transformers_inputs(vision_models.target, plan, plan.images)
-    expected = {}
-    with torch.inference_mode():
-        def extend(prefix: tuple[int, ...], probability: float) -> None:
-            if len(prefix) == length:
-                expected[prefix] = probability
-                return
-            ids = torch.cat([inputs['input_ids'], torch.tensor([prefix], dtype=torch.long)], dim=1)
-            types = torch.nn.functional.pad(inputs['mm_token_type_ids'], (0, len(prefix)))
-            logits = model(**dict(inputs, input_ids=ids, mm_token_type_ids=types)).logits[0, -1].double()
-            top = torch.topk(logits / temperature, top_k)
-            for token, share in zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist(), strict=True):
-                extend(prefix + (token,), probability * share)
-        extend((), 1.0)
+    def next_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+        ids = torch.cat([inputs['input_ids'], torch.tensor([prefix], dtype=torch.long)], dim=1)
+        types = torch.nn.functional.pad(inputs['mm_token_type_ids'], (0, len(prefix)))
+        return model(**dict(inputs, input_ids=ids, mm_token_type_ids=types)).logits[0, -1]
+
+    expected = sampling_distribution(next_logits, temperature, top_k, length)
     observed, drafted = Counter(), 0
     for seed in range(samples):
         result = vision_engine.generate(dataclasses.replace(goal, seed=seed))

@@ -7,11 +7,10 @@ The kernels, and speculative decoding lossless against the quantized target: gre
 
 import dataclasses
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ON_TEST_DEVICE, chi_squared_p_value, target_distribution
+from conftest import ON_TEST_DEVICE, chi_squared_p_value, sampling_distribution
 
 from gemma_spec_ros.engine import Engine, GenerationRequest
 from gemma_spec_ros.engine.runtime import FastCausalLM
@@ -107,19 +106,17 @@ def test_greedy_speculation_equals_plain_decoding_of_the_quantized_target(quanti
         assert result.stats.drafted_tokens > 0
 
 
-class _LeanReference:
-    """The quantized target as target_distribution reads a model: a fresh runner's prefill over the whole prefix."""
+def _quantized_next_logits(path: str, mode: str, prompt_ids: list[int]):
+    """Return the quantized target's next-token logits after prompt_ids + prefix (a fresh runner's prefill)."""
+    device = model_loading.resolve_device(ON_TEST_DEVICE['device'])
+    quantizer = Quantizer(mode)
+    runner = FastCausalLM(model_loading.load_causal_lm(path, 'target', device, torch.float32, quantizer), 64, 8,
+                          'eager', quantizer)
 
-    def __init__(self, path: str, mode: str):
-        device = model_loading.resolve_device(ON_TEST_DEVICE['device'])
-        quantizer = Quantizer(mode)
-        model = model_loading.load_causal_lm(path, 'target', device, torch.float32, quantizer)
-        self.runner = FastCausalLM(model, 64, 8, 'eager', quantizer)
-        self.device = device
-
-    def __call__(self, input_ids: torch.Tensor):
-        self.runner.reset()
-        return SimpleNamespace(logits=self.runner.prefill(input_ids, logits_to_keep=1).logits)
+    def next_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+        runner.reset()
+        return runner.prefill(torch.tensor([prompt_ids + list(prefix)], device=device), logits_to_keep=1).logits[0, -1]
+    return next_logits
 
 
 @pytest.mark.parametrize('mode, drafter', [('int8', 'mtp'), ('int4', 'draft')])
@@ -127,8 +124,8 @@ def test_sampled_speculation_follows_the_quantized_target(tiny_models, tiny_engi
     engine = Engine.from_config(dataclasses.replace(tiny_engine_config, quantization=mode))
     prompt_ids = engine.tokenizer(SAMPLING_PROMPT).input_ids
     temperature = 2.0
-    expected = target_distribution(_LeanReference(tiny_models.target, mode), prompt_ids, temperature, TOP_K,
-                                   OUTPUT_LENGTH)
+    expected = sampling_distribution(_quantized_next_logits(tiny_models.target, mode, prompt_ids), temperature,
+                                     TOP_K, OUTPUT_LENGTH)
     observed, drafted = Counter(), 0
     for seed in range(SAMPLES):
         result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=OUTPUT_LENGTH,
@@ -144,7 +141,7 @@ def test_sampled_speculation_follows_the_quantized_target(tiny_models, tiny_engi
 def test_the_quantized_distribution_differs_from_float_where_the_test_has_power(tiny_models, tiny_engine):
     # the χ² reference above must be the quantized model's: against float int4 outputs must stand apart
     prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
-    quantized = _LeanReference(tiny_models.target, 'int4')(torch.tensor([prompt_ids])).logits[0, -1]
+    quantized = _quantized_next_logits(tiny_models.target, 'int4', prompt_ids)(())
     full = tiny_engine._target.model(torch.tensor([prompt_ids])).logits[0, -1]
     assert not torch.allclose(quantized, full, atol=1e-3)
 
