@@ -4,7 +4,7 @@ Our engine against llama.cpp (the engine inside llama_ros) on the same bundled m
 Greedy, the held-out code prompts of bench/prompts.jsonl, the same prompt token ids and token budget for every
 system, 1 thread each (torch threads for ours, n_threads for llama.cpp). Per repeat and prompt every system runs
 once in a shuffled order. Ours: plain float32, n-gram, draft model and MTP at adaptive K; int8 (engine.quantization
-of the target and the model drafters, when the engine has it) plain, draft model and MTP. llama.cpp
+of the target and the model drafters) plain, draft model and MTP. llama.cpp
 (scripts/llamacpp_worker.py in .venv-llamacpp): plain f32, f16 and Q8_0; prompt lookup and the draft model at f32
 and Q8_0; the MTP assistant is probed and reported. Needs scripts/setup_llamacpp.sh and the GGUFs of
 scripts/export_gguf.py (docs/llamacpp.md).
@@ -13,7 +13,6 @@ scripts/export_gguf.py (docs/llamacpp.md).
 """
 
 import argparse
-import dataclasses
 import os
 import shlex
 import sys
@@ -43,14 +42,6 @@ def load_engine(args, quantization: str):
         assistant_path=resolve_model_path(MODELS['assistant']), draft_model_path=resolve_model_path(MODELS['draft']),
         max_draft_tokens=args.max_draft_tokens, num_threads=args.threads, compile=args.compile, warmup='blocking',
         **options), progress=lambda message: print('  ' + message, file=sys.stderr))
-
-
-def int8_missing() -> str:
-    from gemma_spec_ros.engine.types import EngineConfig
-
-    if 'quantization' in {field.name for field in dataclasses.fields(EngineConfig)}:
-        return ''
-    return 'our engine has no engine.quantization yet (issue 40, in progress); no int8 row'
 
 
 def main() -> int:
@@ -99,19 +90,10 @@ def main() -> int:
     runners = {'ours/none': EngineRunner(engine, 'none', 0)}
     runners |= {'ours/{}/adaptive'.format(drafter): EngineRunner(engine, drafter, 0)
                 for drafter in ('ngram', 'draft', 'mtp')}
-    no_int8 = int8_missing()
-    if no_int8:
-        print('bench_llamacpp: ' + no_int8, file=sys.stderr)
-        skipped.append(Skipped(llamacpp_peers.OURS_INT8, no_int8))
-    else:
-        try:
-            int8 = load_engine(args, 'int8')
-            runners[llamacpp_peers.OURS_INT8] = EngineRunner(int8, 'none', 0)
-            runners |= {'ours-int8/{}/adaptive'.format(drafter): EngineRunner(int8, drafter, 0)
-                        for drafter in ('draft', 'mtp')}  # llama.cpp's Q8_0 has a draft model only
-        except (ValueError, ImportError, NotImplementedError) as error:  # the quantization work is in progress
-            print('bench_llamacpp: int8 engine: {}'.format(error), file=sys.stderr)
-            skipped.append(Skipped(llamacpp_peers.OURS_INT8, 'our int8 engine did not load: {}'.format(error)))
+    int8 = load_engine(args, 'int8')
+    runners[llamacpp_peers.OURS_INT8] = EngineRunner(int8, 'none', 0)
+    runners |= {'ours-int8/{}/adaptive'.format(drafter): EngineRunner(int8, drafter, 0)
+                for drafter in ('draft', 'mtp')}  # llama.cpp's Q8_0 has a draft model only
     worker = llamacpp_peers.LlamaCppWorker(venv, gguf, args.threads, out / 'llamacpp_worker.log')
     systems = llamacpp_peers.llamacpp_systems([int(k) for k in args.ngram_ks.split(',')],
                                               [int(k) for k in args.draft_ks.split(',')])
