@@ -3,10 +3,10 @@ Our engine against llama.cpp (the engine inside llama_ros) on the same bundled m
 
 Greedy, the held-out code prompts of bench/prompts.jsonl, the same prompt token ids and token budget for every
 system, 1 thread each (torch threads for ours, n_threads for llama.cpp). Per repeat and prompt every system runs
-once in a shuffled order. Ours: plain float32, n-gram, draft model and MTP at adaptive K; int8 (engine.quantization
-of the target and the model drafters) plain, draft model and MTP. llama.cpp
-(scripts/llamacpp_worker.py in .venv-llamacpp): plain f32, f16 and Q8_0; prompt lookup and the draft model at f32
-and Q8_0; the MTP assistant is probed and reported. Needs scripts/setup_llamacpp.sh and the GGUFs of
+once in a shuffled order. Ours: plain float32, n-gram, draft model and MTP at adaptive K; int8 and float16
+(engine.quantization of the target and the model drafters) plain, draft model and MTP. llama.cpp
+(scripts/llamacpp_worker.py in .venv-llamacpp): plain f32, f16 and Q8_0; prompt lookup and the draft model at each
+of them; the MTP assistant is probed and reported. Needs scripts/setup_llamacpp.sh and the GGUFs of
 scripts/export_gguf.py (docs/llamacpp.md).
 
     source scripts/env.sh && flock /tmp/bench.lock python scripts/bench_llamacpp.py --out bench/results/llamacpp
@@ -90,10 +90,11 @@ def main() -> int:
     runners = {'ours/none': EngineRunner(engine, 'none', 0)}
     runners |= {'ours/{}/adaptive'.format(drafter): EngineRunner(engine, drafter, 0)
                 for drafter in ('ngram', 'draft', 'mtp')}
-    int8 = load_engine(args, 'int8')
-    runners[llamacpp_peers.OURS_INT8] = EngineRunner(int8, 'none', 0)
-    runners |= {'ours-int8/{}/adaptive'.format(drafter): EngineRunner(int8, drafter, 0)
-                for drafter in ('draft', 'mtp')}  # llama.cpp's Q8_0 has a draft model only
+    for quantization, plain in (('int8', llamacpp_peers.OURS_INT8), ('float16', llamacpp_peers.OURS_FLOAT16)):
+        quantized = load_engine(args, quantization)
+        runners[plain] = EngineRunner(quantized, 'none', 0)
+        runners |= {'{}/{}/adaptive'.format(plain.split('/')[0], drafter): EngineRunner(quantized, drafter, 0)
+                    for drafter in ('draft', 'mtp')}
     worker = llamacpp_peers.LlamaCppWorker(venv, gguf, args.threads, out / 'llamacpp_worker.log')
     systems = llamacpp_peers.llamacpp_systems([int(k) for k in args.ngram_ks.split(',')],
                                               [int(k) for k in args.draft_ks.split(',')])

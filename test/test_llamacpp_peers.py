@@ -43,7 +43,8 @@ def test_rows_take_the_median_repeat_and_count_tokens_per_decode_pass():
 def test_comparisons_pair_plain_by_precision_and_the_best_speculative_systems():
     rows = [llamacpp_peers.Row(system, rate, rate, 1.0, 1.0, float('nan'), 1, 1, 1) for system, rate in (
         ('ours/none', 400.0), ('ours/ngram/adaptive', 700.0), ('ours/mtp/adaptive', 800.0),
-        ('ours-int8/mtp/adaptive', 960.0),
+        ('ours-int8/mtp/adaptive', 960.0), ('ours-f16/none', 520.0), ('ours-f16/mtp/adaptive', 1000.0),
+        ('llamacpp-f16/none', 650.0), ('llamacpp-f16/draft/K3', 500.0),
         ('llamacpp-f32/none', 500.0), ('llamacpp-q8_0/none', 900.0), ('llamacpp-f32/draft/K3', 250.0),
         ('llamacpp-f32/ngram/K4', 320.0), ('llamacpp-q8_0/ngram/K4', 640.0))]
     # per prompt: ours 2x faster on one, 1.5x on another, slower on the third; the median pair is 1.5x
@@ -58,11 +59,15 @@ def test_comparisons_pair_plain_by_precision_and_the_best_speculative_systems():
     int8 = ratios['our plain int8 / llama.cpp plain Q8_0']
     assert int8.ours == '-' and math.isnan(int8.ratio) and math.isnan(int8.paired_ratio)   # no int8 row measured
     best = ratios["our best speculative / llama.cpp's best speculative, any precision"]
-    assert (best.ours, best.theirs, best.ratio) == ('ours-int8/mtp/adaptive', 'llamacpp-q8_0/ngram/K4', 1.5)
+    assert (best.ours, best.theirs, best.ratio) == ('ours-f16/mtp/adaptive', 'llamacpp-q8_0/ngram/K4', 1000 / 640)
     at_f32 = ratios["our best speculative / llama.cpp's best speculative, float32 against f32"]
     assert (at_f32.ours, at_f32.theirs, at_f32.ratio) == ('ours/mtp/adaptive', 'llamacpp-f32/ngram/K4', 2.5)
     at_int8 = ratios["our best speculative / llama.cpp's best speculative, int8 against Q8_0"]
     assert (at_int8.ours, at_int8.theirs, at_int8.ratio) == ('ours-int8/mtp/adaptive', 'llamacpp-q8_0/ngram/K4', 1.5)
+    at_f16 = ratios["our best speculative / llama.cpp's best speculative, float16 against f16"]
+    assert (at_f16.ours, at_f16.theirs, at_f16.ratio) == ('ours-f16/mtp/adaptive', 'llamacpp-f16/draft/K3', 2.0)
+    f16 = ratios['our plain float16 / llama.cpp plain f16']
+    assert (f16.ours, f16.theirs, f16.ratio) == ('ours-f16/none', 'llamacpp-f16/none', 0.8)
     table = llamacpp_peers.markdown(rows, list(ratios.values()), [Skipped('llamacpp-f32/mtp', 'aborts')])
     assert '| our plain float32 / llama.cpp plain f32 | ours/none | llamacpp-f32/none | 0.80× | 1.50× | ≥ 1.0× |' \
         in table
@@ -95,7 +100,8 @@ def test_interleave_checks_every_system_against_our_plain_decoding_in_a_seeded_o
 def test_the_llamacpp_systems_and_why_they_cannot_run(tmp_path):
     assert llamacpp_peers.llamacpp_systems([4], [3]) == [
         'llamacpp-f32/none', 'llamacpp-f16/none', 'llamacpp-q8_0/none', 'llamacpp-f32/ngram/K4',
-        'llamacpp-f32/draft/K3', 'llamacpp-q8_0/ngram/K4', 'llamacpp-q8_0/draft/K3']
+        'llamacpp-f32/draft/K3', 'llamacpp-f16/ngram/K4', 'llamacpp-f16/draft/K3', 'llamacpp-q8_0/ngram/K4',
+        'llamacpp-q8_0/draft/K3']
     assert 'scripts/setup_llamacpp.sh' in llamacpp_peers.skip_message(tmp_path / 'venv', tmp_path)
     (tmp_path / 'venv' / 'bin').mkdir(parents=True)
     (tmp_path / 'venv' / 'bin' / 'python').write_text('')

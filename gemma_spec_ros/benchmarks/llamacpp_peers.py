@@ -28,16 +28,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / '.venv-llamacpp'
 DEFAULT_GGUF = REPO_ROOT / 'out' / 'gguf'
 WORKER = REPO_ROOT / 'scripts' / 'llamacpp_worker.py'
-OURS_PLAIN, OURS_INT8 = 'ours/none', 'ours-int8/none'
+OURS_PLAIN, OURS_INT8, OURS_FLOAT16 = 'ours/none', 'ours-int8/none', 'ours-f16/none'
 WARM_UP_TOKENS = 8
 # ratio goals of issue 40: (label, our system or 'best speculative', llama.cpp system or best, threshold)
 PLAIN_GOALS = (('our plain float32 / llama.cpp plain f32', OURS_PLAIN, 'llamacpp-f32/none', 1.0),
-               ('our plain int8 / llama.cpp plain Q8_0', OURS_INT8, 'llamacpp-q8_0/none', 1.0))
+               ('our plain int8 / llama.cpp plain Q8_0', OURS_INT8, 'llamacpp-q8_0/none', 1.0),
+               ('our plain float16 / llama.cpp plain f16', OURS_FLOAT16, 'llamacpp-f16/none', 1.0))
 SPECULATIVE_GOAL = 1.2
 _ASSERT = re.compile(r'GGML_ASSERT\((.+)\) failed')
 
 
-def llamacpp_systems(ngram_ks: list[int], draft_ks: list[int], precisions: tuple[str, ...] = ('f32', 'q8_0')) \
+def llamacpp_systems(ngram_ks: list[int], draft_ks: list[int], precisions: tuple[str, ...] = ('f32', 'f16', 'q8_0')) \
         -> list[str]:
     """Plain at f32, f16, Q8_0; prompt lookup and the draft model per K at each of precisions (target = draft)."""
     systems = ['llamacpp-{}/none'.format(precision) for precision in ('f32', 'f16', 'q8_0')]
@@ -233,9 +234,10 @@ def comparisons(rows: list[Row], measurements: list[Measurement]) -> list[Compar
 
     result = [compare(name, by_name.get(ours), by_name.get(theirs), threshold)
               for name, ours, theirs, threshold in PLAIN_GOALS]
-    for name, ours, theirs in (('any precision', ('ours/', 'ours-int8/'), ('llamacpp-',)),
+    for name, ours, theirs in (('any precision', ('ours/', 'ours-int8/', 'ours-f16/'), ('llamacpp-',)),
                                ('float32 against f32', ('ours/',), ('llamacpp-f32/',)),
-                               ('int8 against Q8_0', ('ours-int8/',), ('llamacpp-q8_0/',))):
+                               ('int8 against Q8_0', ('ours-int8/',), ('llamacpp-q8_0/',)),
+                               ('float16 against f16', ('ours-f16/',), ('llamacpp-f16/',))):
         result.append(compare("our best speculative / llama.cpp's best speculative, {}".format(name),
                               _best(rows, *ours), _best(rows, *theirs), SPECULATIVE_GOAL))
     return result

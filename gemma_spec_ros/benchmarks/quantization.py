@@ -26,7 +26,7 @@ ASSISTANT = 'models/gemma4-spec-assistant'
 DRAFT = 'models/gemma4-spec-draft'
 # name -> (model dtype, engine.quantization)
 PRECISIONS = {'float32': ('float32', 'none'), 'bfloat16': ('bfloat16', 'none'), 'int8': ('float32', 'int8'),
-              'int4': ('float32', 'int4')}
+              'int4': ('float32', 'int4'), 'float16': ('float32', 'float16')}
 BOARDS_GB = (8, 16, 32, 64)
 
 
@@ -94,7 +94,7 @@ def speed(args) -> dict:
               'quantize_seconds': {p: round(runner.quantization.seconds, 2) for p, (runner, _) in runners.items()
                                    if runner.quantization is not None},
               'samples_ms': samples, 'tokens': outputs}
-    for precision in ('int8', 'int4'):
+    for precision in ('int8', 'int4', 'float16'):
         for base in ('float32', 'bfloat16'):
             if precision in ms and base in ms:
                 result['speedup {} vs {}'.format(precision, base)] = round(ms[base] / ms[precision], 3)

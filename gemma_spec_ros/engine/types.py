@@ -24,7 +24,7 @@ WARMUP_POLICIES = ('background', 'blocking', 'off')
 FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
 INT32_MAX = 2 ** 31 - 1
 # weight-only quantization of the target and the model drafters (runtime/quantize.py)
-QUANTIZATIONS = ('none', 'int8', 'int4')
+QUANTIZATIONS = ('none', 'int8', 'int4', 'float16')
 
 
 # the drafters by name (each one's class lives in engine/drafters/)
@@ -74,8 +74,9 @@ class EngineConfig:
     dtype: str = config_field('auto', 'auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)',
                             choices=DTYPES)
     quantization: str = config_field('none', 'weight-only quantization of the target and the model drafters, as they '
-                                   'load: none, int8 (per channel) or int4 (groups of 32 in the decoder layers, int8 '
-                                   'elsewhere); needs the lean forward (any engine.compile but transformers)',
+                                   'load: none, int8 (per channel), int4 (groups of 32 in the decoder layers, int8 '
+                                   'elsewhere) or float16 (weights rounded to float16, products in the engine dtype); '
+                                   'needs the lean forward (any engine.compile but transformers)',
                                    choices=QUANTIZATIONS)
     num_draft_tokens: int = config_field(0, 'K, tokens drafted per round; 0 = adaptive (changeable at run time)',
                                        limits=(0, 64), runtime=True)

@@ -37,7 +37,7 @@ from .layers import (
 from .layers import ROW_PRODUCT_MAX_ROWS_ENV as ROW_PRODUCT_MAX_ROWS_ENV
 from .layers import _mkl_runs_tuned_code as _mkl_runs_tuned_code
 from .layers import _row_product_max_rows as _row_product_max_rows
-from .quantize import QuantizedWeight, Quantizer, embedding
+from .quantize import Quantizer, embedding
 from .vision import SoftTokens, image_blocks
 from .weights import BLOCK_WIDTH as BLOCK_WIDTH
 from .weights import FlatTensors, _Layer, _layer_parts, _stored, _text_parts
@@ -494,6 +494,5 @@ class LeanAssistant(_Decoder):
         return floor.expand(1, self.vocab_size).clone().scatter_(-1, selected, selected_logits)
 
     def _head_rows(self, selected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Return the LM head's rows of the selected tokens (an int8 head's in dtype: its rows times their scales)."""
-        head = self.lm_head
-        return embedding(selected, head, dtype) if isinstance(head, QuantizedWeight) else head[selected]
+        """Return the LM head's rows of the selected tokens in dtype (an int8 head's: its rows times their scales)."""
+        return embedding(selected, self.lm_head, dtype)

@@ -79,7 +79,7 @@ def _read_config(directory: Path, role: str):
 def _from_pretrained(model_class, directory: Path, role: str, device: torch.device, dtype: torch.dtype,
                      quantizer: Quantizer | None = None, **options):
     try:
-        if quantizer is not None:  # never holds every float weight at once
+        if quantizer is not None and quantizer.quantizes_while_loading:  # never holds every float weight at once
             return load_quantized(model_class, _read_config(directory, role), directory, device, dtype, quantizer,
                                   options.get('key_mapping'))
         model = model_class.from_pretrained(str(directory), dtype=dtype, use_safetensors=True,

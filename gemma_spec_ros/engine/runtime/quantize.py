@@ -1,5 +1,5 @@
 """
-Weight-only quantization of a lean model's matrices and embedding tables (engine.quantization: int8 or int4).
+Weight-only quantization of a lean model's matrices and embedding tables (engine.quantization: int8, int4, float16).
 
 A quantized matrix is a QuantizedWeight: integer data plus scales, read by quantized_linear. The products run aten's
 weight-only kernels, which take 16-bit activations: on CPU `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`
@@ -11,10 +11,14 @@ are rounded to 16 bits for the product only; norms, attention and the KV cache k
   embedding and LM head share one QuantizedWeight.
 - int4: the decoder layers' matrices in groups of INT4_GROUP_SIZE inputs (asymmetric: a scale and a zero per group);
   the embeddings, the LM head and any matrix whose shape the int4 kernels do not take stay int8.
+- float16: every matrix and table rounded to float16 and stored so, a plain tensor that the lean forward's products
+  convert to the model's dtype as they read it (layers._linear). On CPU with inductor that halves the bytes a
+  memory-bound step reads, and the arithmetic stays float32, so nothing else changes.
 
 The quantized model is the target that speculative decoding reproduces exactly: plain decoding and verification
 run the same kernels, each row's product is independent of the rows beside it, and a quantized model's attention
-runs in float64 (weights._layer_parts) so that its result does not depend on the pass either.
+runs in float64 (weights._layer_parts) so that its result does not depend on the pass either (float16 weights
+compute as float32 weights do and need neither).
 """
 
 import time
@@ -31,7 +35,8 @@ INT4_GROUP_SIZE = 32
 INT4_LEVELS = 15
 INT4_INNER_K_TILES = {'cpu': 1, 'cuda': 8}  # what aten's int4 packing takes per device (8 is tinygemm's CUDA layout)
 INT4_MULTIPLES = {'cpu': (1, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples its kernels accept
-PRODUCT_DTYPE = torch.bfloat16  # activations of the weight-only products
+PRODUCT_DTYPE = torch.bfloat16  # activations of the weight-only integer products
+INTEGER_MODES = ('int8', 'int4')
 # what a text model's parameters are called where the lean forward reads them quantized (quantized_kind)
 QUANTIZED_MATRICES = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 QUANTIZED_TABLES = ('embed_tokens.weight', 'embed_tokens_per_layer.weight', 'per_layer_model_projection.weight')
@@ -123,10 +128,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 
 def embedding(input_ids: torch.Tensor, table: 'torch.Tensor | QuantizedWeight', dtype: torch.dtype) -> torch.Tensor:
-    """Rows of an embedding table, float or int8 (per-row scales), in dtype."""
+    """Rows of an embedding table, float (any float dtype) or int8 (per-row scales), in dtype."""
     if isinstance(table, QuantizedWeight):
         return F.embedding(input_ids, table.data).to(dtype) * F.embedding(input_ids, table.scales[:, None]).to(dtype)
-    return F.embedding(input_ids, table)
+    return F.embedding(input_ids, table).to(dtype)
 
 
 @dataclass
@@ -172,33 +177,47 @@ class Quantizer:
                                                                                  self.mode))
         self.report = QuantizationReport(self.mode)
 
-    def matrix(self, parameter: torch.Tensor | None) -> 'QuantizedWeight | None':
-        """Quantize a decoder layer's matrix: int4 where the mode and its shape allow, else int8."""
+    @property
+    def quantizes_while_loading(self) -> bool:
+        """Whether a load reads the matrices straight into their quantized form (quantized_loading: integer modes)."""
+        return self.mode in INTEGER_MODES
+
+    @property
+    def attention_dtype(self) -> torch.dtype | None:
+        """The dtype a quantized model's attention runs in (None: the model's; see the module docstring)."""
+        return torch.float64 if self.mode in INTEGER_MODES else None
+
+    def matrix(self, parameter: torch.Tensor | None) -> 'QuantizedWeight | torch.Tensor | None':
+        """Quantize a decoder layer's matrix: int4 where the mode and its shape allow, else int8; or float16."""
         if parameter is None:
             return None
         return self._quantize(parameter, self.mode == 'int4')
 
-    def table(self, parameter: torch.Tensor | None) -> 'QuantizedWeight | None':
-        """Quantize an embedding table, an LM head or a projection outside the layers: int8."""
+    def table(self, parameter: torch.Tensor | None) -> 'QuantizedWeight | torch.Tensor | None':
+        """Quantize an embedding table, an LM head or a projection outside the layers: int8 (or float16)."""
         return None if parameter is None else self._quantize(parameter, False)
 
-    def quantize_values(self, values: torch.Tensor, int4_allowed: bool) -> QuantizedWeight:
-        """Quantize a float matrix: int4 where allowed and its shape fits, else int8 (timed into the report)."""
+    def quantize_values(self, values: torch.Tensor, int4_allowed: bool) -> 'QuantizedWeight | torch.Tensor':
+        """Quantize a float matrix: int4 where allowed and its shape fits, else int8; float16 (timed)."""
         started = time.perf_counter()
-        quantized = _int4(values) if int4_allowed and self.mode == 'int4' and int4_fits(values) else _int8(values)
+        if self.mode == 'float16':
+            quantized = values.to(torch.float16)
+        else:
+            quantized = _int4(values) if int4_allowed and self.mode == 'int4' and int4_fits(values) else _int8(values)
         self.report.seconds += time.perf_counter() - started
         return quantized
 
-    def adopt(self, parameter: torch.Tensor, quantized: QuantizedWeight, bytes_before: int) -> None:
+    def adopt(self, parameter: torch.Tensor, quantized: 'QuantizedWeight | torch.Tensor', bytes_before: int) -> None:
         """Take quantized as parameter's weight (quantized_loading: the float data was never held)."""
         report = self.report
         report.matrices += 1
-        report.int4_matrices += bool(quantized.group_size)
+        stored = (quantized,) if isinstance(quantized, torch.Tensor) else (quantized.data, quantized.scales)
+        report.int4_matrices += bool(getattr(quantized, 'group_size', 0))
         report.bytes_before += bytes_before
-        report.bytes_after += sum(t.numel() * t.element_size() for t in (quantized.data, quantized.scales))
+        report.bytes_after += sum(t.numel() * t.element_size() for t in stored)
         self._done[id(parameter)] = (parameter, quantized)  # holding the parameter keeps its id unique
 
-    def _quantize(self, parameter: torch.Tensor, int4_allowed: bool) -> QuantizedWeight:
+    def _quantize(self, parameter: torch.Tensor, int4_allowed: bool) -> 'QuantizedWeight | torch.Tensor':
         if id(parameter) in self._done:
             return self._done[id(parameter)][1]
         quantized = self.quantize_values(parameter.detach(), int4_allowed)
