@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
 from .cache import FULL
 from .quantize import QuantizedWeight, quantized_linear
 
@@ -78,6 +79,8 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     """
     if dtype is not None:
         return _attend(query.to(dtype), keys.to(dtype), values.to(dtype), mask).to(query.dtype)
+    if _compiling_for_cpu(query) and cpu_attention.usable(query, dtype):  # cheaper per call than SDPA's kernel
+        return cpu_attention.decode_attention(query, keys, values, mask)
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                          scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
     return out[0].transpose(0, 1).reshape(query.shape[0], -1)
