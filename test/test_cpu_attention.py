@@ -34,10 +34,10 @@ def test_the_op_equals_sdpa_and_each_row_alone_gives_the_same_bits(heads, kv_hea
 
 def test_the_op_runs_only_for_float32_queries_of_whole_vectors():
     assert cpu_attention.ensure_built()
-    assert cpu_attention.usable(torch.zeros(1, 4, 64), None)
-    assert not cpu_attention.usable(torch.zeros(1, 4, 64), torch.float64)  # a quantized model's float64 attention
-    assert not cpu_attention.usable(torch.zeros(1, 4, 64, dtype=torch.bfloat16), None)
-    assert not cpu_attention.usable(torch.zeros(1, 4, 20), None)
+    assert cpu_attention.usable(torch.zeros(1, 4, 64))
+    assert not cpu_attention.usable(torch.zeros(1, 4, 64, dtype=torch.float64))  # a quantized model's attention
+    assert not cpu_attention.usable(torch.zeros(1, 4, 64, dtype=torch.bfloat16))
+    assert not cpu_attention.usable(torch.zeros(1, 4, 20))
 
 
 def test_a_failed_build_leaves_sdpa_and_says_why(monkeypatch, tmp_path):
@@ -48,7 +48,7 @@ def test_a_failed_build_leaves_sdpa_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path / 'cache'))
     with pytest.warns(cpu_attention.CpuAttentionWarning, match='compiled CPU steps use SDPA'):
         assert not cpu_attention.ensure_built()
-    assert not cpu_attention.usable(torch.zeros(1, 4, 64), None)
+    assert not cpu_attention.usable(torch.zeros(1, 4, 64))
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         assert not cpu_attention.ensure_built()  # tried once, said once

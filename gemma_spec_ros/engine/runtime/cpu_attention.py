@@ -67,9 +67,9 @@ def ensure_built() -> bool:
     return True
 
 
-def usable(query: torch.Tensor, dtype: torch.dtype | None) -> bool:
-    """Whether a compiled CPU step's attention of query (computed in dtype, None: its own) runs the op."""
-    return _state['built'] and dtype is None and query.dtype == torch.float32 and query.shape[-1] % VECTOR_WIDTH == 0
+def usable(query: torch.Tensor) -> bool:
+    """Whether a compiled CPU step's attention of query runs the op (float32 queries of whole vectors, once built)."""
+    return _state['built'] and query.dtype == torch.float32 and query.shape[-1] % VECTOR_WIDTH == 0
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     """
     if dtype is not None:
         return _attend(query.to(dtype), keys.to(dtype), values.to(dtype), mask).to(query.dtype)
-    if _compiling_for_cpu(query) and cpu_attention.usable(query, dtype):  # cheaper per call than SDPA's kernel
+    if _compiling_for_cpu(query) and cpu_attention.usable(query):  # cheaper per call than SDPA's kernel
         return cpu_attention.decode_attention(query, keys, values, mask)
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                          scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
