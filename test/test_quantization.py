@@ -15,7 +15,7 @@ from conftest import ON_TEST_DEVICE, chi_squared_p_value, sampling_distribution
 from gemma_spec_ros.engine import Engine, GenerationRequest
 from gemma_spec_ros.engine.runtime import FastCausalLM
 from gemma_spec_ros.engine.runtime import models as model_loading
-from gemma_spec_ros.engine.runtime.quantize import QuantizedWeight, Quantizer, quantized_linear
+from gemma_spec_ros.engine.runtime.quantize import QuantizedWeight, Quantizer, quantized_linear, rounded_activations
 
 PROMPT = 'The robot picked up the red cube and'
 SAMPLING_PROMPT = 'the the the cube the the'
@@ -50,8 +50,8 @@ def test_int8_product_is_the_dequantized_product():
     torch.manual_seed(1)
     quantized = Quantizer('int8').table(torch.nn.Parameter(torch.randn(64, 96)))
     x = torch.randn(3, 96)
-    reference = x.bfloat16().float() @ _dequantized_int8(quantized).T
-    assert torch.allclose(quantized_linear(x, quantized), reference, rtol=0.02, atol=0.02)
+    reference = rounded_activations(x) @ _dequantized_int8(quantized).T  # 16-bit levels per block of 32
+    torch.testing.assert_close(quantized_linear(x, quantized), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_a_tied_parameter_is_quantized_once_and_its_float_data_released():

@@ -1,8 +1,9 @@
-// torch.ops.gemma_spec.decode_attention: attention of a few queries over a decode step's keys (cpu_attention.py).
+// torch.ops.gemma_spec.decode_attention: attention of a few queries over a decode step's keys (cpu_ops.py).
 //
 // Each query row and head is computed alone, in a fixed order, so a row's result does not depend on how many
 // queries share the pass. Scores are dot products of one query and one key row; the softmax is exp(s - max) over
-// the row; the output sums the value rows weighted by it, CHUNK outputs at a time in registers.
+// the row; the output sums the value rows weighted by it, CHUNK outputs at a time in registers. A row reads only the
+// keys from its first to its last visible one, so its result does not depend on the mask's width either.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -63,35 +64,42 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   std::vector<float> scores(L);
   for (int64_t i = 0; i < q; ++i) {
     const bool* row_mask = mp + i * L;
+    // only the keys from the row's first to its last visible one
+    int64_t begin = 0, end = L;
+    while (begin < end && !row_mask[begin]) ++begin;
+    while (end > begin && !row_mask[end - 1]) --end;
+    const int64_t length = end - begin;
     for (int64_t h = 0; h < H; ++h) {
       const float* qv = qp + (i * H + h) * d;
-      const float* kbase = kp + (h / g) * ks0;
-      const float* vbase = vp + (h / g) * vs0;
+      const float* kbase = kp + (h / g) * ks0 + begin * ks1;
+      const float* vbase = vp + (h / g) * vs0 + begin * vs1;
+      const bool* visible = row_mask + begin;
       float mx = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) {
-        const float s = row_mask[j] ? dot(qv, kbase + j * ks1, d) : -INFINITY;
+      for (int64_t j = 0; j < length; ++j) {
+        const float s = visible[j] ? dot(qv, kbase + j * ks1, d) : -INFINITY;
         scores[j] = s;
         mx = std::max(mx, s);
       }
       const Vec vm(mx);
       Vec vsum(0);
       int64_t j = 0;
-      for (; j + W <= L; j += W) {
+      for (; j + W <= length; j += W) {
         const Vec e = (Vec::loadu(scores.data() + j) - vm).exp();
         e.store(scores.data() + j);
         vsum = vsum + e;
       }
       float sum = hsum(vsum);
-      for (; j < L; ++j) {
+      for (; j < length; ++j) {
         scores[j] = std::exp(scores[j] - mx);
         sum += scores[j];
       }
       float* o = op + (i * H + h) * d;
+      const float inv = 1.f / sum;
       for (int64_t c = 0; c < d; c += CHUNK) {
         const int64_t width = std::min(CHUNK, d - c);
-        if (width == CHUNK) weighted_sum<8>(scores.data(), vbase + c, vs1, L, 1.f / sum, o + c);
-        else if (width == 4 * W) weighted_sum<4>(scores.data(), vbase + c, vs1, L, 1.f / sum, o + c);
-        else for (int64_t t = 0; t < width; t += W) weighted_sum<1>(scores.data(), vbase + c + t, vs1, L, 1.f / sum, o + c + t);
+        if (width == CHUNK) weighted_sum<8>(scores.data(), vbase + c, vs1, length, inv, o + c);
+        else if (width == 4 * W) weighted_sum<4>(scores.data(), vbase + c, vs1, length, inv, o + c);
+        else for (int64_t t = 0; t < width; t += W) weighted_sum<1>(scores.data(), vbase + c + t, vs1, length, inv, o + c + t);
       }
     }
   }

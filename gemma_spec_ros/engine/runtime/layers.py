@@ -13,9 +13,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from . import cpu_ops
 from .cache import FULL
-from .quantize import QuantizedWeight, quantized_linear
+from .quantize import QuantizedWeight, int8_together, quantized_linear
 
 
 class _Weights(NamedTuple):
@@ -79,8 +79,8 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     """
     if dtype is not None:
         return _attend(query.to(dtype), keys.to(dtype), values.to(dtype), mask).to(query.dtype)
-    if _compiling_for_cpu(query) and cpu_attention.usable(query):  # cheaper per call than SDPA's kernel
-        return cpu_attention.decode_attention(query, keys, values, mask)
+    if _compiling_for_cpu(query) and cpu_ops.attention_usable(query):  # cheaper per call than SDPA's kernel
+        return cpu_ops.decode_attention(query, keys, values, mask)
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                          scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
     return out[0].transpose(0, 1).reshape(query.shape[0], -1)
@@ -171,7 +171,7 @@ def _linear(x: torch.Tensor, weight: 'torch.Tensor | QuantizedWeight', bias: tor
     passes and eager runs keep aten's product (a 16-bit weight is converted, a blocked one multiplied block by block
     or unblocked, so a step that dynamo runs eager after all, say past its recompile limit, stays correct), which
     inductor's C++ GEMM template generates in graphs compiled on frozen weights (runner: engine.compile
-    inductor-gemm). A quantized weight runs aten's weight-only kernel (quantize.quantized_linear) in every case.
+    inductor-gemm). A quantized weight runs its own product (quantize.quantized_linear) in every case.
     """
     if isinstance(weight, QuantizedWeight):
         out = quantized_linear(x, weight)
@@ -189,17 +189,30 @@ def _linear(x: torch.Tensor, weight: 'torch.Tensor | QuantizedWeight', bias: tor
     return out if bias is None else out + bias
 
 
+def _linears(x: torch.Tensor, weights: tuple, biases: tuple, row_product_max_rows: int) -> list[torch.Tensor]:
+    """Return x times each weight plus its bias, as _linear; int8 ones in one call of the CPU op (cheaper)."""
+    if int8_together(x, weights):
+        outs = cpu_ops.int8_linear(x, tuple(w.data for w in weights), tuple(w.scales for w in weights))
+        outs = outs.split([w.data.shape[0] for w in weights], dim=-1)
+        return [out if bias is None else out + bias for out, bias in zip(outs, biases, strict=True)]
+    return [_linear(x, weight, bias, row_product_max_rows) for weight, bias in zip(weights, biases, strict=True)]
+
+
 def _project(shape: _Shape, w: _Weights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Input norm, query and (producing layers) new keys and values: [q, heads, d], [kv_heads, q, d] x 2."""
     q, rows = hidden.shape[0], shape.row_product_max_rows
     x = _rms_norm(hidden, w.input_norm, shape.eps)
-    query = _linear(x, w.q_proj, w.q_bias, rows).view(q, shape.num_heads, shape.head_dim)
-    query = _rotate(_rms_norm(query, w.q_norm, shape.eps), cos, sin)
+    if w.k_proj is None:
+        query, = _linears(x, (w.q_proj,), (w.q_bias,), rows)
+    elif w.v_proj is None:
+        query, raw_keys = _linears(x, (w.q_proj, w.k_proj), (w.q_bias, w.k_bias), rows)
+    else:
+        query, raw_keys, values = _linears(x, (w.q_proj, w.k_proj, w.v_proj), (w.q_bias, w.k_bias, w.v_bias), rows)
+    query = _rotate(_rms_norm(query.view(q, shape.num_heads, shape.head_dim), w.q_norm, shape.eps), cos, sin)
     if w.k_proj is None:
         return query, None, None
-    raw_keys = _linear(x, w.k_proj, w.k_bias, rows).view(q, shape.num_kv_heads, shape.head_dim)
-    values = raw_keys if w.v_proj is None else _linear(x, w.v_proj, w.v_bias, rows).view(
-        q, shape.num_kv_heads, shape.head_dim)
+    raw_keys = raw_keys.view(q, shape.num_kv_heads, shape.head_dim)
+    values = raw_keys if w.v_proj is None else values.view(q, shape.num_kv_heads, shape.head_dim)
     keys = _rotate(_rms_norm(raw_keys, w.k_norm, shape.eps), cos, sin).transpose(0, 1)
     return query, keys, _rms_norm(values, None, shape.eps).transpose(0, 1)
 
@@ -210,7 +223,8 @@ def _finish(shape: _Shape, w: _Weights, hidden: torch.Tensor, attended: torch.Te
     eps, rows = shape.eps, shape.row_product_max_rows
     hidden = hidden + _rms_norm(_linear(attended, w.o_proj, w.o_bias, rows), w.post_attention_norm, eps)
     x = _rms_norm(hidden, w.pre_feedforward_norm, eps)
-    gated = F.gelu(_linear(x, w.gate_proj, None, rows), approximate='tanh') * _linear(x, w.up_proj, None, rows)
+    gate, up = _linears(x, (w.gate_proj, w.up_proj), (None, None), rows)
+    gated = F.gelu(gate, approximate='tanh') * up
     hidden = hidden + _rms_norm(_linear(gated, w.down_proj, None, rows), w.post_feedforward_norm, eps)
     if per_layer_input is not None:
         x = F.gelu(_linear(hidden, w.per_layer_gate, None, rows), approximate='tanh') * per_layer_input

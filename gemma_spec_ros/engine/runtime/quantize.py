@@ -1,24 +1,27 @@
 """
 Weight-only quantization of a lean model's matrices and embedding tables (engine.quantization: int8, int4, float16).
 
-A quantized matrix is a QuantizedWeight: integer data plus scales, read by quantized_linear. The products run aten's
-weight-only kernels, which take 16-bit activations: on CPU `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`
-with bfloat16 (their float32 forms ran 6-12x slower than a float32 product; measured in docs/quantization.md), on
-CUDA `_weight_int4pack_mm` for int4 and a product over the int8 data converted on the fly for int8. The activations
-are rounded to 16 bits for the product only; norms, attention and the KV cache keep the model's dtype.
+A quantized matrix is a QuantizedWeight: integer data plus scales, read by quantized_linear.
 
-- int8: every matrix per output channel (symmetric, 127 levels), as are the embedding tables (per row), so a tied
-  embedding and LM head share one QuantizedWeight.
-- int4: the decoder layers' matrices in groups of INT4_GROUP_SIZE inputs (asymmetric: a scale and a zero per group);
-  the embeddings, the LM head and any matrix whose shape the int4 kernels do not take stay int8.
+- int8: every matrix per output channel (symmetric, 127 levels, float32 scales), as are the embedding tables (per
+  row), so a tied embedding and LM head share one QuantizedWeight. On CPU the products round the activations to
+  16-bit integers per block of 32 inputs (rounded_activations) and run the engine's own op (cpu_ops.int8_linear;
+  several matrices of one input in one call, int8_together), or, where it is not built, a float product over the
+  same rounded activations and the converted data. On CUDA they run a bfloat16 product over the data converted on
+  the fly.
+- int4: the decoder layers' matrices in groups of INT4_GROUP_SIZE inputs (asymmetric: a scale and a zero per group),
+  multiplied by aten's weight-only kernels with bfloat16 activations (`_weight_int4pack_mm_for_cpu`, CUDA's
+  `_weight_int4pack_mm`; their float32 forms ran 6-12x slower, docs/quantization.md); the embeddings, the LM head
+  and any matrix whose shape the int4 kernels do not take stay int8.
 - float16: every matrix and table rounded to float16 and stored so, a plain tensor that the lean forward's products
   convert to the model's dtype as they read it (layers._linear). On CPU with inductor that halves the bytes a
   memory-bound step reads, and the arithmetic stays float32, so nothing else changes.
 
 The quantized model is the target that speculative decoding reproduces exactly: plain decoding and verification
-run the same kernels, each row's product is independent of the rows beside it, and a quantized model's attention
-runs in float64 (weights._layer_parts) so that its result does not depend on the pass either (float16 weights
-compute as float32 weights do and need neither).
+run the same kernels and each row's product is independent of the rows beside it. Rounding activations to
+bfloat16 magnifies the last-bit differences of a float32 attention into different products, so int4 models attend in
+float64 (attention_dtype), whose result does not depend on the pass. int8's 16-bit levels per block of 32 are 256
+times finer than bfloat16's rounding, and float16 weights compute in float32: both need no more than float32 models.
 """
 
 import time
@@ -29,13 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from ..types import QUANTIZATIONS
+from . import cpu_ops
 
 INT8_LEVELS = 127
+ACTIVATION_LEVELS = 32767.0  # int16 levels of a block's largest activation (int8 products on CPU)
 INT4_GROUP_SIZE = 32
 INT4_LEVELS = 15
 INT4_INNER_K_TILES = {'cpu': 1, 'cuda': 8}  # what aten's int4 packing takes per device (8 is tinygemm's CUDA layout)
 INT4_MULTIPLES = {'cpu': (1, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples its kernels accept
-PRODUCT_DTYPE = torch.bfloat16  # activations of the weight-only integer products
+PRODUCT_DTYPE = torch.bfloat16  # activations of aten's int4 products and of CUDA's int8 ones
 INTEGER_MODES = ('int8', 'int4')
 # what a text model's parameters are called where the lean forward reads them quantized (quantized_kind)
 QUANTIZED_MATRICES = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
@@ -65,7 +70,7 @@ class QuantizedWeight(NamedTuple):
     """A matrix [out, in] or embedding table [rows, width] stored as integers; a tuple of tensors dynamo traces."""
 
     data: torch.Tensor     # int8 [out, in]; int4: aten's packed layout for the device
-    scales: torch.Tensor   # int8: [out] (bfloat16); int4: [in / group, out, 2] scale and zero per group (bfloat16)
+    scales: torch.Tensor   # int8: [out] (float32); int4: [in / group, out, 2] scale and zero per group (bfloat16)
     group_size: int        # 0 for int8 (per output channel), else the int4 group
 
 
@@ -73,13 +78,11 @@ def _int8(weight: torch.Tensor) -> QuantizedWeight:
     weight = weight.detach().float()
     scales = (weight.abs().amax(dim=1) / INT8_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
     data = torch.round(weight / scales[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
-    return QuantizedWeight(data, scales.to(PRODUCT_DTYPE), 0)
+    return QuantizedWeight(data, scales, 0)
 
 
-# aten's weight-only kernels are underscore ops, outside torch's documented API: this module is their only user.
-# Without the int8 one, int8 products run on the integer data converted on the fly (the same values, slower);
-# without the int4 ones, int4 mode stores int8.
-HAS_INT8_KERNEL = hasattr(torch.ops.aten, '_weight_int8pack_mm')
+# aten's weight-only int4 kernels are underscore ops, outside torch's documented API: this module is their only user.
+# Without them, int4 mode stores int8.
 HAS_INT4_KERNELS = {'cpu': all(hasattr(torch.ops.aten, name) for name in (
     '_convert_weight_to_int4pack_for_cpu', '_weight_int4pack_mm_for_cpu')),
     'cuda': all(hasattr(torch.ops.aten, name) for name in ('_convert_weight_to_int4pack', '_weight_int4pack_mm'))}
@@ -111,20 +114,38 @@ def _int4(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(data, scales_and_zeros, INT4_GROUP_SIZE)
 
 
+def int8_together(x: torch.Tensor, weights: 'tuple[torch.Tensor | QuantizedWeight | None, ...]') -> bool:
+    """Whether one cpu_ops.int8_linear call multiplies x by every one of weights (int8 ones, on the CPU, built)."""
+    return all(isinstance(weight, QuantizedWeight) and not weight.group_size for weight in weights) and \
+        cpu_ops.int8_linear_usable(x)
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """Return x [q, in] as int8 products on the CPU see it: 16-bit levels per block of ACTIVATION_BLOCK inputs."""
+    width = x.shape[-1]
+    padding = -width % cpu_ops.ACTIVATION_BLOCK
+    blocks = F.pad(x, (0, padding)).view(x.shape[0], -1, cpu_ops.ACTIVATION_BLOCK)
+    largest = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, ACTIVATION_LEVELS / largest, torch.zeros_like(largest))
+    levels = torch.round(blocks * inverse)
+    return (levels * (largest / ACTIVATION_LEVELS)).view(x.shape[0], -1)[:, :width]
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """Return x [q, in] times the quantized weight [out, in] transposed: [q, out] in x's dtype."""
-    product_input = x.to(PRODUCT_DTYPE)
     if weight.group_size:
+        product_input = x.to(PRODUCT_DTYPE)
         if x.device.type == 'cpu':
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(product_input, weight.data, weight.group_size,
                                                              weight.scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm(product_input, weight.data, weight.group_size, weight.scales)
-    elif x.device.type == 'cpu' and HAS_INT8_KERNEL:
-        out = torch.ops.aten._weight_int8pack_mm(product_input, weight.data, weight.scales)
-    else:
-        out = F.linear(product_input, weight.data.to(PRODUCT_DTYPE)) * weight.scales
-    return out.to(x.dtype)
+        return out.to(x.dtype)
+    if int8_together(x, (weight,)):
+        return cpu_ops.int8_linear(x, (weight.data,), (weight.scales,))
+    if x.device.type == 'cpu':
+        return F.linear(rounded_activations(x), weight.data.to(x.dtype)) * weight.scales.to(x.dtype)
+    return (F.linear(x.to(PRODUCT_DTYPE), weight.data.to(PRODUCT_DTYPE)) * weight.scales).to(x.dtype)
 
 
 def embedding(input_ids: torch.Tensor, table: 'torch.Tensor | QuantizedWeight', dtype: torch.dtype) -> torch.Tensor:
@@ -185,7 +206,7 @@ class Quantizer:
     @property
     def attention_dtype(self) -> torch.dtype | None:
         """The dtype a quantized model's attention runs in (None: the model's; see the module docstring)."""
-        return torch.float64 if self.mode in INTEGER_MODES else None
+        return torch.float64 if self.mode == 'int4' else None
 
     def matrix(self, parameter: torch.Tensor | None) -> 'QuantizedWeight | torch.Tensor | None':
         """Quantize a decoder layer's matrix: int4 where the mode and its shape allow, else int8; or float16."""
@@ -199,6 +220,8 @@ class Quantizer:
 
     def quantize_values(self, values: torch.Tensor, int4_allowed: bool) -> 'QuantizedWeight | torch.Tensor':
         """Quantize a float matrix: int4 where allowed and its shape fits, else int8; float16 (timed)."""
+        if self.mode in INTEGER_MODES and values.device.type == 'cpu':
+            cpu_ops.ensure_built()  # before the first int8 product (once a process; built once a machine)
         started = time.perf_counter()
         if self.mode == 'float16':
             quantized = values.to(torch.float16)

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 
 import torch
 
-from . import cpu_attention, torch_internals
+from . import cpu_ops, torch_internals
 from .compile_cache import compile_cache_dir, release_compile_garbage
 from .direct_graph import _DirectGraph, _DirectRecord
 from .layers import ROW_PRODUCT_MAX_ROWS
@@ -284,7 +284,7 @@ class _Steps:
             return _Graph(function, inputs, self._pool)
         if self.dynamic:  # with cpp_wrapper no Python runs between the graph's kernels (model.py: INLINE_MAX_LAYERS)
             # before the first trace (not at load: eager steps serve meanwhile): layers._attend calls it once built
-            cpu_attention.ensure_built()
+            cpu_ops.ensure_built()
             if not torch_internals.direct_graphs():  # torch's public path: every call through dynamo
                 frozen = FROZEN_GEMM_SETTINGS if self.mode == 'inductor-gemm' and q >= 2 else None
                 return torch.compile(_fresh(function), fullgraph=True, dynamic=torch_internals.compile_dynamic(),

@@ -209,12 +209,12 @@ def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: Flat
         per_layer_gate=layer.per_layer_input_gate.weight if ple else None,
         per_layer_projection=layer.per_layer_projection.weight if ple else None,
         per_layer_norm=layer.post_per_layer_input_norm.weight if ple else None)
-    if quantizer is not None:  # integer matrices are never blocked: aten's kernels read their own layouts
+    if quantizer is not None:  # integer matrices are never blocked: their kernels read their own layouts
         weights = weights._replace(**{name: quantizer.matrix(getattr(weights, name)) for name in _LAYER_MATRICES})
         weights = weights._replace(per_layer_gate=quantizer.table(weights.per_layer_gate),
                                    per_layer_projection=quantizer.table(weights.per_layer_projection))
-    # integer products are exact per row whatever the pass, but their 16-bit outputs turn attention's tiny
-    # pass-to-pass differences into whole rounding steps (greedy outputs then depended on K): float64 removes them
+    # int4 products are exact per row whatever the pass, but their 16-bit inputs turn attention's tiny pass-to-pass
+    # differences into whole rounding steps (greedy outputs then depended on K): float64 removes them
     shape = _Shape(attn.layer_type, num_heads, num_heads // attn.num_key_value_groups, attn.head_dim, eps,
                    row_product_max_rows, None if quantizer is None else quantizer.attention_dtype)
     return _Layer(shape, kv_index, tensors.add_each(weights, _LAYER_MATRICES if blocked else ()))

@@ -1,0 +1,98 @@
+"""
+The engine's C++ CPU ops, built on first use: torch.ops.gemma_spec.decode_attention and int8_linear.
+
+- decode_attention (cpu_attention.cpp): attention of compiled CPU steps. A decode step attends a few queries to a few
+  hundred keys: a few microseconds of arithmetic, which aten's flash attention surrounds with tens of microseconds
+  of set-up a call (figures in docs/decode-path.md).
+- int8_linear (int8_linear.cpp): float32 rows times int8 matrices with per-output scales (engine.quantization
+  int8), for every CPU pass. It rounds each row to 16-bit integers per block of ACTIVATION_BLOCK inputs and sums
+  exact integer products (madd), twice as fast as converting the weights to float32 (docs/quantization.md).
+  Several matrices of one input run in one call.
+
+Each computes a row alone in a fixed order, so a row's result does not depend on how many rows share the pass.
+They are built together once per machine and torch version with torch.utils.cpp_extension (a C++ compiler, about
+30 s) into the compile cache's directory: before a process first compiles a CPU step, or when an int8 model is
+loaded on the CPU (ensure_built). Where they cannot be built, ensure_built says why (once) and the callers keep
+SDPA and a float product over the same rounded rows and the converted int8 data (quantize.quantized_linear).
+"""
+
+import hashlib
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = (Path(__file__).with_name('cpu_attention.cpp'), Path(__file__).with_name('int8_linear.cpp'))
+VECTOR_WIDTH = 8  # floats in at::vec's Vectorized<float> with these flags (AVX2, NEON or its portable form)
+ACTIVATION_BLOCK = 32  # int8_linear's inputs per activation scale: the input width must be a multiple
+
+
+def _cflags() -> list[str]:
+    """-O3, and AVX2 for at::vec on an x86 CPU that has it (AVX-512 ones do); elsewhere at::vec's own default."""
+    if torch.backends.cpu.get_cpu_capability() in ('AVX2', 'AVX512'):
+        return ['-O3', '-mavx2', '-mfma', '-mf16c', '-DCPU_CAPABILITY_AVX2', '-DCPU_CAPABILITY=AVX2']
+    return ['-O3']
+
+
+class CpuOpsWarning(UserWarning):
+    """The ops could not be built; compiled CPU steps use SDPA, int8 products a float product."""
+
+
+_state = {'built': False, 'failure': ''}
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake('gemma_spec::decode_attention')
+    def _(query, keys, values, mask):
+        return query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
+
+    @torch.library.register_fake('gemma_spec::int8_linear')
+    def _(x, weights, scales):
+        return x.new_empty(x.shape[0], sum(weight.shape[0] for weight in weights))
+
+
+def ensure_built() -> bool:
+    """Build and load the ops unless done (or failed) before; whether they can be called."""
+    if _state['built'] or _state['failure']:
+        return _state['built']
+    from torch.utils import cpp_extension
+
+    from .compile_cache import compile_cache_dir  # not at import: compile_cache imports the layers' modules
+
+    flags = _cflags()
+    key = b''.join(source.read_bytes() for source in SOURCES) + torch.__version__.encode() + ' '.join(flags).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    directory = Path(compile_cache_dir()) / 'gemma_spec_extensions' / 'cpu_ops_{}'.format(digest)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name='gemma_spec_cpu_ops', sources=[str(source) for source in SOURCES],
+                           extra_cflags=flags, build_directory=str(directory), is_python_module=False, verbose=False)
+        _register_fakes()
+    except Exception as exc:  # noqa: BLE001 (no compiler, no headers, a failed build: the fallbacks serve)
+        _state['failure'] = '{}: {}'.format(type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc) else '')
+        warnings.warn('the CPU ops could not be built ({}); compiled CPU steps use SDPA and int8 products a float '
+                      'product'.format(_state['failure']), CpuOpsWarning, stacklevel=2)
+        return False
+    _state['built'] = True
+    return True
+
+
+def attention_usable(query: torch.Tensor) -> bool:
+    """Whether a compiled CPU step's attention of query runs decode_attention (float32, whole vectors; once built)."""
+    return _state['built'] and query.dtype == torch.float32 and query.shape[-1] % VECTOR_WIDTH == 0
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attend query [q, heads, d] to keys/values [kv_heads, L, d] where mask [q, L] -> [q, heads * d] (scale 1)."""
+    return torch.ops.gemma_spec.decode_attention(query, keys, values, mask)
+
+
+def int8_linear_usable(x: torch.Tensor) -> bool:
+    """Whether int8_linear takes rows x [q, in] (CPU, float32, in a multiple of its blocks; once built)."""
+    return (_state['built'] and x.device.type == 'cpu' and x.dtype == torch.float32
+            and x.shape[-1] % ACTIVATION_BLOCK == 0)
+
+
+def int8_linear(x: torch.Tensor, data: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Return x [q, in], rounded as the module says, times each int8 matrix [out_i, in]^T and scales: [q, sum out_i]."""
+    return torch.ops.gemma_spec.int8_linear(x, list(data), list(scales))

@@ -1,0 +1,168 @@
+// torch.ops.gemma_spec.int8_linear: float32 rows times int8 matrices with per-output scales (cpu_ops.py).
+//
+// Each row is first rounded to 16-bit integers per block of 32 inputs (a scale per block: its largest magnitude
+// maps to 32767). A block's products with a weight row are then exact integer sums, eight lane sums of four
+// products each (below 2^24, so exact in float32 too); each lane adds its sum times the block's scale to a float
+// lane total, block after block; the eight totals add as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), times the output's
+// scale. Tiles of rows and outputs only share loaded weights, so a row's result does not depend on how many rows
+// share the pass. Several matrices of the same input width run in one call (a layer's query, key and value; its
+// gate and up), their outputs side by side.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+constexpr int64_t BLOCK = 32;          // inputs per activation scale; the input width must be a multiple
+constexpr float LEVELS = 32767.f;      // int16 levels of a block's largest magnitude
+
+// Rows x [q, width] -> int16 levels [q, width] and a scale per block [q, width / BLOCK]
+static void quantize_rows(const float* x, int64_t q, int64_t width, int16_t* levels, float* scales) {
+  for (int64_t b = 0; b < q * width / BLOCK; ++b) {
+    const float* block = x + b * BLOCK;
+    float largest = 0.f;
+    for (int64_t i = 0; i < BLOCK; ++i) largest = std::max(largest, std::fabs(block[i]));
+    const float inverse = largest > 0.f ? LEVELS / largest : 0.f;
+    scales[b] = largest / LEVELS;
+    for (int64_t i = 0; i < BLOCK; ++i) levels[b * BLOCK + i] = static_cast<int16_t>(std::nearbyint(block[i] * inverse));
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+using Acc = __m256;
+struct Weights { __m256i low, high; };  // a block of one weight row as 2 x 16 int16
+static inline Acc acc_zero() { return _mm256_setzero_ps(); }
+static inline Weights weights_at(const int8_t* w) {
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))};
+}
+struct Inputs { __m256i low, high; __m256 scale; };  // a block of one row: 2 x 16 levels and the block's scale
+static inline Inputs inputs_at(const int16_t* x, float scale) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)), _mm256_set1_ps(scale)};
+}
+// acc += (the block's eight exact lane sums of weight times level) * scale
+static inline Acc block_add(const Weights& w, const Inputs& x, Acc acc) {
+  const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w.low, x.low), _mm256_madd_epi16(w.high, x.high));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), x.scale, acc);
+}
+// the totals of acc[0..7], each ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))
+static inline void reduce8(const Acc* acc, float* totals) {
+  const __m256 ab = _mm256_hadd_ps(acc[0], acc[1]), cd = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 ef = _mm256_hadd_ps(acc[4], acc[5]), gh = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
+  // abcd: [a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567]; efgh alike
+  const __m256 low = _mm256_permute2f128_ps(abcd, efgh, 0x20), high = _mm256_permute2f128_ps(abcd, efgh, 0x31);
+  _mm256_storeu_ps(totals, _mm256_add_ps(low, high));
+}
+#else
+struct Acc { float lane[8]; };
+struct Weights { const int8_t* row; };
+struct Inputs { const int16_t* row; float scale; };
+static inline Acc acc_zero() { return Acc{}; }
+static inline Weights weights_at(const int8_t* w) { return {w}; }
+static inline Inputs inputs_at(const int16_t* x, float scale) { return {x, scale}; }
+static inline Acc block_add(const Weights& weights, const Inputs& inputs, Acc acc) {
+  const int8_t* w = weights.row;
+  const int16_t* x = inputs.row;
+  const float scale = inputs.scale;
+  // lane l: inputs 2l, 2l+1, 16+2l, 16+2l+1 (the AVX2 form's pairing)
+  for (int l = 0; l < 8; ++l) {
+    const int32_t sum = w[2 * l] * x[2 * l] + w[2 * l + 1] * x[2 * l + 1] + w[16 + 2 * l] * x[16 + 2 * l] +
+                        w[17 + 2 * l] * x[17 + 2 * l];
+    acc.lane[l] = std::fma(static_cast<float>(sum), scale, acc.lane[l]);
+  }
+  return acc;
+}
+static inline void reduce8(const Acc* acc, float* totals) {
+  for (int o = 0; o < 8; ++o) {
+    const float* l = acc[o].lane;
+    totals[o] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+  }
+}
+#endif
+
+// y[r, o] = weight_scale[o] * dot(row r, w[o]) for R rows (levels and block scales) and O outputs
+template <int R, int O>
+static inline void tile(const int16_t* x, const float* x_scales, int64_t width, const int8_t* w,
+                        const float* weight_scale, float* y, int64_t y_stride) {
+  const int64_t blocks = width / BLOCK;
+  Acc acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = acc_zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    Inputs inputs[R];
+    for (int r = 0; r < R; ++r) inputs[r] = inputs_at(x + r * width + b * BLOCK, x_scales[r * blocks + b]);
+    for (int o = 0; o < O; ++o) {
+      const Weights block = weights_at(w + o * width + b * BLOCK);
+      for (int r = 0; r < R; ++r) acc[r][o] = block_add(block, inputs[r], acc[r][o]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Acc padded[8];
+    for (int o = 0; o < 8; ++o) padded[o] = o < O ? acc[r][o] : acc_zero();
+    float totals[8];
+    reduce8(padded, totals);
+    for (int o = 0; o < O; ++o) y[r * y_stride + o] = totals[o] * weight_scale[o];
+  }
+}
+
+// R rows against every output: O at a time (eight accumulators in flight), the rest one at a time
+template <int R, int O>
+static void rows_times_matrix(const int16_t* x, const float* x_scales, int64_t width, const int8_t* w,
+                              int64_t outputs, const float* weight_scale, float* y, int64_t y_stride) {
+  int64_t o = 0;
+  for (; o + O <= outputs; o += O) tile<R, O>(x, x_scales, width, w + o * width, weight_scale + o, y + o, y_stride);
+  for (; o < outputs; ++o) tile<R, 1>(x, x_scales, width, w + o * width, weight_scale + o, y + o, y_stride);
+}
+
+// x [q, in] float32; weights: int8 [out_i, in] (contiguous); scales: float32 [out_i] -> [q, sum of out_i]
+at::Tensor int8_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be float32 [rows, in]");
+  TORCH_CHECK(weights.size() == scales.size() && !weights.empty(), "int8_linear: one scales tensor per matrix");
+  const int64_t q = x.size(0), width = x.size(1);
+  TORCH_CHECK(width % BLOCK == 0, "int8_linear: the input width must be a multiple of ", BLOCK);
+  int64_t total = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.size(1) == width && w.is_contiguous(),
+                "int8_linear: weights must be contiguous int8 [out, in] of x's width");
+    TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].numel() == w.size(0) && scales[i].is_contiguous(),
+                "int8_linear: scales must be contiguous float32 [out]");
+    total += w.size(0);
+  }
+  const at::Tensor xc = x.contiguous();
+  std::vector<int16_t> levels(q * width);
+  std::vector<float> x_scales(q * width / BLOCK);
+  quantize_rows(xc.data_ptr<float>(), q, width, levels.data(), x_scales.data());
+  at::Tensor y = at::empty({q, total}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = width / BLOCK;
+  int64_t column = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int8_t* w = weights[i].data_ptr<int8_t>();
+    const float* scale = scales[i].data_ptr<float>();
+    const int64_t outputs = weights[i].size(0);
+    int64_t r = 0;
+    for (; r + 2 <= q; r += 2)
+      rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, outputs, scale,
+                              yp + r * total + column, total);
+    for (; r < q; ++r)
+      rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, outputs, scale,
+                              yp + r * total + column, total);
+    column += outputs;
+  }
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(gemma_spec, m) {
+  m.def("int8_linear(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(gemma_spec, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+}

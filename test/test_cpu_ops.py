@@ -1,0 +1,102 @@
+"""The C++ CPU ops (runtime/cpu_ops.py): attention against SDPA, int8 products against float64, and the fallback."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemma_spec_ros.engine.runtime import cpu_ops
+from gemma_spec_ros.engine.runtime.quantize import Quantizer, quantized_linear, rounded_activations
+
+
+def _sdpa(query, keys, values, mask):
+    out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                         scale=1.0, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(query.shape[0], -1)
+
+
+@pytest.mark.parametrize('heads, kv_heads', [(4, 2), (4, 4), (8, 1)])
+def test_the_op_equals_sdpa_and_each_row_alone_gives_the_same_bits(heads, kv_heads):
+    assert cpu_ops.ensure_built(), 'this machine has a C++ compiler: the op must build'
+    generator = torch.Generator().manual_seed(0)
+    for q, d, length in [(1, 64, 1), (1, 64, 138), (4, 128, 301), (9, 256, 57), (3, 24, 10)]:
+        query = torch.randn(q, heads, d, generator=generator) * d ** -0.5  # scores of a normed query
+        cache = torch.randn(2, kv_heads, length + 40, d, generator=generator)  # keys/values: views of a longer cache
+        keys, values = cache[0, :, :length], cache[1, :, :length]
+        mask = torch.rand(q, length, generator=generator) > 0.3
+        mask[:, 0] = True
+        out = cpu_ops.decode_attention(query, keys, values, mask)
+        torch.testing.assert_close(out, _sdpa(query, keys, values, mask), atol=1e-5, rtol=1e-5)
+        alone = torch.cat([cpu_ops.decode_attention(query[i:i + 1], keys, values, mask[i:i + 1])
+                           for i in range(q)])
+        assert torch.equal(alone, out)  # what makes verify passes and one-token steps agree to the bit
+        wider_mask = torch.cat([torch.zeros(q, 3, dtype=torch.bool), mask, torch.zeros(q, 40, dtype=torch.bool)], 1)
+        hidden = torch.randn(2, kv_heads, 43, d, generator=generator)  # 3 keys before, 40 after: a static step's
+        wider = cpu_ops.decode_attention(query, *(torch.cat([hidden[k, :, :3], part, hidden[k, :, 3:]], dim=1)
+                                                  for k, part in enumerate((keys, values))), wider_mask)
+        assert torch.equal(wider, out)
+
+
+def test_the_op_runs_only_for_float32_queries_of_whole_vectors():
+    assert cpu_ops.ensure_built()
+    assert cpu_ops.attention_usable(torch.zeros(1, 4, 64))
+    assert not cpu_ops.attention_usable(torch.zeros(1, 4, 64, dtype=torch.float64))  # a quantized model's attention
+    assert not cpu_ops.attention_usable(torch.zeros(1, 4, 64, dtype=torch.bfloat16))
+    assert not cpu_ops.attention_usable(torch.zeros(1, 4, 20))
+
+
+def test_a_failed_build_leaves_the_fallbacks_and_says_why(monkeypatch, tmp_path):
+    broken = tmp_path / 'broken.cpp'
+    broken.write_text('this is not C++\n')
+    monkeypatch.setattr(cpu_ops, 'SOURCES', (broken,))
+    monkeypatch.setattr(cpu_ops, '_state', {'built': False, 'failure': ''})
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path / 'cache'))
+    with pytest.warns(cpu_ops.CpuOpsWarning, match='compiled CPU steps use SDPA and int8 products a float product'):
+        assert not cpu_ops.ensure_built()
+    assert not cpu_ops.attention_usable(torch.zeros(1, 4, 64))
+    assert not cpu_ops.int8_linear_usable(torch.zeros(1, 64))
+    quantized = Quantizer('int8').table(torch.nn.Parameter(torch.randn(16, 64)))
+    x = torch.randn(3, 64)
+    reference = rounded_activations(x).double() @ (quantized.data.double() * quantized.scales.double()[:, None]).T
+    torch.testing.assert_close(quantized_linear(x, quantized).double(), reference, atol=1e-5, rtol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert not cpu_ops.ensure_built()  # tried once, said once
+
+
+def _int8(outputs: int, inputs: int, generator: torch.Generator):
+    return Quantizer('int8').table(torch.nn.Parameter(torch.randn(outputs, inputs, generator=generator) * 0.05))
+
+
+def test_int8_products_equal_float64_and_each_row_alone_gives_the_same_bits():
+    assert cpu_ops.ensure_built()
+    generator = torch.Generator().manual_seed(0)
+    for inputs, outputs in [(192, (256, 128, 128)), (768, (192,)), (32, (1, 7, 9)), (64, (33,))]:
+        weights = [_int8(count, inputs, generator) for count in outputs]
+        x = torch.randn(11, inputs, generator=generator)
+        x[:, :32] *= 50  # an outlier block: the other blocks keep their own scales
+        out = cpu_ops.int8_linear(x, tuple(w.data for w in weights), tuple(w.scales for w in weights))
+        dequantized = [w.data.double() * w.scales.double()[:, None] for w in weights]
+        exact = torch.cat([x.double() @ w.T for w in dequantized], dim=-1)
+        rounded = torch.cat([rounded_activations(x).double() @ w.T for w in dequantized], dim=-1)
+        torch.testing.assert_close(out.double(), rounded, atol=1e-5, rtol=1e-5)  # what rounded_activations says
+        assert ((out.double() - exact).abs() / exact.abs().amax()).max() < 1e-4  # 16-bit levels: near the float one
+        for rows in range(1, 11):  # tiles of 2 and 1 rows
+            part = cpu_ops.int8_linear(x[:rows], tuple(w.data for w in weights), tuple(w.scales for w in weights))
+            assert torch.equal(part, out[:rows])
+        alone = [quantized_linear(x[3:4], w) for w in weights]  # one matrix a call, as the other products run
+        assert torch.equal(torch.cat(alone, dim=-1)[0], out[3])
+
+
+def test_int8_products_take_float32_rows_of_whole_blocks_only():
+    assert cpu_ops.ensure_built()
+    assert cpu_ops.int8_linear_usable(torch.zeros(2, 64))
+    assert not cpu_ops.int8_linear_usable(torch.zeros(2, 48))
+    assert not cpu_ops.int8_linear_usable(torch.zeros(2, 64, dtype=torch.bfloat16))
+    weight = _int8(5, 48, torch.Generator().manual_seed(1))
+    x = torch.randn(2, 48)
+    reference = rounded_activations(x).double() @ (weight.data.double() * weight.scales.double()[:, None]).T
+    torch.testing.assert_close(quantized_linear(x, weight).double(), reference, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match='multiple of 32'):
+        cpu_ops.int8_linear(x, (weight.data,), (weight.scales,))
