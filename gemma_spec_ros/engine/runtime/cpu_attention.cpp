@@ -1,48 +1,156 @@
 // torch.ops.gemma_spec.decode_attention: attention of a few queries over a decode step's keys (cpu_ops.py).
 //
-// Each query row and head is computed alone, in a fixed order, so a row's result does not depend on how many
+// Each query row and head is computed in a fixed order of its own, so a row's result does not depend on how many
 // queries share the pass. Scores are dot products of one query and one key row; the softmax is exp(s - max) over
-// the row; the output sums the value rows weighted by it, CHUNK outputs at a time in registers. A row reads only the
-// keys from its first to its last visible one, so its result does not depend on the mask's width either.
+// the row; the output sums the value rows weighted by it in ascending keys, a chunk at a time in registers.
+// The queries that read one KV head go two at a time (a row's heads of a group, or two rows), sharing each key and
+// value row they load. A row reads only the keys from its first to its last visible one, so its result does not
+// depend on the mask's width either.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
-constexpr int64_t CHUNK = 8 * W;  // outputs accumulated in registers at once
+constexpr int CHUNK_VECTORS = 8;  // output vectors of each query accumulated in registers at once
 
 static inline float hsum(Vec v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
 
-// dot of two rows of d floats (d a multiple of W)
-static inline float dot(const float* a, const float* b, int64_t d) {
-  Vec s0(0), s1(0);
-  int64_t t = 0;
-  for (; t + 2 * W <= d; t += 2 * W) {
-    s0 = at::vec::fmadd(Vec::loadu(a + t), Vec::loadu(b + t), s0);
-    s1 = at::vec::fmadd(Vec::loadu(a + t + W), Vec::loadu(b + t + W), s1);
+// the totals of acc[0..7], each ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) with 8 lanes (in lane order otherwise)
+static inline void reduce8(const Vec* acc, float* totals) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 ab = _mm256_hadd_ps(acc[0], acc[1]), cd = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 ef = _mm256_hadd_ps(acc[4], acc[5]), gh = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
+  // abcd: [a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567]; efgh alike
+  const __m256 low = _mm256_permute2f128_ps(abcd, efgh, 0x20), high = _mm256_permute2f128_ps(abcd, efgh, 0x31);
+  _mm256_storeu_ps(totals, _mm256_add_ps(low, high));
+#else
+  for (int a = 0; a < 8; ++a) {
+    float lanes[W];
+    acc[a].store(lanes);
+    float total = 0.f;
+    if (W == 8) total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    else for (int64_t t = 0; t < W; ++t) total += lanes[t];
+    totals[a] = total;
   }
-  for (; t < d; t += W) s0 = at::vec::fmadd(Vec::loadu(a + t), Vec::loadu(b + t), s0);
-  return hsum(s0 + s1);
+#endif
 }
 
-// out[0:width] = sum_j p[j] * v[j * stride + 0:width] / sum, width <= CHUNK, a multiple of W
-template <int N>
-static inline void weighted_sum(const float* p, const float* v, int64_t stride, int64_t length, float inv, float* out) {
-  Vec acc[N];
-  for (int k = 0; k < N; ++k) acc[k] = Vec(0);
-  for (int64_t j = 0; j < length; ++j) {
-    const Vec pj(p[j]);
-    const float* row = v + j * stride;
-    for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(pj, Vec::loadu(row + k * W), acc[k]);
+// scores[c][k] = dot(query c, key k) for C <= 2 queries and KEYS <= 4 keys (d a multiple of W): one chain of
+// multiply-adds per query and key, reduced together, so a score does not depend on the queries or keys beside it
+template <int C, int KEYS>
+static inline void score_tile(const float* const* queries, const float* keys, int64_t key_stride, int64_t d,
+                              float* const* scores) {
+  Vec acc[8];
+  for (int a = 0; a < 8; ++a) acc[a] = Vec(0);
+  for (int64_t t = 0; t < d; t += W) {
+    Vec key[KEYS];
+    for (int k = 0; k < KEYS; ++k) key[k] = Vec::loadu(keys + k * key_stride + t);
+    for (int c = 0; c < C; ++c) {
+      const Vec q = Vec::loadu(queries[c] + t);
+      for (int k = 0; k < KEYS; ++k) acc[c * 4 + k] = at::vec::fmadd(q, key[k], acc[c * 4 + k]);
+    }
   }
-  const Vec scale(inv);
-  for (int k = 0; k < N; ++k) (acc[k] * scale).store(out + k * W);
+  float totals[8];
+  reduce8(acc, totals);
+  for (int c = 0; c < C; ++c)
+    for (int k = 0; k < KEYS; ++k) scores[c][k] = totals[c * 4 + k];
+}
+
+// out[c][0:N*W] = inv[c] * sum_{j in [lo, hi)} p[c][j] * v[j * stride + 0:N*W] in ascending j, for C <= 2 queries
+// that share the value rows (a query's p is 0 outside its own keys: adding those terms changes no bit)
+template <int C, int N>
+static inline void weighted_sums(const float* const* p, const float* v, int64_t stride, int64_t lo, int64_t hi,
+                                 const float* inv, float* const* out) {
+  Vec acc[C][N];
+  for (int c = 0; c < C; ++c)
+    for (int k = 0; k < N; ++k) acc[c][k] = Vec(0);
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* row = v + j * stride;
+    Vec pj[C];
+    for (int c = 0; c < C; ++c) pj[c] = Vec(p[c][j]);
+    for (int k = 0; k < N; ++k) {
+      const Vec x = Vec::loadu(row + k * W);
+      for (int c = 0; c < C; ++c) acc[c][k] = at::vec::fmadd(pj[c], x, acc[c][k]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const Vec scale(inv[c]);
+    for (int k = 0; k < N; ++k) (acc[c][k] * scale).store(out[c] + k * W);
+  }
+}
+
+// the attention of C <= 2 queries that read the same KV head; rows[c] is query c's row of the pass
+template <int C>
+static void attend(const float* const* queries, const int64_t* rows, const int64_t* begins, const int64_t* ends,
+                   const bool* mask, int64_t L, const float* keys, int64_t key_stride, const float* values,
+                   int64_t value_stride, int64_t d, float* scores, float* const* out) {
+  int64_t lo = L, hi = 0;
+  for (int c = 0; c < C; ++c) lo = std::min(lo, begins[rows[c]]), hi = std::max(hi, ends[rows[c]]);
+  float* row_scores[C];
+  for (int c = 0; c < C; ++c) row_scores[c] = scores + c * L;
+  int64_t j = lo;
+  for (; j + 4 <= hi; j += 4) {
+    float* at[C];
+    for (int c = 0; c < C; ++c) at[c] = row_scores[c] + j;
+    score_tile<C, 4>(queries, keys + j * key_stride, key_stride, d, at);
+  }
+  for (; j < hi; ++j) {
+    float* at[C];
+    for (int c = 0; c < C; ++c) at[c] = row_scores[c] + j;
+    score_tile<C, 1>(queries, keys + j * key_stride, key_stride, d, at);
+  }
+  float inv[C];
+  for (int c = 0; c < C; ++c) {  // softmax over the query's own keys; 0 elsewhere in [lo, hi)
+    const int64_t begin = begins[rows[c]], end = ends[rows[c]];
+    const bool* visible = mask + rows[c] * L;
+    float* s = row_scores[c];
+    float mx = -INFINITY;
+    for (int64_t t = begin; t < end; ++t) {
+      if (!visible[t]) s[t] = -INFINITY;
+      mx = std::max(mx, s[t]);
+    }
+    const Vec vm(mx);
+    Vec vsum(0);
+    int64_t t = begin;
+    for (; t + W <= end; t += W) {
+      const Vec e = (Vec::loadu(s + t) - vm).exp();
+      e.store(s + t);
+      vsum = vsum + e;
+    }
+    float sum = hsum(vsum);
+    for (; t < end; ++t) {
+      s[t] = std::exp(s[t] - mx);
+      sum += s[t];
+    }
+    inv[c] = 1.f / sum;
+    for (t = lo; t < begin; ++t) s[t] = 0.f;
+    for (t = end; t < hi; ++t) s[t] = 0.f;
+  }
+  const float* p[C];
+  for (int c = 0; c < C; ++c) p[c] = row_scores[c];
+  constexpr int N = CHUNK_VECTORS;
+  for (int64_t c0 = 0; c0 < d; c0 += N * W) {
+    const int64_t width = std::min<int64_t>(N * W, d - c0);
+    if (width == N * W) {
+      float* at[C];
+      for (int c = 0; c < C; ++c) at[c] = out[c] + c0;
+      weighted_sums<C, N>(p, values + c0, value_stride, lo, hi, inv, at);
+    } else {
+      for (int64_t w = 0; w < width; w += W) {
+        float* at[C];
+        for (int c = 0; c < C; ++c) at[c] = out[c] + c0 + w;
+        weighted_sums<C, 1>(p, values + c0 + w, value_stride, lo, hi, inv, at);
+      }
+    }
+  }
 }
 
 // query [q, H, d] float32, keys/values [KV, L, d] (last dim contiguous, d a multiple of the vector width),
@@ -51,7 +159,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
                             const at::Tensor& mask) {
   const int64_t q = query.size(0), H = query.size(1), d = query.size(2);
   const int64_t KV = keys.size(0), L = keys.size(1);
-  const int64_t g = H / KV;
+  const int64_t g = H / KV, M = q * g;  // M queries read each KV head: its g heads of each of the q rows
   auto out = at::empty({q, H * d}, query.options());
   auto qc = query.contiguous();
   auto mc = mask.contiguous();
@@ -61,46 +169,30 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   const float* vp = values.data_ptr<float>();
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
   float* op = out.data_ptr<float>();
-  std::vector<float> scores(L);
+  // a row reads only the keys from its first to its last visible one (a static step's mask covers the cache)
+  std::vector<int64_t> begins(q), ends(q);
   for (int64_t i = 0; i < q; ++i) {
     const bool* row_mask = mp + i * L;
-    // only the keys from the row's first to its last visible one
     int64_t begin = 0, end = L;
     while (begin < end && !row_mask[begin]) ++begin;
     while (end > begin && !row_mask[end - 1]) --end;
-    const int64_t length = end - begin;
-    for (int64_t h = 0; h < H; ++h) {
-      const float* qv = qp + (i * H + h) * d;
-      const float* kbase = kp + (h / g) * ks0 + begin * ks1;
-      const float* vbase = vp + (h / g) * vs0 + begin * vs1;
-      const bool* visible = row_mask + begin;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < length; ++j) {
-        const float s = visible[j] ? dot(qv, kbase + j * ks1, d) : -INFINITY;
-        scores[j] = s;
-        mx = std::max(mx, s);
+    begins[i] = begin, ends[i] = end;
+  }
+  std::vector<float> scores(2 * L);
+  for (int64_t kv = 0; kv < KV; ++kv) {
+    for (int64_t m = 0; m < M; m += 2) {  // two queries at a time share each key and value row they read
+      const int64_t C = std::min<int64_t>(2, M - m);
+      int64_t rows[2];
+      const float* queries[2];
+      float* outs[2];
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t i = (m + c) / g, h = kv * g + (m + c) % g;
+        rows[c] = i, queries[c] = qp + (i * H + h) * d, outs[c] = op + (i * H + h) * d;
       }
-      const Vec vm(mx);
-      Vec vsum(0);
-      int64_t j = 0;
-      for (; j + W <= length; j += W) {
-        const Vec e = (Vec::loadu(scores.data() + j) - vm).exp();
-        e.store(scores.data() + j);
-        vsum = vsum + e;
-      }
-      float sum = hsum(vsum);
-      for (; j < length; ++j) {
-        scores[j] = std::exp(scores[j] - mx);
-        sum += scores[j];
-      }
-      float* o = op + (i * H + h) * d;
-      const float inv = 1.f / sum;
-      for (int64_t c = 0; c < d; c += CHUNK) {
-        const int64_t width = std::min(CHUNK, d - c);
-        if (width == CHUNK) weighted_sum<8>(scores.data(), vbase + c, vs1, length, inv, o + c);
-        else if (width == 4 * W) weighted_sum<4>(scores.data(), vbase + c, vs1, length, inv, o + c);
-        else for (int64_t t = 0; t < width; t += W) weighted_sum<1>(scores.data(), vbase + c + t, vs1, length, inv, o + c + t);
-      }
+      if (C == 2) attend<2>(queries, rows, begins.data(), ends.data(), mp, L, kp + kv * ks0, ks1, vp + kv * vs0,
+                            vs1, d, scores.data(), outs);
+      else attend<1>(queries, rows, begins.data(), ends.data(), mp, L, kp + kv * ks0, ks1, vp + kv * vs0, vs1, d,
+                     scores.data(), outs);
     }
   }
   return out;
