@@ -52,7 +52,7 @@ def test_a_failed_build_leaves_the_fallbacks_and_says_why(monkeypatch, tmp_path)
     monkeypatch.setattr(cpu_ops, 'SOURCES', (broken,))
     monkeypatch.setattr(cpu_ops, '_state', {'built': False, 'failure': ''})
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path / 'cache'))
-    with pytest.warns(cpu_ops.CpuOpsWarning, match='compiled CPU steps use SDPA and int8 products a float product'):
+    with pytest.warns(cpu_ops.CpuOpsWarning, match='CPU attention uses SDPA and int8 products a float product'):
         assert not cpu_ops.ensure_built()
     assert not cpu_ops.attention_usable(torch.zeros(1, 4, 64))
     assert not cpu_ops.int8_linear_usable(torch.zeros(1, 64))

@@ -165,6 +165,22 @@ def test_loading_into_quantized_weights_equals_quantizing_a_loaded_model(tiny_mo
     assert torch.equal(logits[0], logits[1])
 
 
+def test_an_eager_int8_verify_pass_gives_the_bits_of_one_token_steps(tiny_models):
+    """Every CPU op of an int8 target's eager steps is exact per row: a pass of 5 tokens equals 5 steps of one."""
+    device = model_loading.resolve_device(ON_TEST_DEVICE['device'])
+    if device.type != 'cpu':
+        pytest.skip('the row-exact ops are the CPU ones')
+    quantizer = Quantizer('int8')
+    runner = FastCausalLM(model_loading.load_causal_lm(tiny_models.target, 'target', device, torch.float32,
+                                                       quantizer), 64, 8, 'eager', quantizer)
+    prompt, drafts = torch.tensor([list(range(5, 30))]), list(range(40, 45))
+    runner.prefill(prompt)
+    together = runner.append(torch.tensor([drafts]), logits_to_keep=0).logits[0]
+    runner.crop(-len(drafts))
+    alone = torch.cat([runner.append(torch.tensor([[token]]), logits_to_keep=0).logits[0] for token in drafts])
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize('mode', ['int8', 'int4', 'float16'])
 def test_an_ordered_head_assistant_drafts_when_quantized(tiny_engine_config, tiny_models, mode):
     engine = Engine.from_config(dataclasses.replace(tiny_engine_config, quantization=mode,

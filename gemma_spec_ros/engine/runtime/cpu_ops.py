@@ -1,9 +1,9 @@
 """
 The engine's C++ CPU ops, built on first use: torch.ops.gemma_spec.decode_attention and int8_linear.
 
-- decode_attention (cpu_attention.cpp): attention of compiled CPU steps. A decode step attends a few queries to a few
-  hundred keys: a few microseconds of arithmetic, which aten's flash attention surrounds with tens of microseconds
-  of set-up a call (figures in docs/decode-path.md).
+- decode_attention (cpu_attention.cpp): attention of CPU steps and verify passes (layers._attends_through_op). A
+  decode step attends a few queries to a few hundred keys: a few microseconds of arithmetic, which aten's flash
+  attention surrounds with tens of microseconds of set-up a call (figures in docs/decode-path.md).
 - int8_linear (int8_linear.cpp): float32 rows times int8 matrices with per-output scales (engine.quantization
   int8), for every CPU pass. It rounds each row to 16-bit integers per block of ACTIVATION_BLOCK inputs and sums
   exact integer products (madd), twice as fast as converting the weights to float32 (docs/quantization.md).
@@ -35,7 +35,7 @@ def _cflags() -> list[str]:
 
 
 class CpuOpsWarning(UserWarning):
-    """The ops could not be built; compiled CPU steps use SDPA, int8 products a float product."""
+    """The ops could not be built; CPU attention uses SDPA, int8 products a float product."""
 
 
 _state = {'built': False, 'failure': ''}
@@ -70,7 +70,7 @@ def ensure_built() -> bool:
         _register_fakes()
     except Exception as exc:  # noqa: BLE001 (no compiler, no headers, a failed build: the fallbacks serve)
         _state['failure'] = '{}: {}'.format(type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc) else '')
-        warnings.warn('the CPU ops could not be built ({}); compiled CPU steps use SDPA and int8 products a float '
+        warnings.warn('the CPU ops could not be built ({}); CPU attention uses SDPA and int8 products a float '
                       'product'.format(_state['failure']), CpuOpsWarning, stacklevel=2)
         return False
     _state['built'] = True
@@ -78,7 +78,7 @@ def ensure_built() -> bool:
 
 
 def attention_usable(query: torch.Tensor) -> bool:
-    """Whether a compiled CPU step's attention of query runs decode_attention (float32, whole vectors; once built)."""
+    """Whether decode_attention takes query (float32, whole vectors; once built)."""
     return _state['built'] and query.dtype == torch.float32 and query.shape[-1] % VECTOR_WIDTH == 0
 
 

@@ -79,7 +79,7 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     """
     if dtype is not None:
         return _attend(query.to(dtype), keys.to(dtype), values.to(dtype), mask).to(query.dtype)
-    if _compiling_for_cpu(query) and cpu_ops.attention_usable(query):  # cheaper per call than SDPA's kernel
+    if _attends_through_op(query):
         return cpu_ops.decode_attention(query, keys, values, mask)
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                          scale=1.0, enable_gqa=keys.shape[0] != query.shape[1])
@@ -104,6 +104,23 @@ def _attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 def _compiling_for_cpu(x: torch.Tensor) -> bool:
     return x.device.type == 'cpu' and torch.compiler.is_compiling()
+
+
+# The longest eager CPU pass that attends through the op; a longer prefill keeps SDPA's blocked kernel, faster there.
+EAGER_ATTENTION_OP_MAX_QUERIES = 16
+
+
+def _attends_through_op(query: torch.Tensor) -> bool:
+    """
+    Whether a CPU pass attends through cpu_ops.decode_attention: compiled steps, and eager steps and verify passes.
+
+    The op costs less a call than SDPA's kernel, and its rows are exact whatever the pass, so eager verify passes
+    give the bits of eager one-token steps: with int8's rounded activations SDPA's last-bit differences between
+    pass sizes could otherwise change a greedy token where two logits almost tie.
+    """
+    if query.device.type != 'cpu' or not cpu_ops.attention_usable(query):
+        return False
+    return torch.compiler.is_compiling() or query.shape[0] <= EAGER_ATTENTION_OP_MAX_QUERIES
 
 
 def _mkl_runs_tuned_code() -> bool:
