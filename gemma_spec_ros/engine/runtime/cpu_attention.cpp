@@ -14,6 +14,8 @@
 #include <cmath>
 #include <vector>
 
+#include "lane_totals.h"
+
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int CHUNK_VECTORS = 8;  // output vectors of each query accumulated in registers at once
@@ -22,21 +24,17 @@ static inline float hsum(Vec v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
 
-// the totals of acc[0..7], each ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) with 8 lanes (in lane order otherwise)
+// the totals of acc[0..7] (lane_totals.h with 8 lanes, in lane order otherwise)
 static inline void reduce8(const Vec* acc, float* totals) {
-#if defined(CPU_CAPABILITY_AVX2)
-  const __m256 ab = _mm256_hadd_ps(acc[0], acc[1]), cd = _mm256_hadd_ps(acc[2], acc[3]);
-  const __m256 ef = _mm256_hadd_ps(acc[4], acc[5]), gh = _mm256_hadd_ps(acc[6], acc[7]);
-  const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
-  // abcd: [a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567]; efgh alike
-  const __m256 low = _mm256_permute2f128_ps(abcd, efgh, 0x20), high = _mm256_permute2f128_ps(abcd, efgh, 0x31);
-  _mm256_storeu_ps(totals, _mm256_add_ps(low, high));
+#if defined(__AVX2__) && defined(CPU_CAPABILITY_AVX2)  // at::vec's Vec is an __m256 then
+  const __m256 lanes[8] = {acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]};
+  lane_totals8(lanes, totals);
 #else
   for (int a = 0; a < 8; ++a) {
     float lanes[W];
     acc[a].store(lanes);
     float total = 0.f;
-    if (W == 8) total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    if (W == 8) total = lane_total(lanes);
     else for (int64_t t = 0; t < W; ++t) total += lanes[t];
     totals[a] = total;
   }

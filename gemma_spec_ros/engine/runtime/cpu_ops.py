@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 SOURCES = (Path(__file__).with_name('cpu_attention.cpp'), Path(__file__).with_name('int8_linear.cpp'))
+HEADERS = (Path(__file__).with_name('lane_totals.h'),)  # part of the build's key: a changed header rebuilds
 VECTOR_WIDTH = 8  # floats in at::vec's Vectorized<float> with these flags (AVX2, NEON or its portable form)
 ACTIVATION_BLOCK = 32  # int8_linear's inputs per activation scale: the input width must be a multiple
 
@@ -60,7 +61,8 @@ def ensure_built() -> bool:
     from .compile_cache import compile_cache_dir  # not at import: compile_cache imports the layers' modules
 
     flags = _cflags()
-    key = b''.join(source.read_bytes() for source in SOURCES) + torch.__version__.encode() + ' '.join(flags).encode()
+    key = b''.join(path.read_bytes() for path in SOURCES + HEADERS)
+    key += torch.__version__.encode() + ' '.join(flags).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     directory = Path(compile_cache_dir()) / 'gemma_spec_extensions' / 'cpu_ops_{}'.format(digest)
     try:

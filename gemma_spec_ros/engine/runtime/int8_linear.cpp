@@ -14,9 +14,8 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+
+#include "lane_totals.h"
 
 constexpr int64_t BLOCK = 32;          // inputs per activation scale; the input width must be a multiple
 constexpr float LEVELS = 32767.f;      // int16 levels of a block's largest magnitude
@@ -51,15 +50,7 @@ static inline Acc block_add(const Weights& w, const Inputs& x, Acc acc) {
   const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w.low, x.low), _mm256_madd_epi16(w.high, x.high));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), x.scale, acc);
 }
-// the totals of acc[0..7], each ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))
-static inline void reduce8(const Acc* acc, float* totals) {
-  const __m256 ab = _mm256_hadd_ps(acc[0], acc[1]), cd = _mm256_hadd_ps(acc[2], acc[3]);
-  const __m256 ef = _mm256_hadd_ps(acc[4], acc[5]), gh = _mm256_hadd_ps(acc[6], acc[7]);
-  const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
-  // abcd: [a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567]; efgh alike
-  const __m256 low = _mm256_permute2f128_ps(abcd, efgh, 0x20), high = _mm256_permute2f128_ps(abcd, efgh, 0x31);
-  _mm256_storeu_ps(totals, _mm256_add_ps(low, high));
-}
+static inline void reduce8(const Acc* acc, float* totals) { lane_totals8(acc, totals); }
 #else
 struct Acc { float lane[8]; };
 struct Weights { const int8_t* row; };
@@ -80,10 +71,7 @@ static inline Acc block_add(const Weights& weights, const Inputs& inputs, Acc ac
   return acc;
 }
 static inline void reduce8(const Acc* acc, float* totals) {
-  for (int o = 0; o < 8; ++o) {
-    const float* l = acc[o].lane;
-    totals[o] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-  }
+  for (int o = 0; o < 8; ++o) totals[o] = lane_total(acc[o].lane);
 }
 #endif
 
