@@ -12,7 +12,7 @@ inductor-compiled (CPU) or captured as CUDA graphs (GPU). transformers stays the
 - model.py, layers.py, weights.py: the lean forward, one decoder layer's arithmetic, the weights it reads.
 - cache.py: the static KV cache, and its slotted form (a slot per goal of a batch).
 - quantize.py, quantized_loading.py: engine.quantization (int8, int4, float16), and loading straight into it.
-- cpu_ops.py (cpu_attention.cpp, int8_linear.cpp): the C++ CPU ops, attention and the int8 product, built on first use.
+- cpu_ops.py (cpu_attention.cpp, int8_linear.cpp, lane_totals.h): the C++ CPU ops, attention and the int8 product.
 - vision.py: a multimodal target's vision tower, run once per image goal before the prefill.
 - steps.py, direct_graph.py, compile_cache.py: step tables per compile mode, compiled CPU graphs called directly,
   inductor's on-disk cache.
