@@ -47,7 +47,11 @@ static inline Inputs inputs_at(const int16_t* x, float scale) {
 }
 // acc += (the block's eight exact lane sums of weight times level) * scale
 static inline Acc block_add(const Weights& w, const Inputs& x, Acc acc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)  // the second multiply-add and the add in one instruction
+  const __m256i sums = _mm256_dpwssd_epi32(_mm256_madd_epi16(w.low, x.low), w.high, x.high);
+#else
   const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w.low, x.low), _mm256_madd_epi16(w.high, x.high));
+#endif
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), x.scale, acc);
 }
 static inline void reduce8(const Acc* acc, float* totals) { lane_totals8(acc, totals); }
