@@ -1,6 +1,7 @@
 """The engine on tiny random Gemma 4 models: greedy parity with transformers, streaming, stops, cancel, seeds."""
 
 import math
+import random
 import threading
 import time
 
@@ -137,6 +138,28 @@ def test_incremental_detokenizer_never_emits_broken_utf8(tiny_engine):
     assert all('\ufffd' not in piece for piece in pieces)
     assert ''.join(pieces) == text
     assert sum(1 for piece in pieces if piece == '') > 0  # held back while a character was incomplete
+
+
+def test_incremental_detokenizer_streams_what_the_tokenizers_decode_gives(tiny_engine):
+    """A fast tokenizer is decoded through its Rust tokenizer directly: the same pieces as its decode() gives."""
+    tokenizer = tiny_engine.tokenizer
+
+    class DecodeOnly:  # not a fast tokenizer: IncrementalDetokenizer calls its decode()
+        def decode(self, *args, **kwargs):
+            return tokenizer.decode(*args, **kwargs)
+
+    generator = random.Random(0)
+    specials = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    ids = tokenizer('Grüße, 日本の🤖 robots!\n\tdef f(x):  return x', add_special_tokens=False).input_ids
+    ids += [generator.choice(specials) if generator.random() < 0.1 else generator.randrange(len(tokenizer))
+            for _ in range(300)]
+    fast, reference = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(DecodeOnly())
+    rounds, start = [], 0
+    while start < len(ids):  # rounds of 1-4 tokens, as verify rounds bring them
+        size = generator.randint(1, 4)
+        rounds.append(ids[start:start + size])
+        start += size
+    assert [fast.add(r) for r in rounds] + [fast.flush()] == [reference.add(r) for r in rounds] + [reference.flush()]
 
 
 def test_stop_strings_across_chunk_boundaries():

@@ -59,6 +59,7 @@ class TargetCost:
         known = self._shape[num_tokens]
         if known is None or (self._passes[num_tokens] == 2 and known > STALL_FACTOR * seconds / self._load):
             self._shape[num_tokens] = seconds / self._load  # first of its size, or the first was a stall
+            self._relative = None
         else:
             if self._previous is not None and self._previous[0] != num_tokens:
                 before, before_seconds = self._previous
@@ -66,9 +67,10 @@ class TargetCost:
                 assert before_shape is not None  # every recorded size has a shape
                 paired = before_shape * seconds / before_seconds
                 self._shape[num_tokens] = known * (paired / known) ** (1 - SHAPE_DECAY)
+                self._relative = None
+            # the load alone changes no load-free estimate: plain decoding (one size) keeps them cached
             self._load = LOAD_DECAY * self._load + (1 - LOAD_DECAY) * seconds / self._shape[num_tokens]
         self._previous = (num_tokens, seconds)
-        self._relative = None
 
     def calibrate(self, seconds_by_size: dict[int, float]) -> None:
         """Set the shape of each size from passes timed apart from requests, all under one load (before any request)."""

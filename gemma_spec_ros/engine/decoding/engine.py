@@ -283,8 +283,8 @@ class Engine(Backend):
         with self._measure_lock:
             may_draft_next = run.controller is None or run.controller.may_speculate_next()
         want_states = run.drafter.needs_target_states and (run.plan.pinned_k > 0 or may_draft_next)
-        out = self._target.append(torch.cat([run.last_token, draft_tokens]).unsqueeze(0), logits_to_keep=0,
-                                  want_states=want_states)
+        pass_tokens = run.last_token if proposal is None else torch.cat([run.last_token, draft_tokens])
+        out = self._target.append(pass_tokens.unsqueeze(0), logits_to_keep=0, want_states=want_states)
         sampling = run.plan.sampling
         if sampling.greedy and run.constraint is None and out.greedy_row is not None:
             row = out.greedy_row  # [k + 2] verify() ran inside the target's pass

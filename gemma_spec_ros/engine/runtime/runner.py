@@ -225,8 +225,11 @@ class FastCausalLM(_Shadowed):
             # get one more that is never accepted (-1) and the logits one more row: the same verdict, without a
             # (q - 1)-long tensor, which would make torch.compile specialise q = 2
             drafts = torch.cat([input_ids, torch.full_like(input_ids[:, :1], -1)], dim=1)[:, 1:]   # [1, q]
-            logits = torch.cat([out.logits, out.logits[:, -1:]], dim=1)                          # [1, q + 1, vocab]
-            num_accepted, next_token = verify(drafts, logits, None, greedy=True)
+            if input_ids.shape[1] == 1:  # plain decoding: no draft, so verify() only takes the argmax
+                num_accepted, next_token = verify(drafts[:, :0], out.logits, None, greedy=True)
+            else:
+                logits = torch.cat([out.logits, out.logits[:, -1:]], dim=1)                      # [1, q + 1, vocab]
+                num_accepted, next_token = verify(drafts, logits, None, greedy=True)
             return out.logits, out.hidden, torch.cat([num_accepted, drafts[0], next_token])
         return step
 
