@@ -100,3 +100,25 @@ def test_int8_products_take_float32_rows_of_whole_blocks_only():
     torch.testing.assert_close(quantized_linear(x, weight).double(), reference, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match='multiple of 32'):
         cpu_ops.int8_linear(x, (weight.data,), (weight.scales,))
+
+
+def test_the_feed_forward_op_is_its_products_and_gelu_gate_row_by_row():
+    """int8_feed_forward equals int8_linear's gate and up, aten's tanh gelu, then int8_linear's down."""
+    assert cpu_ops.ensure_built()
+    generator = torch.Generator().manual_seed(2)
+    for inputs, hidden, outputs in [(192, 768, 192), (64, 96, 40), (32, 32, 3)]:
+        gate, up = _int8(hidden, inputs, generator), _int8(hidden, inputs, generator)
+        down = _int8(outputs, hidden, generator)
+        x = torch.randn(11, inputs, generator=generator) * 4  # gelu's curved part and both tails
+        out = cpu_ops.int8_feed_forward(x, (gate.data, gate.scales), (up.data, up.scales), (down.data, down.scales))
+        gate_out, up_out = cpu_ops.int8_linear(x, (gate.data, up.data), (gate.scales, up.scales)).split(hidden, -1)
+        reference = cpu_ops.int8_linear(F.gelu(gate_out, approximate='tanh') * up_out, (down.data,), (down.scales,))
+        torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+        for rows in range(1, 11):
+            part = cpu_ops.int8_feed_forward(x[:rows], (gate.data, gate.scales), (up.data, up.scales),
+                                             (down.data, down.scales))
+            assert torch.equal(part, out[:rows])  # what keeps verify passes and one-token steps equal
+    with pytest.raises(RuntimeError, match='multiples of 32'):  # the hidden width too: down rounds its input
+        odd = _int8(48, 64, generator)
+        cpu_ops.int8_feed_forward(torch.randn(1, 64), (odd.data, odd.scales), (odd.data, odd.scales),
+                                  (_int8(8, 48, generator).data, torch.rand(8)))

@@ -7,7 +7,8 @@ The engine's C++ CPU ops, built on first use: torch.ops.gemma_spec.decode_attent
 - int8_linear (int8_linear.cpp): float32 rows times int8 matrices with per-output scales (engine.quantization
   int8), for every CPU pass. It rounds each row to 16-bit integers per block of ACTIVATION_BLOCK inputs and sums
   exact integer products (madd), twice as fast as converting the weights to float32 (docs/quantization.md).
-  Several matrices of one input run in one call.
+  Several matrices of one input run in one call; int8_feed_forward (same file) runs a layer's whole feed-forward
+  block.
 
 Each computes a row alone in a fixed order, so a row's result does not depend on how many rows share the pass.
 They are built together once per machine and torch version with torch.utils.cpp_extension (a C++ compiler, about
@@ -69,6 +70,10 @@ def _register_fakes() -> None:
     def _(x, weights, scales):
         return x.new_empty(x.shape[0], sum(weight.shape[0] for weight in weights))
 
+    @torch.library.register_fake('gemma_spec::int8_feed_forward')
+    def _(x, gate, gate_scales, up, up_scales, down, down_scales):
+        return x.new_empty(x.shape[0], down.shape[0])
+
 
 def ensure_built() -> bool:
     """Build and load the ops unless done (or failed) before; whether they can be called."""
@@ -116,3 +121,14 @@ def int8_linear_usable(x: torch.Tensor) -> bool:
 def int8_linear(x: torch.Tensor, data: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Return x [q, in], rounded as the module says, times each int8 matrix [out_i, in]^T and scales: [q, sum out_i]."""
     return torch.ops.gemma_spec.int8_linear(x, list(data), list(scales))
+
+
+def int8_feed_forward(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
+                      down: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """
+    Return down(gelu(gate(x)) * up(x)) for x [q, in], each matrix an int8 (data, scales) as int8_linear takes them.
+
+    gelu is the tanh form; the products are int8_linear's (down's input rounded the same way). One call instead of
+    two and the gate's own kernel: what a compiled step spends between ops is a noticeable share of a small model's.
+    """
+    return torch.ops.gemma_spec.int8_feed_forward(x, *gate, *up, *down)

@@ -5,17 +5,21 @@
 // products each (below 2^24, so exact in float32 too); each lane adds its sum times the block's scale to a float
 // lane total, block after block; the eight totals add as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), times the output's
 // scale. Tiles of rows and outputs only share loaded weights, so a row's result does not depend on how many rows
-// share the pass. Several matrices of the same input width run in one call (a layer's query, key and value; its
-// gate and up), their outputs side by side.
+// share the pass. Several matrices of the same input width run in one call (a layer's query, key and value), their
+// outputs side by side; torch.ops.gemma_spec.int8_feed_forward runs a whole feed-forward block (gate and up, the
+// gelu gate, down) in one call.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "lane_totals.h"
+
+using Vec = at::vec::Vectorized<float>;
 
 constexpr int64_t BLOCK = 32;          // inputs per activation scale; the input width must be a multiple
 constexpr float LEVELS = 32767.f;      // int16 levels of a block's largest magnitude
@@ -113,48 +117,100 @@ static void rows_times_matrix(const int16_t* x, const float* x_scales, int64_t w
   for (; o < outputs; ++o) tile<R, 1>(x, x_scales, width, w + o * width, weight_scale + o, y + o, y_stride);
 }
 
+static void check_matrix(const at::Tensor& w, const at::Tensor& scales, int64_t width, const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.size(1) == width && w.is_contiguous(), op,
+              ": weights must be contiguous int8 [out, in] of the input's width");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == w.size(0) && scales.is_contiguous(), op,
+              ": scales must be contiguous float32 [out]");
+}
+
+struct Matrix { const int8_t* data; const float* scales; int64_t outputs; };
+
+// y[r, :] = rows x [q, width] (rounded as above) times each matrix, their outputs side by side; y has y_stride columns
+static void products(const float* x, int64_t q, int64_t width, const std::vector<Matrix>& matrices, float* y,
+                     int64_t y_stride) {
+  std::vector<int16_t> levels(q * width);
+  std::vector<float> x_scales(q * width / BLOCK);
+  quantize_rows(x, q, width, levels.data(), x_scales.data());
+  const int64_t blocks = width / BLOCK;
+  int64_t column = 0;
+  for (const Matrix& m : matrices) {
+    int64_t r = 0;
+    for (; r + 2 <= q; r += 2)
+      rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, m.data, m.outputs,
+                              m.scales, y + r * y_stride + column, y_stride);
+    for (; r < q; ++r)
+      rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, m.data, m.outputs,
+                              m.scales, y + r * y_stride + column, y_stride);
+    column += m.outputs;
+  }
+}
+
 // x [q, in] float32; weights: int8 [out_i, in] (contiguous); scales: float32 [out_i] -> [q, sum of out_i]
 at::Tensor int8_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be float32 [rows, in]");
   TORCH_CHECK(weights.size() == scales.size() && !weights.empty(), "int8_linear: one scales tensor per matrix");
   const int64_t q = x.size(0), width = x.size(1);
   TORCH_CHECK(width % BLOCK == 0, "int8_linear: the input width must be a multiple of ", BLOCK);
+  std::vector<Matrix> matrices;
   int64_t total = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
-    const at::Tensor& w = weights[i];
-    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.size(1) == width && w.is_contiguous(),
-                "int8_linear: weights must be contiguous int8 [out, in] of x's width");
-    TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].numel() == w.size(0) && scales[i].is_contiguous(),
-                "int8_linear: scales must be contiguous float32 [out]");
-    total += w.size(0);
+    check_matrix(weights[i], scales[i], width, "int8_linear");
+    matrices.push_back({weights[i].data_ptr<int8_t>(), scales[i].data_ptr<float>(), weights[i].size(0)});
+    total += weights[i].size(0);
   }
   const at::Tensor xc = x.contiguous();
-  std::vector<int16_t> levels(q * width);
-  std::vector<float> x_scales(q * width / BLOCK);
-  quantize_rows(xc.data_ptr<float>(), q, width, levels.data(), x_scales.data());
   at::Tensor y = at::empty({q, total}, x.options());
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = width / BLOCK;
-  int64_t column = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const int8_t* w = weights[i].data_ptr<int8_t>();
-    const float* scale = scales[i].data_ptr<float>();
-    const int64_t outputs = weights[i].size(0);
-    int64_t r = 0;
-    for (; r + 2 <= q; r += 2)
-      rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, outputs, scale,
-                              yp + r * total + column, total);
-    for (; r < q; ++r)
-      rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, outputs, scale,
-                              yp + r * total + column, total);
-    column += outputs;
+  products(xc.data_ptr<float>(), q, width, matrices, y.data_ptr<float>(), total);
+  return y;
+}
+
+// gated[i] = gelu(gate[i]) * up[i] for n values, gelu's tanh form as aten computes it: 0.5 x (1 + tanh(beta (x +
+// kappa x^3))). Every value goes through the same vector code (the tail as a partial vector), whatever the row.
+static void gelu_gate(const float* gate, const float* up, int64_t n, float* gated) {
+  const Vec beta(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa(0.044715f), half(0.5f), one(1.f);
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const int count = static_cast<int>(std::min<int64_t>(Vec::size(), n - i));
+    const Vec x = Vec::loadu(gate + i, count), u = Vec::loadu(up + i, count);
+    const Vec inner = beta * (x + kappa * (x * x * x));
+    (half * x * (one + inner.tanh()) * u).store(gated + i, count);
   }
+}
+
+// A feed-forward block in one call: down(gelu(gate(x)) * up(x)) for x [q, in] float32; gate and up int8 [hidden,
+// in], down int8 [out, hidden] (hidden a multiple of the block), each with its float32 scales -> [q, out]. The
+// products are int8_linear's, so a row's result still does not depend on the rows beside it.
+at::Tensor int8_feed_forward(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& gate_scales,
+                             const at::Tensor& up, const at::Tensor& up_scales, const at::Tensor& down,
+                             const at::Tensor& down_scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_feed_forward: x must be float32 [rows, in]");
+  const int64_t q = x.size(0), width = x.size(1), hidden = gate.size(0);
+  TORCH_CHECK(width % BLOCK == 0 && hidden % BLOCK == 0, "int8_feed_forward: the input and hidden widths must be "
+              "multiples of ", BLOCK);
+  check_matrix(gate, gate_scales, width, "int8_feed_forward");
+  check_matrix(up, up_scales, width, "int8_feed_forward");
+  check_matrix(down, down_scales, hidden, "int8_feed_forward");
+  TORCH_CHECK(up.size(0) == hidden, "int8_feed_forward: gate and up must have as many outputs");
+  const at::Tensor xc = x.contiguous();
+  std::vector<float> gate_up(q * 2 * hidden), gated(q * hidden);
+  products(xc.data_ptr<float>(), q, width,
+           {{gate.data_ptr<int8_t>(), gate_scales.data_ptr<float>(), hidden},
+            {up.data_ptr<int8_t>(), up_scales.data_ptr<float>(), hidden}}, gate_up.data(), 2 * hidden);
+  for (int64_t r = 0; r < q; ++r)
+    gelu_gate(gate_up.data() + r * 2 * hidden, gate_up.data() + r * 2 * hidden + hidden, hidden,
+              gated.data() + r * hidden);
+  at::Tensor y = at::empty({q, down.size(0)}, x.options());
+  products(gated.data(), q, hidden, {{down.data_ptr<int8_t>(), down_scales.data_ptr<float>(), down.size(0)}},
+           y.data_ptr<float>(), down.size(0));
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(gemma_spec, m) {
   m.def("int8_linear(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor");
+  m.def("int8_feed_forward(Tensor x, Tensor gate, Tensor gate_scales, Tensor up, Tensor up_scales, Tensor down, "
+        "Tensor down_scales) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(gemma_spec, CPU, m) {
   m.impl("int8_linear", &int8_linear);
+  m.impl("int8_feed_forward", &int8_feed_forward);
 }

@@ -120,6 +120,11 @@ def int8_together(x: torch.Tensor, weights: 'tuple[torch.Tensor | QuantizedWeigh
         cpu_ops.int8_linear_usable(x)
 
 
+def int8_feed_forward_together(x: torch.Tensor, gate, up, down) -> bool:
+    """Whether one cpu_ops.int8_feed_forward call runs down(gelu(gate(x)) * up(x)) (int8, CPU, widths of blocks)."""
+    return int8_together(x, (gate, up, down)) and down.data.shape[1] % cpu_ops.ACTIVATION_BLOCK == 0
+
+
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     """Return x [q, in] as int8 products on the CPU see it: 16-bit levels per block of ACTIVATION_BLOCK inputs."""
     width = x.shape[-1]
