@@ -17,6 +17,7 @@ loaded on the CPU (ensure_built). Where they cannot be built, ensure_built says 
 SDPA and a float product over the same rounded rows and the converted int8 data (quantize.quantized_linear).
 """
 
+import functools
 import hashlib
 import warnings
 from pathlib import Path
@@ -29,13 +30,14 @@ VECTOR_WIDTH = 8  # floats in at::vec's Vectorized<float> with these flags (AVX2
 ACTIVATION_BLOCK = 32  # int8_linear's inputs per activation scale: the input width must be a multiple
 
 
-def _has_cpu_flag(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists flag (False where there is no such file)."""
+@functools.cache
+def cpu_info() -> str:
+    """Return the text of /proc/cpuinfo ('' where there is none), read once: the CPU's vendor and flags."""
     try:
         with open('/proc/cpuinfo') as cpuinfo:
-            return any(line.startswith('flags') and flag in line.split() for line in cpuinfo)
+            return cpuinfo.read()
     except OSError:
-        return False
+        return ''
 
 
 def _cflags() -> list[str]:
@@ -48,9 +50,7 @@ def _cflags() -> list[str]:
     """
     if torch.backends.cpu.get_cpu_capability() in ('AVX2', 'AVX512'):
         flags = ['-O3', '-mavx2', '-mfma', '-mf16c', '-DCPU_CAPABILITY_AVX2', '-DCPU_CAPABILITY=AVX2']
-        if torch.backends.cpu.get_cpu_capability() == 'AVX512' and _has_cpu_flag('avx512_vnni'):
-            flags += ['-mavx512vl', '-mavx512vnni']
-        return flags
+        return flags + (['-mavx512vl', '-mavx512vnni'] if 'avx512_vnni' in cpu_info().split() else [])
     return ['-O3']
 
 

@@ -127,11 +127,7 @@ def _mkl_runs_tuned_code() -> bool:
     """Whether aten's CPU matrix product runs MKL's tuned code: MKL takes it on Intel CPUs only (elsewhere generic)."""
     if not torch.backends.mkl.is_available():
         return False
-    try:
-        with open('/proc/cpuinfo') as cpuinfo:
-            return 'GenuineIntel' in cpuinfo.read()
-    except OSError:
-        return False
+    return 'GenuineIntel' in cpu_ops.cpu_info()
 
 
 # A lower value than the CPU's shortens the first compile (a graph per pass length up to it), at some speed cost.
