@@ -49,6 +49,7 @@ from .vllm_stream import Collected, ServerClient, ServerUnavailable
 
 SERVER_WIDE_WARNING = 'tau and acceptance are server-wide: other requests ran on the server during this one'
 SERVER_DRAFTER = 'server'    # drafter label when the server speculates with a method not named in the config
+COUNTER_LAG_SECONDS = 3.0    # longest wait after a goal's stream for the server's counters to cover its tokens
 
 
 def _output_grammar(request: GenerationRequest) -> str:
@@ -375,8 +376,14 @@ class VllmBackend(Backend):
             result.warnings.append(SERVER_WIDE_WARNING)
 
     def _scrape_after(self, before: ServerCounters, new_tokens: int, finish_reason: str) -> ServerCounters | None:
-        """Scrape after the stream; vLLM records an iteration's counters just after streaming it: wait briefly."""
-        deadline = time.monotonic() + 1.0
+        """
+        Scrape after the stream; vLLM records an iteration's counters just after streaming it: wait briefly.
+
+        Usually a few milliseconds, but on a loaded machine a count can lag past a second (this goal's, or the
+        previous one's landing in this window), and a window that misses the goal's tokens makes its τ server-wide.
+        The wait ends as soon as the counters cover the goal's tokens.
+        """
+        deadline = time.monotonic() + COUNTER_LAG_SECONDS
         while True:
             after = self._scrape_quietly()
             if after is None or finish_reason not in ('stop', 'length') or time.monotonic() > deadline or \
