@@ -24,12 +24,13 @@ setup(
     name=package_name,
     version='0.1.0',
     packages=find_packages(exclude=['test']),
-    package_data={'gemma_spec_ros.engine.runtime': ['*.cpp', '*.h']},  # runtime/cpu_ops.py's C++ ops, built on use
+    package_data={'gemma_spec_ros.engine.runtime': ['*.cpp', '*.h'],  # runtime/cpu_ops.py's C++ ops, built on use
+                  'gemma_spec_ros.train': ['*.jinja']},          # Gemma 4's chat template
     data_files=[
         ('share/ament_index/resource_index/packages', ['resource/' + package_name]),
         (share, ['package.xml']),
         (os.path.join(share, 'launch'), glob('launch/*.launch.py')),
-        (os.path.join(share, 'config'), glob('config/*.yaml') + glob('config/*.xml')),
+        (os.path.join(share, 'config'), glob('config/*.yaml') + glob('config/*.xml') + glob('config/*.json')),
         (os.path.join(share, 'bench'), ['bench/prompts.jsonl', 'bench/constrained.json']),
     ] + model_data_files(),
     install_requires=['setuptools'],

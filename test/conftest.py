@@ -171,7 +171,7 @@ def _load_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ['<pad>', '<eos>', '<bos>', '<unk>', '<start_of_turn>', '<end_of_turn>']
+    specials = ['<pad>', '<eos>', '<bos>', '<unk>', '<|turn>', '<turn|>']
     trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     files = [str(p) for p in REPO_ROOT.rglob('*.py') if '.venv' not in p.parts and 'build' not in p.parts]

@@ -108,7 +108,7 @@ def test_chat_prompt_generates_text(engine):
     result = engine.generate(GenerationRequest(messages=messages, max_new_tokens=8, drafter='mtp'))
     # the messages reach the model as the chat template renders them, with the model's turn opened
     rendered = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered.endswith('<start_of_turn>model\n')
+    assert rendered.endswith('<|turn>model\n')
     templated = engine.tokenizer(rendered, add_special_tokens=False).input_ids
     plain = engine.generate(GenerationRequest(prompt_ids=templated, max_new_tokens=8, drafter='none'))
     assert result.stats.prompt_tokens == len(templated)
@@ -117,6 +117,6 @@ def test_chat_prompt_generates_text(engine):
     assert result.text.strip() and result.stats.new_tokens == len(result.token_ids)
     assert result.text == engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     ended_by_the_model = engine.tokenizer.convert_ids_to_tokens(result.token_ids[-1]) in (
-        engine.tokenizer.eos_token, '<end_of_turn>')
+        engine.tokenizer.eos_token, '<turn|>')
     assert result.finish_reason == ('stop' if ended_by_the_model else 'length')
     assert ended_by_the_model or len(result.token_ids) == 8

@@ -137,7 +137,7 @@ def test_length_before_the_structure_completes_warns(tiny_engine):
     assert result.finish_reason == 'length' and not result.structure_complete
     assert len(result.token_ids) == 6
     assert result.warnings == ['structure incomplete: max_new_tokens (6) ended the output before it completed '
-                               'its json_schema / grammar']
+                               'its json_schema / grammar / tool calls']
 
 
 def test_stop_string_mid_structure(tiny_engine):

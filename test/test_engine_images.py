@@ -25,10 +25,10 @@ BUNDLED_VISION = REPO / 'models' / 'gemma4-spec-vision'
 IMAGE_TOKENS = {'boi_token_id': '<|image>', 'eoi_token_id': '<image|>', 'image_token_id': '<|image|>'}
 CHAT_TEMPLATE = (  # Gemma 4's rendering of a message's image parts: the image token, which the processor expands
     "{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
-    "else message['role'] %}<start_of_turn>{{ role }}\n{% if message['content'] is string %}"
+    "else message['role'] %}<|turn>{{ role }}\n{% if message['content'] is string %}"
     "{{ message['content'] | trim }}{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}"
     "{{ '<|image|>' }}{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
-    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    "<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
 QUESTION = 'Which objects are on the table? the red cube, the blue ball, the red cube, the blue ball, the'
 NEW_TOKENS = 40
 

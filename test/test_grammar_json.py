@@ -20,7 +20,7 @@ from gemma_spec_ros.engine.logits.sampling import SamplingParams, logits_to_prob
 from gemma_spec_ros.engine.logits.verify import verify
 
 TOKENIZER = Path(__file__).resolve().parents[1] / 'models' / 'tokenizer'
-EOS_IDS = (1, 5)            # <eos>, <end_of_turn>
+EOS_IDS = (1, 5)            # <eos>, <turn|>
 PADDED_VOCAB = 4096 + 64    # a model head wider than the tokenizer, as many checkpoints have
 MAX_NEW = 600
 CLOSING_PULL = 0.08         # logit added per generated token to tokens that end values, objects and arrays

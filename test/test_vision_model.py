@@ -64,7 +64,7 @@ def test_prompt_layout_follows_the_chat_template(encoder):
     ids = encoder.prompt_ids('Is the door open?', soft_tokens=64)
     tokenizer = encoder.tokenizer
     text = tokenizer.decode(ids)
-    assert text.startswith('<bos><start_of_turn>user\n\n\n<|image>') and text.endswith('<start_of_turn>model\n')
+    assert text.startswith('<bos><|turn>user\n\n\n<|image>') and text.endswith('<|turn>model\n')
     assert ids.count(tokenizer.image_token_id) == 64
     start = ids.index(tokenizer.convert_tokens_to_ids(tokenizer.boi_token))
     assert ids[start + 65] == tokenizer.convert_tokens_to_ids(tokenizer.eoi_token)

@@ -12,7 +12,7 @@ _EXPORTS = {
     'load_engine_config': 'config_file', 'resolve_model_path': 'config_file',
     **{name: 'types' for name in ('DRAFTERS', 'FINISH_REASONS', 'CancelToken', 'DeltaCallback', 'DisabledDrafter',
                                   'EngineConfig', 'EngineStatus', 'GenerationRequest', 'GenerationResult',
-                                  'GenerationStats', 'StreamDelta')},
+                                  'GenerationStats', 'StreamDelta', 'ToolCall')},
 }
 __all__ = sorted(_EXPORTS)
 

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                         'most one of --json-schema and --grammar')
     parser.add_argument('--json-free-whitespace', action='store_true',
                         help='allow up to 16 whitespace characters between JSON elements (default: compact JSON)')
+    parser.add_argument('--tools', metavar='FILE', help='JSON file with the tools the model may call (a list of '
+                        '{name, description, parameters}); needs --messages-json')
+    parser.add_argument('--tool-choice', default='', help='auto (default with tools), none, required or a tool name')
+    parser.add_argument('--thinking', action='store_true', help='let the model think first (shown apart)')
+    parser.add_argument('--max-thinking-tokens', type=int, default=0, help='thought tokens before the channel '
+                        'closes; 0 = no budget')
     parser.add_argument('--num-draft-tokens', type=int, default=None, help='K; 0 = adaptive')
     parser.add_argument('--device', choices=DEVICES, help='default: auto')
     parser.add_argument('--dtype', choices=DTYPES, help='default: auto')
@@ -88,7 +94,14 @@ def _request(args, sample: int, constraint: dict[str, str]) -> GenerationRequest
     request = GenerationRequest(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, stop=list(args.stop),
                                 seed=args.seed + sample if args.seed >= 0 else -1,
-                                json_free_whitespace=args.json_free_whitespace, **constraint)
+                                json_free_whitespace=args.json_free_whitespace, tool_choice=args.tool_choice,
+                                thinking=args.thinking, max_thinking_tokens=args.max_thinking_tokens, **constraint)
+    if args.tools:
+        try:
+            with open(args.tools, encoding='utf-8') as stream:
+                request.tools = stream.read()
+        except OSError as exc:
+            raise ValueError('cannot read tools from {}: {}'.format(args.tools, exc)) from exc
     if args.prompt is not None:
         request.prompt = args.prompt
     elif args.prompt_ids is not None:
@@ -108,6 +121,10 @@ def _request(args, sample: int, constraint: dict[str, str]) -> GenerationRequest
 
 
 def _print_stats(result: GenerationResult) -> None:
+    if result.reasoning:
+        print('\n--- reasoning: {}'.format(result.reasoning))
+    for call in result.tool_calls:
+        print('\n--- tool call {}: {} {}'.format(call.id, call.name, call.arguments))
     print('\n--- finish={}\n{}'.format(result.finish_reason, format_stats(result.stats)))
     if result.structure_complete:
         print('--- structure complete')
@@ -134,7 +151,9 @@ def main(argv=None) -> int:
             request = _request(args, sample, constraint)
             if args.json:
                 result = engine.generate(request)
-                print(json.dumps({'text': result.text, 'token_ids': result.token_ids,
+                print(json.dumps({'text': result.text, 'reasoning': result.reasoning,
+                                  'tool_calls': [dataclasses.asdict(call) for call in result.tool_calls],
+                                  'token_ids': result.token_ids,
                                   'finish_reason': result.finish_reason, 'stats': dataclasses.asdict(result.stats),
                                   'warnings': result.warnings, 'structure_complete': result.structure_complete}),
                       flush=True)

@@ -11,13 +11,17 @@ import os
 import re
 from dataclasses import dataclass
 
+from .conversation import tools as tool_rules
+from .conversation.format import ConversationTokens
+from .conversation.reply import ReplyRules
 from .types import DRAFTERS, REGISTRY, EngineConfig, GenerationRequest, ImageInput, parameter_name
 
 MAX_TEMPERATURE = 2.0
 INT64_MAX = 2 ** 63 - 1
-CHAT_ROLES = ('system', 'user', 'assistant')   # the roles of gemma_spec_msgs/ChatMessage
+CHAT_ROLES = ('system', 'user', 'assistant', 'tool')   # the roles of gemma_spec_msgs/ChatMessage
 _TEMPLATE_ROLE = re.compile(r"""message\[['"]role['"]\]\s*==\s*['"](\w+)['"]""")
-_CONTENT_MARK = '\ue000{}\ue001'                # private-use characters around a message index
+_CONTENT_MARK = '\ue000{}\ue001'                # private-use characters around a marked string's index
+_MARKS = re.compile('\ue000(\\d+)\ue001')
 TEXT_ONLY_TARGET = 'the target reads text only (it has no vision tower)'
 
 
@@ -47,6 +51,9 @@ class RequestPlan:
     pinned_k: int        # > 0: fixed K, no adaptation or gating
     compiled_grammar: object | None = None  # the compiled json_schema / grammar (grammar.ConstraintCompiler); None
     images: tuple[ImageInput, ...] = ()     # the images in the order of their placeholder runs in prompt_ids
+    reply: ReplyRules = ReplyRules()        # thinking and tool calls
+    tools: tuple[tool_rules.ToolSpec, ...] = ()
+    compiled_calls: object | None = None    # the compiled grammar of one call's body (tools on)
 
 
 def check_config(config: EngineConfig) -> None:
@@ -152,17 +159,18 @@ def chat_roles(tokenizer) -> tuple[str, ...]:
     return CHAT_ROLES + tuple(sorted(set(named) - set(CHAT_ROLES)))
 
 
-def encode_messages(tokenizer, messages: list[dict], images: tuple[ImageInput, ...] = (), vision=None) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], images: tuple[ImageInput, ...] = (), vision=None,
+                    tools: tuple = (), thinking: bool = False) -> list[int]:
     """
-    Render chat messages with the chat template; message content is encoded as plain text.
+    Render chat messages with the chat template (tools declared, thinking on or off); strings are plain text.
 
-    Special tokens typed in a message (e.g. '<end_of_turn>') stay text and cannot open or close turns: the
-    template is rendered around placeholders, its own pieces are tokenized with special tokens and each content
-    piece with split_special_tokens.
+    Special tokens typed in a message, a tool's declaration, a call's arguments or a tool's result (e.g.
+    '<turn|>') stay text and cannot open or close turns: the template is rendered around placeholders, its own
+    pieces are tokenized with special tokens and each string with split_special_tokens.
 
     A message's images (indices into images) are rendered as {"type": "image"} content parts before its text part,
     as Gemma4Processor renders them; each image token the template writes becomes that image's placeholder run
-    (vision: the target's runtime.VisionTower).
+    (vision: the target's runtime.VisionTower). tools: conversation.tools.ToolSpec, as parse_tools returns them.
     """
     check_messages(messages)
     if not getattr(tokenizer, 'chat_template', None):
@@ -173,16 +181,47 @@ def encode_messages(tokenizer, messages: list[dict], images: tuple[ImageInput, .
             raise ValueError('messages[{}].role must be one of {}, got {!r}'.format(
                 index, ', '.join(roles), message['role']))
 
-    def render(chat):
-        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    def render(chat, declared=None):
+        return tokenizer.apply_chat_template(chat, tools=declared or None, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=thinking)
 
-    def marked_content(index, message):
-        mark = _CONTENT_MARK.format(index)
-        shown = message.get('images') or ()
-        return [{'type': 'image'} for _ in shown] + [{'type': 'text', 'text': mark}] if shown else mark
-
-    marked = render([dict(m, content=marked_content(i, m)) for i, m in enumerate(messages)])
     trims = ' x ' not in render([{'role': 'user', 'content': ' x '}])
+    marks: list[str] = []
+
+    def mark(text: str, trim: bool = False) -> str:
+        marks.append(text.strip() if trim else text)
+        return _CONTENT_MARK.format(len(marks) - 1)
+
+    def marked(value):
+        if isinstance(value, str):
+            return mark(value)
+        if isinstance(value, dict):
+            return {key: marked(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [marked(item) for item in value]
+        return value
+
+    def chat_message(message):
+        content = mark(str(message['content']), trims)
+        shown = message.get('images') or ()
+        turn = {'role': message['role'],
+                'content': [{'type': 'image'} for _ in shown] + [{'type': 'text', 'text': content}] if shown
+                else content}
+        if message.get('tool_calls'):
+            turn['tool_calls'] = [{'type': 'function', 'function': {
+                'name': call['name'], 'arguments': marked(tool_rules.call_arguments(call['arguments']))}}
+                for call in message['tool_calls']]
+        if message['role'] == 'tool':
+            result = tool_rules.tool_result(message['content'])
+            turn['content'] = marked(result) if isinstance(result, dict) else mark(result)
+            if message.get('name'):
+                turn['name'] = message['name']
+        return turn
+
+    chat = [chat_message(message) for message in messages]
+    declared = [{'type': 'function', 'function': {'name': tool.name, 'description': mark(tool.description),
+                                                  'parameters': marked(tool.parameters)}} for tool in tools]
+    pieces = _MARKS.split(render(chat, declared))
     runs = _ImageRuns(shown_images(images, messages), vision)
     added = re.compile('|'.join(re.escape(token) for token in sorted(tokenizer.added_tokens_encoder, key=len,
                                                                        reverse=True)))
@@ -190,13 +229,15 @@ def encode_messages(tokenizer, messages: list[dict], images: tuple[ImageInput, .
     def plain(text):
         return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids if text else []
 
-    # the template's text next to a content (after a piece's last added token, before the next one's first) is
+    # the template's text next to a string (after a piece's last added token, before the next one's first) is
     # tokenized with it, as the tokenizer reads the whole rendered text (Gemma4Processor): '\n\nWhich' is not
     # '\n\n' + 'Which'
     ids: list[int] = []
-    text, rest = '', marked
-    for index, message in enumerate(messages + [None]):
-        piece, _, rest = rest.partition(_CONTENT_MARK.format(index)) if message is not None else (rest, '', '')
+    text = ''
+    for position, piece in enumerate(pieces):
+        if position % 2:   # a marked string
+            text += marks[int(piece)]
+            continue
         tokens = list(added.finditer(piece))
         if tokens:
             ids += plain(text + piece[:tokens[0].start()])
@@ -204,9 +245,6 @@ def encode_messages(tokenizer, messages: list[dict], images: tuple[ImageInput, .
             text = piece[tokens[-1].end():]
         else:
             text += piece
-        if message is not None:
-            content = str(message['content'])
-            text += content.strip() if trims else content
     ids += plain(text)
     runs.check_all_placed()
     return ids
@@ -269,7 +307,8 @@ def check_prompt_size(request: GenerationRequest, config: EngineConfig) -> None:
             config.max_prompt_chars))
 
 
-def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: EngineConfig, vision=None) -> list[int]:
+def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: EngineConfig, vision=None,
+               tools: tuple = ()) -> list[int]:
     """
     Tokenize the request's input (prompt_ids, else messages, else prompt) within the size limits.
 
@@ -283,7 +322,10 @@ def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: E
         return _images_first(ids, 'prompt_ids', request.images, vision, tokenizer.bos_token_id)
     check_prompt_size(request, config)
     if request.messages:
-        return encode_messages(tokenizer, request.messages, request.images, vision)
+        return encode_messages(tokenizer, request.messages, request.images, vision, tools, request.thinking)
+    if tools or request.thinking:
+        raise ValueError('{}: declared in the chat template\'s system turn, so they need messages, not a raw '
+                         'prompt'.format('tools' if tools else 'thinking'))
     if request.prompt:
         return _images_first(tokenizer(request.prompt).input_ids, 'prompt', request.images, vision,
                              tokenizer.bos_token_id)
@@ -291,13 +333,38 @@ def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: E
 
 
 def check_messages(messages: list) -> None:
-    """Check chat turns as every backend does: string role and content, content not empty (roles: the template)."""
+    """
+    Check chat turns as every backend does: string role and content, content not empty, tool calls and results.
+
+    An assistant message may carry tool_calls ({name, arguments: JSON object text}; its content may then be
+    empty); a tool message answers the next unanswered call of the assistant message before it (its name, when
+    given, must be that call's). Roles are the template's.
+    """
+    unanswered: list[str] = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get('role'), str) \
                 or not isinstance(message.get('content'), str):
             raise ValueError('messages[{}] needs string "role" and "content", got {!r}'.format(index, message))
-        if not message['content'].strip() and not message.get('images'):
-            raise ValueError('messages[{}].content must not be empty (unless the message shows images)'.format(index))
+        calls = message.get('tool_calls') or []
+        if calls and message['role'] != 'assistant':
+            raise ValueError('messages[{}].tool_calls: only an assistant message makes tool calls'.format(index))
+        if not message['content'].strip() and not message.get('images') and not calls:
+            raise ValueError('messages[{}].content must not be empty (unless the message shows images or makes '
+                             'tool calls)'.format(index))
+        for number, call in enumerate(calls):
+            tool_rules.check_history_call(call, 'messages[{}].tool_calls[{}]'.format(index, number))
+        if message['role'] == 'tool':
+            if not unanswered:
+                raise ValueError('messages[{}]: a tool message answers a tool call, and the assistant message before '
+                                 'it has no call left unanswered'.format(index))
+            expected = unanswered.pop(0)
+            if message.get('name') and message['name'] != expected:
+                raise ValueError('messages[{}].name: {!r} answers no call here; the next unanswered call is '
+                                 '{!r}'.format(index, message['name'], expected))
+        elif message['role'] == 'assistant':
+            unanswered = [call['name'] for call in calls]
+        else:
+            unanswered = []
 
 
 def check_image_count(count: int, max_images: int, field: str = 'images') -> None:
@@ -386,7 +453,8 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
     drafter = request.drafter or default_drafter
     check_drafter(drafter, loaded_drafters)
     check_num_draft_tokens(request.num_draft_tokens, config)
-    ids = prompt_ids(request, tokenizer, vocab_size, config, vision)
+    tools, reply = check_reply(request, ConversationTokens.of(tokenizer.get_vocab()))
+    ids = prompt_ids(request, tokenizer, vocab_size, config, vision, tools)
     max_new = request.max_new_tokens or config.max_new_tokens
     if request.max_new_tokens:
         check_max_new_tokens(request.max_new_tokens, config)
@@ -402,5 +470,37 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
         pinned = max(1, config.max_draft_tokens // 2)
     compiled = constraints.compile_request(request.json_schema, request.grammar,  # cached per text
                                            request.json_free_whitespace)
+    calls = constraints.compile_calls(tools, reply.forced_tool) if reply.calls else None
     return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned, compiled,
-                       shown_images(request.images, request.messages))
+                       shown_images(request.images, request.messages), reply, tools, calls)
+
+
+def check_reply(request: GenerationRequest, tokens: ConversationTokens) -> tuple[tuple, ReplyRules]:
+    """
+    Check a request's tools, tool_choice and thinking against what the checkpoint's tokenizer can write.
+
+    Returns the parsed tools (conversation.tools.ToolSpec) and the reply's rules; ValueError names the field.
+    """
+    if not isinstance(request.thinking, bool):
+        raise ValueError('thinking must be a bool, got {!r}'.format(request.thinking))
+    budget = request.max_thinking_tokens
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= INT64_MAX:
+        raise ValueError('max_thinking_tokens must be an integer >= 0 (0 = no budget), got {!r}'.format(budget))
+    if budget and not request.thinking:
+        raise ValueError('max_thinking_tokens applies with thinking on; set thinking or leave it 0')
+    if request.thinking and not tokens.thinking:
+        raise ValueError("thinking: the target's tokenizer has no thought channel (<|channel>, <channel|>)")
+    tools = tool_rules.parse_tools(request.tools)
+    choice = tool_rules.check_tool_choice(request.tool_choice, tools)
+    if tools and not tokens.tools:
+        raise ValueError("tools: the target's tokenizer cannot write Gemma 4 tool calls (<|tool_call>, <tool_call|>, "
+                         '<|"|>, <|tool_response>)')
+    if choice != 'none' and (request.json_schema or request.grammar):
+        raise ValueError('{} constrains the answer\'s text, which tool_choice {!r} may replace by calls: set '
+                         'tool_choice none to use both'.format('json_schema' if request.json_schema else 'grammar',
+                                                               choice))
+    if not isinstance(request.parallel_tool_calls, bool):
+        raise ValueError('parallel_tool_calls must be a bool, got {!r}'.format(request.parallel_tool_calls))
+    forced = '' if choice in ('auto', 'none', 'required') else choice
+    rules = ReplyRules(request.thinking, budget, 'required' if forced else choice, forced, request.parallel_tool_calls)
+    return tools, rules

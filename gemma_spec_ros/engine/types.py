@@ -5,6 +5,7 @@ EngineConfig fields carry their parameter metadata (description, limits or choic
 group); the node declares its ROS parameters from it and requests.check_config enforces it.
 """
 
+import json
 import math
 import threading
 from collections.abc import Callable
@@ -19,9 +20,10 @@ COMPILE_MODES = ('auto', 'inductor', 'inductor-gemm', 'cudagraph', 'eager', 'tra
 # when compiled decode steps are built (runtime/warmup.py): background (serve on eager steps at once, swap each graph
 # in when ready), blocking (all before the first request) or off (each on first use, inside that request)
 WARMUP_POLICIES = ('background', 'blocking', 'off')
-# the engine ends with stop, length or cancelled; the node adds error, busy (queue full) and timeout
-# (queue.goal_timeout)
-FINISH_REASONS = ('stop', 'length', 'cancelled', 'error', 'busy', 'timeout')
+# the engine ends with stop, length, tool_calls (the reply asks for its calls' results) or cancelled; the node adds
+# error, busy (queue full) and timeout (queue.goal_timeout)
+FINISH_REASONS = ('stop', 'length', 'tool_calls', 'cancelled', 'error', 'busy', 'timeout')
+TOOL_CHOICES = ('auto', 'none', 'required')   # or a tool's name
 INT32_MAX = 2 ** 31 - 1
 # weight-only quantization of the target and the model drafters (runtime/quantize.py)
 QUANTIZATIONS = ('none', 'int8', 'int4', 'float16')
@@ -159,16 +161,37 @@ class GenerationRequest:
                                                        # (bounded); False = compact JSON
     images: tuple[ImageInput, ...] = ()                # camera frames the messages show (a target with a vision
                                                        # tower reads them at prefill)
+    tools: str = ''                                    # JSON list of tools {name, description, parameters}; '' = none
+    tool_choice: str = ''                              # auto|none|required|a tool's name; '' = auto with tools
+    parallel_tool_calls: bool = True                   # False: at most one call per reply
+    thinking: bool = False                             # the model may think first (thoughts go to reasoning)
+    max_thinking_tokens: int = 0                       # thought tokens before the channel is closed; 0 = no budget
+                                                       # (max_new_tokens still bounds the whole reply)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of a reply: id 'call_<index>' (its place in the reply), the tool, its arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def argument_values(self) -> dict:
+        """Return the arguments as a dict."""
+        return json.loads(self.arguments)
 
 
 @dataclass
 class StreamDelta:
     """What one verify round added to the output."""
 
-    text: str                 # new text (never a broken UTF-8 sequence)
+    text: str                 # new answer text (never a broken UTF-8 sequence)
     token_ids: list[int]      # new token ids
     tokens_generated: int     # tokens generated so far
     tau: float                # running tokens per verify round
+    reasoning: str = ''       # new thought text (thinking on)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed this round
 
 
 @dataclass
@@ -209,7 +232,10 @@ class GenerationResult:
     finish_reason: str                 # one of FINISH_REASONS
     stats: GenerationStats
     warnings: list[str] = field(default_factory=list)  # e.g. drafter failed, fell back to plain decoding
-    structure_complete: bool = False   # the output completed the request's json_schema / grammar (False without)
+    structure_complete: bool = False   # the output completed the request's json_schema / grammar / tool calls
+                                       # (False without)
+    reasoning: str = ''                # the thoughts, apart from text (thinking on)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with finish_reason tool_calls: run them, send results
 
 
 class CancelToken:

@@ -43,28 +43,12 @@ from gemma_spec_ros.train.scenes import (
     render,
     training_scene,
 )
+from gemma_spec_ros.train.tokenizer import MULTIMODAL_TOKENS, convert_tokenizer
 
 VISION_WEIGHTS = 'vision.safetensors'
 # A Gemma4ForCausalLM checkpoint's text weights to Gemma4ForConditionalGeneration's names.
 SHARED_TEXT_KEY_MAPPING = {r'^model\.(?=(?:embed_tokens|layers|norm)\.)': 'model.language_model.'}
-# Gemma 4's multimodal tokens and the invalid-UTF-8 byte whose byte-level BPE token each one replaces.
-MULTIMODAL_TOKENS = {'boi_token': ('<|image>', 0xF9), 'eoi_token': ('<image|>', 0xFA),
-                     'image_token': ('<|image|>', 0xFB), 'boa_token': ('<|audio>', 0xFC),
-                     'eoa_token': ('<audio|>', 0xFD), 'audio_token': ('<|audio|>', 0xFE),
-                     'video_token': ('<|video|>', 0xFF)}
-# Gemma 4's rendering of an image part; the processor expands <|image|> to BOI, the soft tokens and EOI.
-CHAT_TEMPLATE = (
-    '{{ bos_token }}{% for message in messages %}'
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    '<start_of_turn>{{ role }}\n'
-    "{% if message['content'] is string %}{{ message['content'] | trim }}"
-    "{% else %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %}{{ '\\n\\n<|image|>\\n\\n' }}"
-    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
-    '{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}'
-    '{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}'
-)
-END_OF_TURN = '<end_of_turn>'
+END_OF_TURN = '<turn|>'
 
 
 @dataclass(frozen=True)
@@ -110,33 +94,12 @@ class VisionShape:
 
 # ------------------------------------------------------------------------------------------ tokenizer and files
 def multimodal_tokenizer(tokenizer_dir: Path, out_dir: Path) -> PreTrainedTokenizerFast:
-    """Copy the bundled tokenizer into out_dir with Gemma 4's image and audio tokens; text encodes as before."""
-    core = json.loads((tokenizer_dir / 'tokenizer.json').read_text())
-    vocab = core['model']['vocab']
-    byte_chars = _byte_level_chars()
-    for content, byte in MULTIMODAL_TOKENS.values():
-        token_id = vocab.pop(byte_chars[byte])
-        vocab[content] = token_id
-        core['added_tokens'].append({'id': token_id, 'content': content, 'single_word': False, 'lstrip': False,
-                                     'rstrip': False, 'normalized': False, 'special': True})
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / 'tokenizer.json').write_text(json.dumps(core, ensure_ascii=False))
-    settings = json.loads((tokenizer_dir / 'tokenizer_config.json').read_text())
-    settings.update({name: content for name, (content, _) in MULTIMODAL_TOKENS.items()})
+    """Copy the bundled tokenizer (Gemma 4's image and audio tokens included) into out_dir for Gemma4Processor."""
+    tokenizer = convert_tokenizer(tokenizer_dir, out_dir)
+    settings = json.loads((out_dir / 'tokenizer_config.json').read_text())
     settings['processor_class'] = 'Gemma4Processor'
     (out_dir / 'tokenizer_config.json').write_text(json.dumps(settings, indent=2) + '\n')
-    (out_dir / 'chat_template.jinja').write_text(CHAT_TEMPLATE)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(out_dir))
-
-
-def _byte_level_chars() -> dict[int, str]:
-    """GPT-2 byte-level BPE's byte -> character table (printable bytes map to themselves, the rest above 255)."""
-    printable = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1), *range(ord('®'), ord('ÿ') + 1)]
-    others = [b for b in range(256) if b not in printable]
-    table = {b: chr(b) for b in printable}
-    table.update({b: chr(256 + n) for n, b in enumerate(others)})
-    return table
+    return tokenizer
 
 
 def write_processor_config(out_dir: Path, shape: VisionShape, image_seq_length: int) -> None:
@@ -226,7 +189,7 @@ def save_vision_model(model: Gemma4ForConditionalGeneration, out_dir: Path, targ
 class Encoded:
     input_ids: torch.Tensor          # (batch, length), right-padded with <pad>
     attention_mask: torch.Tensor
-    labels: torch.Tensor             # -100 except the answer and its <end_of_turn>
+    labels: torch.Tensor             # -100 except the answer and its <turn|>
     pixel_values: torch.Tensor
     image_position_ids: torch.Tensor
 

@@ -370,10 +370,7 @@ class BatchScheduler:
         engine, run = self._engine, goal.run
         engine._emit(run, new_tokens, goal.on_delta)
         if not run.finish and goal.cancel is not None and goal.cancel.cancelled:
-            tail = engine._release_held_text(run)
-            if tail:
-                engine._send(run, tail, [], goal.on_delta)
-            run.finish = 'cancelled'
+            engine._end_cancelled(run, goal.on_delta)
         if run.finish:
             self._end(goal)
 

@@ -11,6 +11,7 @@ from ..backend import Backend, Capabilities
 from ..control import Decision, SpeculationController, TargetCost
 from ..drafters.base import DraftContext, Drafter, Proposal
 from ..logits.grammar import ConstraintCompiler, mask_logits
+from ..logits.reply import ReplyConstraint
 from ..logits.sampling import logits_to_probs, sample
 from ..logits.verify import verify
 from ..requests import RequestPlan, SamplingParams
@@ -26,7 +27,6 @@ from ..types import (
     EngineStatus,
     GenerationRequest,
     GenerationResult,
-    StreamDelta,
     WarmupState,
 )
 from . import calibration, images
@@ -207,9 +207,11 @@ class Engine(Backend):
     # ----------------------------------------------------------------------------------------------- the loop
     def _new_run(self, plan: RequestPlan) -> Run:
         """Make the state of a generation, with its drafter (plain, with a warning, if that one failed to load)."""
-        run = new_run(plan, self._drafters['none'], self._tokenizer, self._device)
+        run = new_run(plan, self._drafters['none'], self._tokenizer, self._device, self._constraints.conversation)
         if plan.compiled_grammar is not None:
             run.constraint = self._constraints.matcher(plan.compiled_grammar)
+        if plan.reply.thinking or plan.reply.calls:
+            run.constraint = ReplyConstraint(self._constraints, plan.reply, run.constraint, plan.compiled_calls)
         if plan.drafter in self.drafter_errors:
             run.warnings.append('{}; ran plain decoding'.format(self.drafter_errors[plan.drafter].describe()))
         else:
@@ -231,10 +233,7 @@ class Engine(Backend):
             if run.finish:
                 break
             if cancel is not None and cancel.cancelled:
-                tail = self._release_held_text(run)
-                if tail:
-                    self._send(run, tail, [], on_delta)
-                run.finish = 'cancelled'
+                self._end_cancelled(run, on_delta)
                 break
             new_tokens = self._speculate(run)
         return self._result(run, started, steps_before)
@@ -333,29 +332,28 @@ class Engine(Backend):
     def _emit(self, run: Run, new_tokens: list[int], on_delta: DeltaCallback | None) -> None:
         """Append a round's tokens, apply EOS / max_new_tokens / stop strings, and stream the new text."""
         new_tokens, run.finish = end_of_output(new_tokens, self._eos_ids, len(run.generated),
-                                               run.plan.max_new_tokens)
+                                               run.plan.max_new_tokens, self._constraints.conversation.response_open)
         if run.constraint is not None:
             run.constraint.accept(new_tokens)
         run.tokens += new_tokens
         run.generated += new_tokens
-        text = run.stops.feed(run.detokenizer.add([t for t in new_tokens if t not in self._eos_ids]))
+        text, thought, calls = run.reply.add([t for t in new_tokens if t not in self._eos_ids])
+        text = run.stops.feed(text)
         if run.stops.stopped:
             run.finish = 'stop'
         elif run.finish:
-            text += self._release_held_text(run)
-            run.finish = 'stop' if run.stops.stopped else run.finish
-        self._send(run, text, new_tokens, on_delta)
+            tail, thought_tail = run.release_held()
+            text, thought = text + tail, thought + thought_tail
+            run.finish = 'stop' if run.stops.stopped or (run.finish == 'tool_calls' and not run.reply.calls) \
+                else run.finish
+        run.send(text, new_tokens, on_delta, thought, calls)
 
-    def _release_held_text(self, run: Run) -> str:
-        """At the end: incomplete characters and possible stop-string prefixes that were held back."""
-        text = run.stops.feed(run.detokenizer.flush())
-        return text if run.stops.stopped else text + run.stops.flush()
-
-    def _send(self, run: Run, text: str, token_ids: list[int], on_delta: DeltaCallback | None) -> None:
-        run.pieces.append(text)
-        if on_delta is not None:
-            on_delta(StreamDelta(text, token_ids, len(run.generated),
-                                 tau(len(run.generated), run.tally.target_passes)))
+    def _end_cancelled(self, run: Run, on_delta: DeltaCallback | None) -> None:
+        """End a cancelled generation: stream what was held back."""
+        tail, thought = run.release_held()
+        if tail or thought:
+            run.send(tail, [], on_delta, thought)
+        run.finish = 'cancelled'
 
     def _first_token(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         """Pick the first token from prefill logits [1, vocab] -> [1]."""
@@ -391,9 +389,5 @@ class Engine(Backend):
         if self._device.type == 'cuda':
             stats.cuda_peak_allocated_bytes = torch.cuda.max_memory_allocated(self._device)
             stats.cuda_peak_reserved_bytes = torch.cuda.max_memory_reserved(self._device)
-        complete = run.constraint is not None and run.constraint.completed and not run.stops.stopped
-        if run.constraint is not None and run.finish == 'length' and not complete:
-            run.warnings.append('structure incomplete: max_new_tokens ({}) ended the output before it completed '
-                                'its json_schema / grammar'.format(run.plan.max_new_tokens))
-        return GenerationResult(''.join(run.pieces), run.generated, run.finish, stats, run.warnings, complete)
+        return run.result(stats)
 

@@ -1,6 +1,11 @@
-"""Incremental detokenization and stop strings for streaming."""
+"""Incremental detokenization, stop strings and a reply's parts (text, thoughts, tool calls) for streaming."""
 
 from transformers import PreTrainedTokenizerFast
+
+from ..conversation import tools as tool_rules
+from ..conversation.format import THOUGHT_LABEL, ConversationTokens
+from ..conversation.reply import TEXT, THOUGHT, ReplySplitter
+from ..types import ToolCall
 
 
 class IncrementalDetokenizer:
@@ -82,3 +87,62 @@ class StopStrings:
                     longest = size
                     break
         return longest
+
+
+class ReplyStream:
+    r"""
+    A reply's tokens turned into its answer text, its thoughts and its tool calls, round by round.
+
+    Thoughts lose the channel's 'thought\n' label; a call comes out whole when its <tool_call|> arrives, parsed to
+    JSON arguments (tools.parse_call). Stop tokens are not passed in.
+    """
+
+    def __init__(self, tokenizer, tokens: ConversationTokens, tools: tuple = ()):
+        self._tokenizer, self._tools = tokenizer, tools
+        self._splitter = ReplySplitter(tokens)
+        self._text = IncrementalDetokenizer(tokenizer)
+        self._thought = IncrementalDetokenizer(tokenizer)
+        self._label = THOUGHT_LABEL   # still to strip from the thoughts' start ('' once decided)
+        self._held = ''
+        self.calls: list[ToolCall] = []
+        self.warnings: list[str] = []
+
+    def add(self, token_ids: list[int]) -> tuple[str, str, list[ToolCall]]:
+        """Append a round's tokens; return its new answer text, new thought text and the calls it completed."""
+        text, thought, calls = '', '', []
+        for part in self._splitter.feed(token_ids):
+            if part.kind == TEXT:
+                text += self._text.add(part.ids)
+            elif part.kind == THOUGHT:
+                thought += self._thought.add(part.ids)
+            else:
+                call = self._call(part.ids)
+                if call is not None:
+                    calls.append(call)
+        self.calls += calls
+        return text, self._unlabelled(thought), calls
+
+    def flush(self) -> tuple[str, str]:
+        """Whatever text and thoughts are still held back at the end of generation."""
+        thought = self._unlabelled(self._thought.flush(), final=True)
+        return self._text.flush(), thought
+
+    def _unlabelled(self, thought: str, final: bool = False) -> str:
+        if not self._label:
+            return thought
+        self._held += thought
+        if self._held.startswith(self._label):
+            held, self._held, self._label = self._held[len(self._label):], '', ''
+            return held
+        if self._label.startswith(self._held) and not final:
+            return ''   # may still be the label
+        held, self._held, self._label = self._held, '', ''
+        return held
+
+    def _call(self, ids: list[int]) -> ToolCall | None:
+        body = self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        try:
+            return tool_rules.parse_call(body, self._tools, len(self.calls))
+        except ValueError as exc:   # only where no grammar held the call: tool_choice none, or no tools
+            self.warnings.append('dropped a tool call the request did not allow ({})'.format(exc))
+            return None

@@ -24,6 +24,9 @@ import jsonschema
 import torch
 import xgrammar
 
+from ..conversation import tools as tool_rules
+from ..conversation.format import ConversationTokens
+
 JSON_SCHEMA = 'json_schema'
 GRAMMAR = 'grammar'
 JSON_FREE_WHITESPACE = 'json_free_whitespace'
@@ -50,6 +53,7 @@ _UNTYPED_SEPARATOR_RULES = {
         'basic_object_properties ::= (("," basic_string ":" basic_any))',
 }
 _LIBRARY_PREFIX = re.compile(r'^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?')
+CALLS = 'tools'    # the kind of a tool call's grammar (cache key; errors name the tools field)
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -87,15 +91,27 @@ class ConstraintCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], threads: int = 1,
                  cache_size: int = CACHE_SIZE):
-        self._stop_ids = sorted(set(stop_token_ids))
+        self.conversation = ConversationTokens.of(tokenizer.get_vocab())
+        # an answer ends at a turn's end or EOS; <|tool_response> ends a reply only after its calls
+        self._stop_ids = sorted(set(stop_token_ids) - {self.conversation.response_open})
         if not self._stop_ids:
             raise ValueError('a constraint needs at least one stop (EOS) token id')
         self.vocab_size = vocab_size
+        self._tokenizer, self._threads = tokenizer, threads
         self._info = _tokenizer_info(tokenizer, vocab_size, self._stop_ids)
         self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
+        self._call_compiler: xgrammar.GrammarCompiler | None = None   # built for the first request with tools
+        special, named = _special_ids(tokenizer), set(tokenizer.get_vocab().values())
+        # the tokens no free text holds: special and control tokens, and rows past the tokenizer's vocabulary
+        self.special_ids = tuple(sorted(index for index in range(vocab_size) if index in special or index not in named))
         self._cache: OrderedDict[tuple[str, str, bool], xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens that end an answer (its grammar's stop tokens): a turn's end, EOS."""
+        return tuple(self._stop_ids)
 
     def constraint(self, json_schema: str = '', grammar: str = '',
                    json_free_whitespace: bool = False) -> 'GrammarConstraint | None':
@@ -114,6 +130,36 @@ class ConstraintCompiler:
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> 'GrammarConstraint':
         """Return a fresh per-request constraint at the start of a compiled grammar."""
         return GrammarConstraint(compiled, self.vocab_size, self._stop_ids)
+
+    def compile_calls(self, tools: tuple, forced: str = '') -> xgrammar.CompiledGrammar:
+        """
+        Return the compiled grammar of one tool call's body ('call:NAME{...}'), for every tool or only forced; cached.
+
+        Its vocabulary sees <|"|> as one character (tools.QUOTE_CHAR) that no other token can spell, and its stop
+        token is <tool_call|>: a call's strings and its end are the model's control tokens, never look-alike text.
+        """
+        text = tool_rules.call_grammar(tools, (forced,) if forced else None)
+        key = (CALLS, text, False)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            if self._call_compiler is None:
+                info = _call_tokenizer_info(self._tokenizer, self.vocab_size, self.conversation)
+                self._call_compiler = xgrammar.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
+        try:
+            compiled = self._call_compiler.compile_grammar(xgrammar.Grammar.from_ebnf(text))
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError('{}: {}'.format(CALLS, _library_message(exc))) from exc
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def call_matcher(self, compiled: xgrammar.CompiledGrammar) -> 'GrammarConstraint':
+        """Return a fresh constraint at the start of a call's body; <tool_call|> ends it."""
+        return GrammarConstraint(compiled, self.vocab_size, [self.conversation.call_close])
 
     def compile(self, kind: str, text: str, json_free_whitespace: bool = False) -> xgrammar.CompiledGrammar:
         """
@@ -253,7 +299,7 @@ class GrammarConstraint:
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
         allowed = 0
         for token in tokens:
-            if not self._advance(token):
+            if not self.advance(token):
                 break
             allowed += 1
         self._matcher.rollback(allowed)
@@ -274,9 +320,14 @@ class GrammarConstraint:
             ok = self._matcher.accept_token(int(token))
             assert ok, 'token {} violates the grammar: it was emitted without the mask'.format(token)
 
-    def _advance(self, token: int) -> bool:
-        # False (nothing changes) when the grammar refuses the token or has terminated
+    def advance(self, token: int) -> bool:
+        """Move past token; False (nothing changes) when the grammar refuses it or has terminated."""
         return not self._matcher.is_terminated() and self._matcher.accept_token(int(token))
+
+    def rollback(self, count: int) -> None:
+        """Undo the last count tokens that advance or accept moved past."""
+        if count:
+            self._matcher.rollback(count)
 
     def _fill_mask_row(self, row: int) -> None:
         assert not self._matcher.is_terminated(), 'no token may follow a stop token'
@@ -286,8 +337,8 @@ class GrammarConstraint:
 class Lookahead:
     """A drafter's view of the grammar during one round (see `GrammarConstraint.lookahead`)."""
 
-    def __init__(self, constraint: GrammarConstraint):
-        self._constraint = constraint
+    def __init__(self, constraint):
+        self._constraint = constraint   # a GrammarConstraint, or a reply.ReplyConstraint
         self.pushed = 0
 
     def mask(self, device: torch.device | str | None = None) -> torch.Tensor:
@@ -296,23 +347,61 @@ class Lookahead:
 
     def push(self, token: int) -> bool:
         """Advance by a drafted token drawn under `mask()`; False when it was a stop token (the draft ends there)."""
-        ok = self._constraint._advance(token)
+        ok = self._constraint.advance(token)
         assert ok, 'draft token {} violates the grammar: it was drawn without the mask'.format(token)
         self.pushed += 1
         return not self._constraint.terminated
 
 
-def _tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]) -> xgrammar.TokenizerInfo:
-    """Describe the vocabulary to xgrammar, with special tokens blanked so that grammars never allow them."""
+def _tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int], blank: str = '',
+                    spelled: dict[int, str] | None = None) -> xgrammar.TokenizerInfo:
+    """
+    Describe the vocabulary to xgrammar, with special tokens blanked so that grammars never allow them.
+
+    blank: a character whose tokens are blanked too; spelled: special tokens the grammar sees as this text.
+    """
     detected = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-    special = set(tokenizer.all_special_ids)
-    special.update(index for index, token in tokenizer.added_tokens_decoder.items() if token.special)
+    special = _special_ids(tokenizer)
     encoded = [''] * vocab_size  # xgrammar treats empty tokens (and padding rows) as special: never allowed
     for token, index in tokenizer.get_vocab().items():
-        if index < vocab_size and index not in special:
+        if index < vocab_size and index not in special and not (blank and blank in token):
             encoded[index] = token
+    for index, text in (spelled or {}).items():
+        encoded[index] = text
     return xgrammar.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=stop_ids,
                                   add_prefix_space=detected.add_prefix_space)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    special = set(tokenizer.all_special_ids)
+    special.update(index for index, token in tokenizer.added_tokens_decoder.items() if token.special)
+    return special
+
+
+def byte_level_chars() -> dict[int, str]:
+    """GPT-2 byte-level BPE's byte -> character table (printable bytes map to themselves, the rest above 255)."""
+    printable = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1), *range(ord('®'), ord('ÿ') + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {b: chr(b) for b in printable}
+    table.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return table
+
+
+def _call_tokenizer_info(tokenizer, vocab_size: int, conversation: ConversationTokens) -> xgrammar.TokenizerInfo:
+    """
+    Describe the vocabulary as a tool call's grammar sees it: <|"|> is tools.QUOTE_CHAR, <tool_call|> the stop.
+
+    QUOTE_CHAR is a private-use character (U+E000-U+EFFF, the ones whose UTF-8 starts with byte 0xEE): every other
+    token that holds byte 0xEE is blanked, so that no ordinary text can spell the quote.
+    """
+    chars = byte_level_chars()
+    quote = ''.join(chars[byte] for byte in tool_rules.QUOTE_CHAR.encode())
+    info = _tokenizer_info(tokenizer, vocab_size, [conversation.call_close], blank=chars[0xEE],
+                           spelled={conversation.quote: quote})
+    if info.vocab_type != xgrammar.VocabType.BYTE_LEVEL:
+        raise ValueError("tools: tool calls need a byte-level BPE tokenizer (the target's is {})".format(
+            info.vocab_type))
+    return info
 
 
 def _check_json_schema(text: str) -> None:

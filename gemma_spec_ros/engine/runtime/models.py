@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from ..conversation.format import RESPONSE_OPEN, TURN_CLOSE
 from ..types import DEVICES, DTYPES
 from .quantize import Quantizer
 from .quantized_loading import load_quantized
@@ -239,12 +240,16 @@ def check_assistant_fits(target, assistant, assistant_path: str) -> None:
 
 
 def eos_token_ids(target, tokenizer) -> set[int]:
-    """Return the ids that end generation: generation config EOS, the tokenizer's EOS and Gemma's <end_of_turn>."""
+    """
+    Return the ids that end generation: generation config EOS, the tokenizer's EOS, and turn ends.
+
+    A model turn ends at Gemma 4's <turn|> or <|tool_response> (after tool calls), or Gemma 3's <end_of_turn>.
+    """
     eos = target.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    end_of_turn = tokenizer.get_vocab().get('<end_of_turn>')  # Gemma chat turns end here
-    if end_of_turn is not None and '<end_of_turn>' in tokenizer.all_special_tokens:
-        ids.add(end_of_turn)
+    vocab, special = tokenizer.get_vocab(), set(tokenizer.all_special_tokens)
+    ids.update(vocab[token] for token in (TURN_CLOSE, RESPONSE_OPEN, '<end_of_turn>')
+               if token in vocab and token in special)
     return ids
