@@ -57,6 +57,25 @@ def test_required_calls_are_valid_and_greedy_equals_plain(tiny_engine, drafter):
     assert plain.token_ids[0] == tokens.call_open and plain.token_ids[-1] == tokens.response_open
 
 
+@pytest.mark.parametrize('drafter', ['ngram', 'draft', 'mtp'])
+def test_drafters_propose_only_what_the_reply_allows(tiny_engine, monkeypatch, drafter):
+    drafts = []
+    masks_along = ReplyConstraint.masks_along
+
+    def recording(self, draft_tokens, device=None):
+        masks, allowed = masks_along(self, draft_tokens, device)
+        drafts.append((len(draft_tokens), allowed))
+        return masks, allowed
+
+    monkeypatch.setattr(ReplyConstraint, 'masks_along', recording)
+    for seed, temperature in enumerate((0.0, 1.0, 1.0)):
+        assert_valid_calls(tiny_engine.generate(request(tool_choice='required', thinking=True, max_thinking_tokens=4,
+                                                        drafter=drafter, num_draft_tokens=3, temperature=temperature,
+                                                        seed=seed)))
+    assert sum(length for length, _ in drafts) > 10
+    assert all(allowed == length for length, allowed in drafts)  # cut (n-gram) or masked (models) while drafting
+
+
 @pytest.mark.parametrize('drafter', ['none', 'mtp'])
 def test_a_named_tool_forces_that_tool(tiny_engine, drafter):
     for seed, temperature in enumerate((0.0, 1.0)):

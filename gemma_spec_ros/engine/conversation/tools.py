@@ -58,7 +58,9 @@ _COMBINATORS = ('anyOf', 'oneOf', 'allOf')
 _NUMBER = re.compile(r'-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?')
 _PRIVATE_USE = re.compile('[\ue000-\ue0ff]')
 _EBNF_QUOTE = r'"\ue022"'
-_STRING_CHARACTERS = r'[^\ue000-\ue0ff]'
+# no surrogate code points either: UTF-8 cannot hold them (xgrammar would take their bytes as one character, and
+# the text would decode to three replacement characters)
+_STRING_CHARACTERS = r'[^\ue000-\ue0ff\ud800-\udfff]'
 # rules every grammar may use, in the order they are written (only those used are)
 _COMMON_RULES = {
     'any_value': 'string | number | "true" | "false" | "null" | any_object | any_array',
