@@ -20,7 +20,6 @@ from gemma_spec_ros.engine.conversation.tools import (
     NAME_PATTERN,
     QUOTE_CHAR,
     TOOL_CHOICES,
-    ToolCall,
     ToolSpec,
     call_grammar,
     check_tool_choice,
@@ -30,6 +29,7 @@ from gemma_spec_ros.engine.conversation.tools import (
     parse_tools,
     validate_arguments,
 )
+from gemma_spec_ros.engine.types import ToolCall
 
 OBJECT = 'object'
 PICK = {'type': OBJECT, 'properties': {'object': {'type': 'string'}, 'count': {'type': 'integer'},

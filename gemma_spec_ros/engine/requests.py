@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .conversation import tools as tool_rules
 from .conversation.format import ConversationTokens
-from .conversation.reply import ReplyRules
+from .conversation.reply import ReplyRules, reply_rules
 from .types import DRAFTERS, REGISTRY, EngineConfig, GenerationRequest, ImageInput, parameter_name
 
 MAX_TEMPERATURE = 2.0
@@ -301,10 +301,11 @@ def check_prompt_size(request: GenerationRequest, config: EngineConfig) -> None:
         return
     characters = sum(len(str(m.get('content', ''))) for m in request.messages if isinstance(m, dict)) \
         if request.messages else len(request.prompt)
+    characters += len(request.tools) if isinstance(request.tools, str) else 0   # declared in the prompt too
     if characters > config.max_prompt_chars:
         raise ValueError('{} {} characters, more than {} = {}'.format(
-            'messages have' if request.messages else 'prompt has', characters, parameter_name('max_prompt_chars'),
-            config.max_prompt_chars))
+            'messages and tools have' if request.tools else 'messages have' if request.messages else 'prompt has',
+            characters, parameter_name('max_prompt_chars'), config.max_prompt_chars))
 
 
 def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, config: EngineConfig, vision=None,
@@ -453,7 +454,7 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
     drafter = request.drafter or default_drafter
     check_drafter(drafter, loaded_drafters)
     check_num_draft_tokens(request.num_draft_tokens, config)
-    tools, reply = check_reply(request, ConversationTokens.of(tokenizer.get_vocab()))
+    tools, reply = reply_rules(request, ConversationTokens.of(tokenizer.get_vocab()))
     ids = prompt_ids(request, tokenizer, vocab_size, config, vision, tools)
     max_new = request.max_new_tokens or config.max_new_tokens
     if request.max_new_tokens:
@@ -473,34 +474,3 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
     calls = constraints.compile_calls(tools, reply.forced_tool) if reply.calls else None
     return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned, compiled,
                        shown_images(request.images, request.messages), reply, tools, calls)
-
-
-def check_reply(request: GenerationRequest, tokens: ConversationTokens) -> tuple[tuple, ReplyRules]:
-    """
-    Check a request's tools, tool_choice and thinking against what the checkpoint's tokenizer can write.
-
-    Returns the parsed tools (conversation.tools.ToolSpec) and the reply's rules; ValueError names the field.
-    """
-    if not isinstance(request.thinking, bool):
-        raise ValueError('thinking must be a bool, got {!r}'.format(request.thinking))
-    budget = request.max_thinking_tokens
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= INT64_MAX:
-        raise ValueError('max_thinking_tokens must be an integer >= 0 (0 = no budget), got {!r}'.format(budget))
-    if budget and not request.thinking:
-        raise ValueError('max_thinking_tokens applies with thinking on; set thinking or leave it 0')
-    if request.thinking and not tokens.thinking:
-        raise ValueError("thinking: the target's tokenizer has no thought channel (<|channel>, <channel|>)")
-    tools = tool_rules.parse_tools(request.tools)
-    choice = tool_rules.check_tool_choice(request.tool_choice, tools)
-    if tools and not tokens.tools:
-        raise ValueError("tools: the target's tokenizer cannot write Gemma 4 tool calls (<|tool_call>, <tool_call|>, "
-                         '<|"|>, <|tool_response>)')
-    if choice != 'none' and (request.json_schema or request.grammar):
-        raise ValueError('{} constrains the answer\'s text, which tool_choice {!r} may replace by calls: set '
-                         'tool_choice none to use both'.format('json_schema' if request.json_schema else 'grammar',
-                                                               choice))
-    if not isinstance(request.parallel_tool_calls, bool):
-        raise ValueError('parallel_tool_calls must be a bool, got {!r}'.format(request.parallel_tool_calls))
-    forced = '' if choice in ('auto', 'none', 'required') else choice
-    rules = ReplyRules(request.thinking, budget, 'required' if forced else choice, forced, request.parallel_tool_calls)
-    return tools, rules

@@ -7,9 +7,12 @@ A reply is, in order: thoughts in a channel (thinking on), the answer's text, th
 
 from dataclasses import dataclass, field
 
+from ..types import GenerationRequest
+from . import tools
 from .format import ConversationTokens
 
 TEXT, THOUGHT, CALL = 'text', 'thought', 'call'
+INT64_MAX = 2 ** 63 - 1
 
 
 @dataclass(frozen=True)
@@ -73,3 +76,34 @@ class ReplySplitter:
                     parts.append(ReplyPart(self._kind))
                 parts[-1].ids.append(token)
         return parts
+
+
+def reply_rules(request: GenerationRequest, tokens: ConversationTokens) -> tuple[tuple, ReplyRules]:
+    """
+    Check a request's tools, tool_choice and thinking against what the checkpoint's tokenizer can write.
+
+    Returns the parsed tools (conversation.tools.ToolSpec) and the reply's rules; ValueError names the field.
+    """
+    if not isinstance(request.thinking, bool):
+        raise ValueError('thinking must be a bool, got {!r}'.format(request.thinking))
+    budget = request.max_thinking_tokens
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= INT64_MAX:
+        raise ValueError('max_thinking_tokens must be an integer >= 0 (0 = no budget), got {!r}'.format(budget))
+    if budget and not request.thinking:
+        raise ValueError('max_thinking_tokens applies with thinking on; set thinking or leave it 0')
+    if request.thinking and not tokens.thinking:
+        raise ValueError("thinking: the target's tokenizer has no thought channel (<|channel>, <channel|>)")
+    declared = tools.parse_tools(request.tools)
+    choice = tools.check_tool_choice(request.tool_choice, declared)
+    if declared and not tokens.tools:
+        raise ValueError("tools: the target's tokenizer cannot write Gemma 4 tool calls (<|tool_call>, <tool_call|>, "
+                         '<|"|>, <|tool_response>)')
+    if choice != 'none' and (request.json_schema or request.grammar):
+        raise ValueError('{} constrains the answer\'s text, which tool_choice {!r} may replace by calls: set '
+                         'tool_choice none to use both'.format('json_schema' if request.json_schema else 'grammar',
+                                                               choice))
+    if not isinstance(request.parallel_tool_calls, bool):
+        raise ValueError('parallel_tool_calls must be a bool, got {!r}'.format(request.parallel_tool_calls))
+    forced = '' if choice in ('auto', 'none', 'required') else choice
+    rules = ReplyRules(request.thinking, budget, 'required' if forced else choice, forced, request.parallel_tool_calls)
+    return declared, rules
