@@ -31,6 +31,19 @@ REQUESTS = [
      'seed': 7, 'drafter': 'draft', 'num_draft_tokens': 2},
     {'request_id': 'bad', 'prompt': 'x', 'temperature': 9.0},
 ]
+SAY = {'name': 'say', 'parameters': {'type': 'object', 'properties': {'text': {'type': 'string', 'maxLength': 8}},
+                                     'required': ['text']}}
+TOOL_REQUESTS = [   # tools as a list and as JSON text; a call and its result sent back
+    {'request_id': 'tool-call', 'messages': [{'role': 'user', 'content': 'Greet the user.'}], 'tools': [SAY],
+     'tool_choice': 'required', 'max_new_tokens': 256, 'drafter': 'ngram'},
+    {'request_id': 'tool-result', 'messages': [
+        {'role': 'user', 'content': 'Say hello.'},
+        {'role': 'assistant', 'content': '',
+         'tool_calls': [{'id': 'call_0', 'name': 'say', 'arguments': {'text': 'hi'}}]},
+        {'role': 'tool', 'name': 'say', 'content': {'ok': True}}],
+     'tools': json.dumps([SAY]), 'parallel_tool_calls': False, 'thinking': True, 'max_thinking_tokens': 2,
+     'max_new_tokens': 8, 'drafter': 'none'},
+]
 
 
 BUNDLED_DOMAIN_ID = DOMAIN_ID + 1  # apart from the tiny-model node, which also serves /gemma_spec/generate
@@ -73,7 +86,7 @@ def tiny_node(tiny_models):
 
 def test_record_then_replay(tiny_node, tmp_path):
     requests = tmp_path / 'requests.jsonl'
-    requests.write_text(''.join(json.dumps(r) + '\n' for r in REQUESTS))
+    requests.write_text(''.join(json.dumps(r) + '\n' for r in REQUESTS + TOOL_REQUESTS))
     bag = tmp_path / 'bag'
     recorded = run_cli('record', str(requests), '--output', str(bag))
     assert recorded.returncode == 0, recorded.stdout + recorded.stderr
@@ -84,17 +97,25 @@ def test_record_then_replay(tiny_node, tmp_path):
         assert {c.topic for c in reader.connections} == {REQUESTS_TOPIC, RESPONSES_TOPIC}
         for connection, _, data in reader.messages():
             decoded = store.deserialize_cdr(data, connection.msgtype)
-            assert decoded.request_id in {r['request_id'] for r in REQUESTS}
+            assert decoded.request_id in {r['request_id'] for r in REQUESTS + TOOL_REQUESTS}
     requests_in_bag, responses = read_bag(bag)
-    assert [r.request_id for _, r in requests_in_bag] == [r['request_id'] for r in REQUESTS]
+    assert [r.request_id for _, r in requests_in_bag] == [r['request_id'] for r in REQUESTS + TOOL_REQUESTS]
     assert responses['greedy-chat'].status == 'succeeded' and responses['greedy-chat'].stats.new_tokens == 16
     assert responses['bad'].status == 'aborted' and 'temperature' in responses['bad'].error
     assert responses['sampled'].stats.drafter in ('draft', 'none')
+    tool_request = next(r for _, r in requests_in_bag if r.request_id == 'tool-result')
+    assert json.loads(tool_request.tools) == [SAY] and tool_request.thinking and tool_request.max_thinking_tokens == 2
+    assert not tool_request.parallel_tool_calls and requests_in_bag[0][1].parallel_tool_calls   # default true
+    assert tool_request.messages[1].tool_calls[0].name == 'say' and tool_request.messages[2].name == 'say'
+    called = responses['tool-call']
+    assert called.status == 'succeeded' and called.finish_reason == 'tool_calls', called.error
+    assert called.tool_calls and {c.name for c in called.tool_calls} == {'say'}
+    assert responses['tool-result'].status == 'succeeded', responses['tool-result'].error
 
     replayed = run_cli('replay', str(bag), '--output', str(tmp_path / 'replay'), '--storage', 'sqlite3')
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert 'greedy parity: 2/2 identical; 0 of 4 requests failed' in replayed.stdout
-    assert len(read_bag(tmp_path / 'replay')[0]) == len(REQUESTS)
+    assert 'greedy parity: 4/4 identical; 0 of 6 requests failed' in replayed.stdout
+    assert len(read_bag(tmp_path / 'replay')[0]) == len(REQUESTS + TOOL_REQUESTS)
 
 
 def test_replay_reports_a_greedy_mismatch(tiny_node, tmp_path):

@@ -130,3 +130,21 @@ def test_reply_splitter_separates_thoughts_text_and_calls(tokenizer):
     assert tokenizer.decode([t for p in parts if p.kind == THOUGHT for t in p.ids]) == 'thought\nhmm'
     assert tokenizer.decode([t for p in parts if p.kind == TEXT for t in p.ids]) == 'Ok.'
     assert tokenizer.decode(parts[-1].ids) == 'call:pick{}' and not splitter.in_call
+
+
+def test_reply_stream_drops_the_thought_label_even_when_cut_inside_it(tokenizer):
+    from gemma_spec_ros.engine.decoding.stream import ReplyStream
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    tokens = ConversationTokens.of(tokenizer.get_vocab())
+    whole = ReplyStream(tokenizer, tokens)
+    text, thought, _ = whole.add(ids('<|channel>thought\nThe cup.<channel|>Done.'))
+    tail, thought_tail = whole.flush()
+    assert (thought + thought_tail, text + tail) == ('The cup.', 'Done.')
+    cut = ReplyStream(tokenizer, tokens)   # a budget that closes the channel inside its label
+    label = ids('<|channel>thought\n')
+    text, thought, _ = cut.add(label[:2] + ids('<channel|>Done.'))
+    tail, thought_tail = cut.flush()
+    assert (thought + thought_tail, text + tail) == ('', 'Done.')

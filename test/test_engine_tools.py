@@ -106,6 +106,11 @@ def test_none_never_calls(tiny_engine):
         assert vocab['<|tool_call>'] not in result.token_ids and vocab['<|tool_response>'] not in result.token_ids
 
 
+def test_text_cut_off_by_max_new_tokens_is_no_incomplete_structure(tiny_engine):
+    result = tiny_engine.generate(request(tool_choice='none', max_new_tokens=3))
+    assert result.finish_reason == 'length' and not result.warnings and not result.structure_complete
+
+
 def test_a_call_cut_off_by_max_new_tokens_ends_length_without_calls(tiny_engine):
     result = tiny_engine.generate(request(tool_choice='required', max_new_tokens=4, drafter='mtp'))
     assert result.finish_reason == 'length' and result.tool_calls == [] and not result.structure_complete

@@ -2,11 +2,13 @@
 The card's command and the ros2 CLI against it: `ros2 launch gemma_spec_ros orin.launch.py` as a real process.
 
 One launch for the module, with the launch file's defaults except device:=cpu and a params file with one torch
-thread; then `ros2 action send_goal --feedback`, `ros2 topic echo --once /diagnostics`, `ros2 param get` and
-`ros2 interface show`; last, SIGINT (Ctrl-C) to `ros2 launch` ends it and its node cleanly. The ros2 daemon this
-starts is stopped at the end. Everything runs on this module's own ROS domain, on localhost.
+thread; then `ros2 action send_goal --feedback` (a prompt, and chat messages with the bundled robot tools),
+`ros2 topic echo --once /diagnostics`, `ros2 param get` and `ros2 interface show`; last, SIGINT (Ctrl-C) to
+`ros2 launch` ends it and its node cleanly. The ros2 daemon this starts is stopped at the end. Everything runs on
+this module's own ROS domain, on localhost.
 """
 
+import json
 import os
 import re
 import signal
@@ -22,6 +24,7 @@ from conftest import TEST_COMPILE, missing_ros2_tools, run_ros2
 if missing_ros2_tools():
     pytest.skip(missing_ros2_tools(), allow_module_level=True)
 
+import jsonschema
 import psutil
 from ament_index_python.packages import get_package_share_directory
 
@@ -29,10 +32,35 @@ DOMAIN_ID = 11 + (os.getpid() + 61) % 80
 READY_TIMEOUT = 300.0
 ENV = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST',
            PYTHONUNBUFFERED='1')
+SEND_GOAL_ATTEMPTS = 3  # a CLI call that has not discovered the node or its action server yet is tried again
+NOT_DISCOVERED = ('Node not found', 'Action server not available', 'Goal was rejected')
 
 
 def ros2(*args, timeout=120):
     return run_ros2(ENV, *args, timeout=timeout)
+
+
+def send_goal(goal: str, *options) -> tuple[int, str]:
+    """Run `ros2 action send_goal` on the node's action; tried again while the CLI has not discovered the server."""
+    for _ in range(SEND_GOAL_ATTEMPTS):
+        code, output = ros2('action', 'send_goal', '/gemma_spec/generate', 'gemma_spec_msgs/action/Generate', goal,
+                            *options)
+        if 'Goal accepted' in output or not any(reason in output for reason in NOT_DISCOVERED):
+            break
+        time.sleep(2)
+    return code, output
+
+
+def printed_result(output: str) -> dict:
+    """Return the result `ros2 action send_goal` printed (the YAML between 'Result:' and the status line)."""
+    block = output.split('\nResult:\n', 1)[1].split('\nGoal finished with status', 1)[0]
+    return yaml.safe_load(block.lstrip())   # ros2 indents the first line only
+
+
+def robot_tools() -> list:
+    """Return the bundled robot tools as installed (share/gemma_spec_ros/config/robot_tools.json)."""
+    path = Path(get_package_share_directory('gemma_spec_ros'), 'config', 'robot_tools.json')
+    return json.loads(path.read_text())
 
 
 class Launch:
@@ -94,6 +122,24 @@ def test_send_goal_with_feedback_succeeds(launched):
     assert 'finish_reason: length' in output and 'tau:' in output
 
 
+def test_send_goal_with_robot_tools_asks_for_a_tool_call(launched):
+    tools = robot_tools()
+    declared = {tool['function']['name']: tool['function']['parameters'] for tool in tools}
+    goal = ("{{messages: [{{role: system, content: 'You are the task planner of a mobile robot.'}}, "
+            "{{role: user, content: 'Bring me the red cup from the kitchen.'}}], tools: '{}', tool_choice: required, "
+            'parallel_tool_calls: false, max_new_tokens: 48}}').format(
+                json.dumps(tools, separators=(',', ':')).replace("'", "''"))   # YAML single quotes: '' is '
+    code, output = send_goal(goal, '--feedback')
+    assert code == 0, output
+    assert 'Goal finished with status: SUCCEEDED' in output and 'finish_reason: tool_calls' in output, output[-3000:]
+    assert 'tool_calls_delta:' in output
+    result = printed_result(output)
+    assert result['finish_reason'] == 'tool_calls' and len(result['tool_calls']) == 1, result
+    for call in result['tool_calls']:
+        assert call['name'] in declared, call
+        jsonschema.validate(json.loads(call['arguments']), declared[call['name']])
+
+
 def test_topic_echo_shows_the_engine_status_with_tau(launched):
     for _ in range(3):  # the daemon may not know the topic's type yet
         code, output = ros2('topic', 'echo', '--once', '/diagnostics', '--timeout', '30')
@@ -120,8 +166,13 @@ def test_interface_show_prints_the_contract():
     assert code == 0, output
     goal, result, feedback = output.split('\n---\n')
     assert 'string prompt' in goal and 'gemma_spec_msgs/ChatMessage[] messages' in goal and 'max_new_tokens' in goal
+    assert 'string tools' in goal and 'string tool_choice' in goal and 'bool thinking' in goal
+    assert 'bool parallel_tool_calls true' in goal
+    assert 'ToolCall[] tool_calls' in goal and 'string name' in goal   # ChatMessage's calls and tool name
     assert 'string text' in result and 'GenerationStats stats' in result
+    assert 'string reasoning' in result and 'gemma_spec_msgs/ToolCall[] tool_calls' in result
     assert 'string text_delta' in feedback and 'float32 tau' in feedback
+    assert 'string reasoning_delta' in feedback and 'gemma_spec_msgs/ToolCall[] tool_calls_delta' in feedback
 
 
 def test_info_log_level_by_default(launched):

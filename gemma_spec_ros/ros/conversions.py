@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from gemma_spec_msgs.action import Generate
+from gemma_spec_msgs.msg import ToolCall as ToolCallMsg
 from PIL import Image as PilImage
 
 from gemma_spec_ros.engine.requests import check_image_count, check_image_indices, check_image_size
-from gemma_spec_ros.engine.types import GenerationRequest, GenerationResult, ImageInput, StreamDelta
+from gemma_spec_ros.engine.types import GenerationRequest, GenerationResult, ImageInput, StreamDelta, ToolCall
 
 CHANNELS = {'rgb8': 3, 'bgr8': 3, 'mono8': 1}   # sensor_msgs/Image encodings a goal may send, bytes per pixel
 COMPRESSED_FORMATS = ('jpeg', 'png')
@@ -58,15 +59,32 @@ def goal_to_request(goal, limits: ImageLimits) -> GenerationRequest:
         temperature=float(goal.temperature), top_p=float(goal.top_p), top_k=int(goal.top_k), stop=list(goal.stop),
         seed=int(goal.seed), drafter=goal.drafter, num_draft_tokens=int(goal.num_draft_tokens),
         json_schema=goal.json_schema, grammar=goal.grammar, json_free_whitespace=bool(goal.json_free_whitespace),
-        images=goal_images(goal.images, goal.compressed_images, limits))
+        images=goal_images(goal.images, goal.compressed_images, limits), tools=goal.tools,
+        tool_choice=goal.tool_choice, parallel_tool_calls=bool(goal.parallel_tool_calls), thinking=bool(goal.thinking),
+        max_thinking_tokens=int(goal.max_thinking_tokens))
 
 
 def message_to_dict(message) -> dict:
-    """Return a ChatMessage as the engine's chat turn; 'images' (its image_indices) only when it shows any."""
+    """
+    Return a ChatMessage as the engine's chat turn {role, content}.
+
+    'images' (its image_indices) only when it shows any, 'tool_calls' ({id, name, arguments}) only when it makes
+    any, 'name' only when it names a tool (the engine checks them and names the field at fault).
+    """
     turn = {'role': message.role, 'content': message.content}
     if len(message.image_indices):
         turn['images'] = [int(index) for index in message.image_indices]
+    if len(message.tool_calls):
+        turn['tool_calls'] = [{'id': call.id, 'name': call.name, 'arguments': call.arguments}
+                              for call in message.tool_calls]
+    if message.name:
+        turn['name'] = message.name
     return turn
+
+
+def tool_calls_to_msgs(calls: list[ToolCall]) -> list[ToolCallMsg]:
+    """Return the engine's tool calls as gemma_spec_msgs/ToolCall messages."""
+    return [ToolCallMsg(id=call.id, name=call.name, arguments=call.arguments) for call in calls]
 
 
 def goal_images(images, compressed_images, limits: ImageLimits) -> tuple[ImageInput, ...]:
@@ -129,7 +147,8 @@ def compressed_to_input(image, field: str, max_pixels: int) -> ImageInput:
 
 def delta_to_feedback(delta: StreamDelta) -> Generate.Feedback:
     return Generate.Feedback(text_delta=delta.text, token_ids_delta=[int(t) for t in delta.token_ids],
-                             tokens_generated=int(delta.tokens_generated), tau=float(delta.tau))
+                             tokens_generated=int(delta.tokens_generated), tau=float(delta.tau),
+                             reasoning_delta=delta.reasoning, tool_calls_delta=tool_calls_to_msgs(delta.tool_calls))
 
 
 def result_to_msg(result: GenerationResult | None, error: str = '', finish_reason: str = '') -> Generate.Result:
@@ -141,6 +160,8 @@ def result_to_msg(result: GenerationResult | None, error: str = '', finish_reaso
         stats_to_msg(result.stats, msg.stats)
         msg.warnings = list(result.warnings)
         msg.structure_complete = bool(result.structure_complete)
+        msg.reasoning = result.reasoning
+        msg.tool_calls = tool_calls_to_msgs(result.tool_calls)
     msg.error = error
     msg.finish_reason = finish_reason or msg.finish_reason
     return msg

@@ -2,7 +2,8 @@
 Record planner requests and the node's responses to a rosbag2 bag, and replay such a bag against the node.
 
 ``record``: sends each request of a JSONL file (GenerateRequest fields; images and compressed_images as lists of
-PNG/JPEG paths, relative to the file: images are decoded to rgb8) as a Generate goal through the real action,
+PNG/JPEG paths, relative to the file: images are decoded to rgb8; messages as make_goal takes them, tool_calls and
+name included; tools as JSON text or a list) as a Generate goal through the real action,
 publishes and writes GenerateRequest on /gemma_spec/requests and GenerateResponse on /gemma_spec/responses (rosbags
 writer, mcap or sqlite3; CDR bytes from rclpy.serialization).
 ``replay``: sends each recorded request again in order (optionally at the recorded rate), requires greedy
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import rclpy
-from gemma_spec_msgs.msg import ChatMessage, GenerateRequest, GenerateResponse
+from gemma_spec_msgs.msg import GenerateRequest, GenerateResponse
 from rclpy.serialization import serialize_message
 from rclpy.signals import SignalHandlerOptions
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
@@ -29,13 +30,21 @@ from rosidl_runtime_py import set_message_fields
 
 from gemma_spec_ros.engine.stats import format_figure
 from gemma_spec_ros.ros.conversions import stats_to_msg
-from gemma_spec_ros.tools.client import GenerateClient, compressed_image_from_file, image_from_file, make_goal
+from gemma_spec_ros.tools.client import (
+    GenerateClient,
+    chat_message,
+    compressed_image_from_file,
+    image_from_file,
+    make_goal,
+    tools_text,
+)
 
 REQUESTS_TOPIC = '/gemma_spec/requests'
 RESPONSES_TOPIC = '/gemma_spec/responses'
-MSG_TYPES = ('ChatMessage', 'GenerationStats', 'GenerateRequest', 'GenerateResponse')
+MSG_TYPES = ('ToolCall', 'ChatMessage', 'GenerationStats', 'GenerateRequest', 'GenerateResponse')
 REQUEST_FIELDS = ('request_id', 'prompt', 'messages', 'images', 'compressed_images', 'max_new_tokens', 'temperature',
-                  'top_p', 'top_k', 'stop', 'seed', 'drafter', 'num_draft_tokens', 'cancel_after_seconds')
+                  'top_p', 'top_k', 'stop', 'seed', 'drafter', 'num_draft_tokens', 'tools', 'tool_choice',
+                  'parallel_tool_calls', 'thinking', 'max_thinking_tokens', 'cancel_after_seconds')
 
 
 def typestore():
@@ -64,9 +73,9 @@ def request_from_dict(fields: dict, index: int, base: Path = Path('.')) -> Gener
     readers = {'images': image_from_file, 'compressed_images': compressed_image_from_file}
     for name in REQUEST_FIELDS[1:]:
         if name == 'messages':
-            request.messages = [ChatMessage(role=m['role'], content=m['content'],
-                                            image_indices=list(m.get('image_indices', [])))
-                                for m in fields.get(name, [])]
+            request.messages = [chat_message(m) for m in fields.get(name, [])]
+        elif name == 'tools':
+            request.tools = tools_text(fields.get(name, ''))
         elif name in readers:
             setattr(request, name, [readers[name](base / path) for path in fields.get(name, [])])
         elif name in fields:
@@ -75,10 +84,12 @@ def request_from_dict(fields: dict, index: int, base: Path = Path('.')) -> Gener
 
 
 def goal_from_request(request: GenerateRequest):
-    return make_goal(request.prompt, [(m.role, m.content, m.image_indices) for m in request.messages],
-                     request.max_new_tokens, request.temperature, request.top_p, request.top_k, request.stop,
-                     request.seed, request.drafter, request.num_draft_tokens, images=request.images,
-                     compressed_images=request.compressed_images)
+    return make_goal(request.prompt, request.messages, request.max_new_tokens, request.temperature, request.top_p,
+                     request.top_k, request.stop, request.seed, request.drafter, request.num_draft_tokens,
+                     images=request.images, compressed_images=request.compressed_images, tools=request.tools,
+                     tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
+                     thinking=request.thinking,
+                     max_thinking_tokens=request.max_thinking_tokens)
 
 
 def run_request(client, request: GenerateRequest) -> GenerateResponse:
@@ -93,6 +104,7 @@ def run_request(client, request: GenerateRequest) -> GenerateResponse:
         response.text, response.token_ids = result.text, list(result.token_ids)
         response.finish_reason, response.error = result.finish_reason, result.error
         response.stats = stats_to_msg(result.stats, response.stats)
+        response.reasoning, response.tool_calls = result.reasoning, list(result.tool_calls)
     return response
 
 

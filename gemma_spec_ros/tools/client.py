@@ -2,13 +2,16 @@
 Send a Generate goal and stream its feedback, like ``ros2 action send_goal --feedback``.
 
 ``python -m gemma_spec_ros client "prompt" [--image PATH] [--max-new-tokens N] [--cancel-after N] ...`` prints the
-text as it streams, then the goal status and the result's statistics. ``GenerateClient`` is the same client as a
-class (demo, record/replay and tests use it): goals can be sent from several threads at once.
+text as it streams, then the goal status and the result's statistics. With ``--tools FILE`` (a JSON list of tools)
+and ``--thinking`` it also streams the thoughts and prints the reply's tool calls (docs/tools.md).
+``GenerateClient`` is the same client as a class (demo, record/replay and tests use it): goals can be sent from
+several threads at once.
 """
 
 import argparse
 import copy
 import io
+import json
 import sys
 import threading
 import time
@@ -19,7 +22,7 @@ import rclpy
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from gemma_spec_msgs.action import Generate
-from gemma_spec_msgs.msg import ChatMessage
+from gemma_spec_msgs.msg import ChatMessage, ToolCall
 from PIL import Image as PilImage
 from rclpy.action import ActionClient
 from rclpy.executors import SingleThreadedExecutor
@@ -66,6 +69,21 @@ class Outcome:
         return ''.join(f.text_delta for f in self.feedback)
 
     @property
+    def fully_streamed(self) -> bool:
+        """The feedback carried the whole result: its text and its tokens (a reply with calls may have no text)."""
+        return self.streamed_text == self.result.text and \
+            sum(len(f.token_ids_delta) for f in self.feedback) >= len(self.result.token_ids)
+
+    @property
+    def streamed_reasoning(self) -> str:
+        return ''.join(f.reasoning_delta for f in self.feedback)
+
+    @property
+    def streamed_tool_calls(self) -> list:
+        """The tool calls the feedback carried (gemma_spec_msgs/ToolCall), in the order they completed."""
+        return [call for f in self.feedback for call in f.tool_calls_delta]
+
+    @property
     def cancel_latency(self) -> float:
         """Seconds from the cancel request to the result (0 when not cancelled)."""
         return self.result_time - self.cancel_time if self.cancel_time else 0.0
@@ -73,25 +91,59 @@ class Outcome:
 
 def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0.0, top_k=0, stop=(),
               seed=-1, drafter='', num_draft_tokens=0, client_id='', json_schema='', grammar='',
-              json_free_whitespace=False, images=(), compressed_images=()) -> Generate.Goal:
+              json_free_whitespace=False, images=(), compressed_images=(), tools='', tool_choice='',
+              parallel_tool_calls=True, thinking=False, max_thinking_tokens=0) -> Generate.Goal:
     """
     Build a Generate goal; json_schema and grammar are text.
 
-    messages: (role, content) or (role, content, image_indices) tuples, or dicts with those keys; image_indices
-    count images, then compressed_images (sensor_msgs messages: image_from_file, compressed_image_from_file).
+    messages: (role, content) or (role, content, image_indices) tuples, ChatMessage messages, or dicts with the keys
+    role, content and optionally image_indices (or images), tool_calls and name; image_indices count images, then
+    compressed_images (sensor_msgs messages: image_from_file, compressed_image_from_file). An assistant dict's
+    tool_calls are {id, name, arguments} dicts (arguments: JSON text or a dict) or ToolCall messages, e.g. a result's
+    tool_calls as they came; a tool dict's name is the tool whose result its content is (a dict content is sent as
+    JSON). tools: JSON text of a list of tools, or the list itself.
     """
-    chat = [_chat_message(*((m['role'], m['content'], m.get('image_indices', ())) if isinstance(m, dict) else m))
-            for m in messages]
-    return Generate.Goal(prompt=prompt, messages=chat, max_new_tokens=int(max_new_tokens),
-                         temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                         stop=list(stop), seed=int(seed), drafter=drafter,
+    return Generate.Goal(prompt=prompt, messages=[chat_message(m) for m in messages],
+                         max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
+                         top_k=int(top_k), stop=list(stop), seed=int(seed), drafter=drafter,
                          num_draft_tokens=int(num_draft_tokens), client_id=client_id, json_schema=json_schema,
                          grammar=grammar, json_free_whitespace=bool(json_free_whitespace), images=list(images),
-                         compressed_images=list(compressed_images))
+                         compressed_images=list(compressed_images), tools=tools_text(tools),
+                         tool_choice=tool_choice, parallel_tool_calls=bool(parallel_tool_calls),
+                         thinking=bool(thinking), max_thinking_tokens=int(max_thinking_tokens))
 
 
-def _chat_message(role, content, image_indices=()) -> ChatMessage:
-    return ChatMessage(role=role, content=content, image_indices=[int(index) for index in image_indices])
+def tools_text(tools) -> str:
+    """Return tools as the goal's JSON text: a string as it is, a list of tool dicts as JSON."""
+    return tools if isinstance(tools, str) else json.dumps(list(tools))
+
+
+def chat_message(message) -> ChatMessage:
+    """Return a ChatMessage of a (role, content[, image_indices]) tuple, a dict (see make_goal) or a ChatMessage."""
+    if isinstance(message, ChatMessage):
+        return message
+    if not isinstance(message, dict):
+        return _chat_message(*message)
+    content = message.get('content', '')
+    return _chat_message(message['role'], content if isinstance(content, str) else json.dumps(content),
+                         message.get('image_indices', message.get('images', ())),
+                         message.get('tool_calls', ()), message.get('name', ''))
+
+
+def _chat_message(role, content, image_indices=(), tool_calls=(), name='') -> ChatMessage:
+    return ChatMessage(role=role, content=content, image_indices=[int(index) for index in image_indices],
+                       tool_calls=[tool_call(call) for call in tool_calls], name=name)
+
+
+def tool_call(call) -> ToolCall:
+    """Return a ToolCall message of a {id, name, arguments} dict (arguments: JSON text or a dict) or a ToolCall."""
+    if isinstance(call, ToolCall):
+        return call
+    if not isinstance(call, dict):   # the engine's ToolCall, or a message of another package with the same fields
+        return ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+    arguments = call.get('arguments', '{}')
+    return ToolCall(id=call.get('id', ''), name=call['name'],
+                    arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
 
 
 def compressed_image_from_file(path) -> CompressedImage:
@@ -340,7 +392,7 @@ class GenerateClient:
             outcome.status = STATUS_NAMES.get(response.status, 'unknown')
             outcome.result = response.result
             settle = time.monotonic() + FEEDBACK_SETTLE
-            while outcome.streamed_text != outcome.result.text and time.monotonic() < settle:
+            while not outcome.fully_streamed and time.monotonic() < settle:
                 time.sleep(0.005)
             return outcome
         finally:
@@ -383,6 +435,50 @@ def _wait(future, timeout):
     return future.result()
 
 
+class FeedbackPrinter:
+    """
+    A feedback callback that writes the stream as it comes: thoughts, answer text and completed tool calls.
+
+    Thoughts follow a '[thinking]' mark and the answer after them an '[answer]' mark (a reply without thoughts is
+    written as it is); each tool call is a line of its own.
+    """
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._part = ''        # what was written last: '', 'thinking', 'answer' or 'call'
+        self._newline = True   # the last character written ends a line (or nothing was written)
+
+    def __call__(self, feedback):
+        if feedback.reasoning_delta:
+            self._write('thinking', feedback.reasoning_delta, '[thinking] ')
+        if feedback.text_delta:
+            self._write('answer', feedback.text_delta, '[answer] ' if self._part in ('thinking', 'call') else '')
+        for call in feedback.tool_calls_delta:
+            self._write('call', '[tool call {}] {} {}\n'.format(call.id, call.name, call.arguments), '')
+        self._stream.flush()
+
+    def _write(self, part, text, mark):
+        if part != self._part or part == 'call':
+            if (mark or part == 'call') and not self._newline:
+                self._stream.write('\n')
+            self._stream.write(mark)
+        self._stream.write(text)
+        self._part, self._newline = part, text.endswith('\n')
+
+
+def read_tools_file(path) -> str:
+    """Return a tools file's text (a JSON list of tools); ValueError naming the file when it is not a JSON list."""
+    with open(path, encoding='utf-8') as stream:
+        text = stream.read()
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError('{}: not valid JSON ({})'.format(path, error)) from error
+    if not isinstance(tools, list):
+        raise ValueError('{}: a JSON list of tools is expected'.format(path))
+    return text
+
+
 def _message(text):
     role, sep, content = text.partition(':')
     if not sep:
@@ -423,6 +519,15 @@ def build_parser():
     parser.add_argument('--grammar', metavar='FILE', help='EBNF grammar file (xgrammar syntax, rule root)')
     parser.add_argument('--json-free-whitespace', action='store_true',
                         help='allow up to 16 whitespace characters between JSON elements (default: compact JSON)')
+    parser.add_argument('--tools', metavar='FILE',
+                        help='JSON file with a list of tools the reply may call (e.g. config/robot_tools.json)')
+    parser.add_argument('--tool-choice', default='', metavar='CHOICE',
+                        help="auto|none|required|a tool's name ('' = auto with tools)")
+    parser.add_argument('--one-call', action='store_true',
+                        help='at most one tool call per reply (parallel_tool_calls false)')
+    parser.add_argument('--thinking', action='store_true', help='let the model think first (streams its thoughts)')
+    parser.add_argument('--max-thinking-tokens', type=int, default=0, metavar='N',
+                        help='thought tokens before the thoughts are closed (0 = no budget; needs --thinking)')
     parser.add_argument('--cancel-after', type=int, default=0, metavar='N', help='cancel after N tokens')
     parser.add_argument('--action', default=DEFAULT_ACTION, help='action name (default %(default)s)')
     parser.add_argument('--server-timeout', type=float, default=30.0, help='seconds to wait for the server')
@@ -437,6 +542,7 @@ def main(argv=None) -> int:
         return 2
     try:
         constraint = read_constraint_files(args.json_schema, args.grammar)
+        tools = read_tools_file(args.tools) if args.tools else ''
         images = [image_from_file(path) for path in args.raw_image]
         compressed_images = [compressed_image_from_file(path) for path in args.image]
         messages = show_images(args.message or [('user', args.prompt)], len(images) + len(compressed_images)) \
@@ -447,7 +553,9 @@ def main(argv=None) -> int:
     goal = make_goal(args.prompt, messages, args.max_new_tokens, args.temperature, args.top_p, args.top_k,
                      args.stop, args.seed, args.drafter, args.num_draft_tokens,
                      json_free_whitespace=args.json_free_whitespace, images=images,
-                     compressed_images=compressed_images, **constraint)
+                     compressed_images=compressed_images, tools=tools, tool_choice=args.tool_choice,
+                     parallel_tool_calls=not args.one_call, thinking=args.thinking,
+                     max_thinking_tokens=args.max_thinking_tokens, **constraint)
     rclpy.init(args=['client'] + ros_args, signal_handler_options=SignalHandlerOptions.NO)
     client = GenerateClient(args.action)
     try:
@@ -456,11 +564,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 1
 
-        def stream(feedback):
-            if not args.quiet:
-                sys.stdout.write(feedback.text_delta)
-                sys.stdout.flush()
-
+        stream = FeedbackPrinter(sys.stdout) if not args.quiet else None
         outcome = client.send(goal, on_feedback=stream, cancel_after_tokens=args.cancel_after)
     except KeyboardInterrupt:
         return 130
@@ -481,6 +585,10 @@ def main(argv=None) -> int:
             print('error: {}'.format(outcome.result.error))
         for warning in outcome.result.warnings:
             print('warning: {}'.format(warning))
+        if outcome.result.reasoning:
+            print('reasoning: {}'.format(outcome.result.reasoning))
+        for call in outcome.result.tool_calls:
+            print('tool_call {}: {} {}'.format(call.id, call.name, call.arguments))
         print(format_stats(outcome.result.stats))
     if outcome.status == 'succeeded' or (outcome.status == 'canceled' and args.cancel_after):
         return 0

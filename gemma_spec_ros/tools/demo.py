@@ -5,11 +5,12 @@
 starts ``ros2 launch gemma_spec_ros orin.launch.py`` and this client as separate processes (scripts/run.sh).
 Without --client it first starts the node itself as a subprocess, as orin.launch.py would
 (``python -m gemma_spec_ros node --ros-args --params-file ...``). Either way it waits until /diagnostics say the
-engine is ready, sends a chat goal for a JSON action plan (constrained by a JSON Schema), streams its
-tokens and prints the parsed plan, sends the same goal with plain decoding for comparison, then one image goal (a
-table scene rendered by the vision model's scene generator, with its right answer) when /diagnostics say the
-backend accepts images (else it says why not), prints tau / latency / memory from the results and one /diagnostics
-sample, then serves until Ctrl-C.
+engine is ready, then runs a planner loop: it sends the request with the robot's tools (config/robot_tools.json),
+streams the calls as they form, answers each with a simulated tool result ({"ok": true}) and sends the
+conversation back until the model answers; it prints the plan, runs the same loop with plain decoding to compare
+tokens and speed, then one image goal (a table scene rendered by the vision model's scene generator, with its
+right answer) when /diagnostics say the backend accepts images (else it says why not), prints tau / latency /
+memory from the results and one /diagnostics sample, then serves until Ctrl-C.
 """
 
 import argparse
@@ -30,14 +31,15 @@ from gemma_spec_ros.engine.stats import format_figure, format_stats
 from gemma_spec_ros.tools.client import GenerateClient, compressed_image_from_file, make_goal
 
 NODE_NAME = 'gemma_spec'
-STEP_SCHEMA = {'type': 'object', 'properties': {'action': {'enum': ['navigate', 'pick', 'place']},
-                                                'target': {'type': 'string', 'maxLength': 32}},
-               'required': ['action', 'target']}
-PLAN_SCHEMA = {'type': 'object', 'properties': {'steps': {'type': 'array', 'items': STEP_SCHEMA, 'minItems': 1,
-                                                          'maxItems': 6}}, 'required': ['steps']}
-SYSTEM = ('You are the task planner of a mobile manipulator. Answer with a JSON action plan matching this JSON '
-          'Schema: ' + json.dumps(PLAN_SCHEMA))
+TOOLS_FILE = os.path.join('config', 'robot_tools.json')
+SYSTEM = ('You are the task planner of a mobile robot with an arm. Call the tools one at a time to do what the '
+          'user asks, then answer in one short sentence.\nScene: a red cup on the kitchen table, a blue bottle on '
+          'the shelf, a green apple on the counter.')
 REQUEST = 'Bring the red cup from the kitchen table to the sink.'
+# the plan a planner expects for REQUEST: the demo says whether the model's calls are this one
+EXPECTED_PLAN = [('navigate_to', {'place': 'kitchen table'}), ('pick', {'object': 'red cup'}),
+                 ('navigate_to', {'place': 'sink'}), ('place', {'object': 'red cup', 'place': 'sink'})]
+MAX_TURNS = 8   # model replies in one planner loop
 TOOL_HINTS = '  python -m gemma_spec_ros client "def plan(robot):" --max-new-tokens 32\n  python -m gemma_spec_ros diag'
 ROS2_CLI_HINTS = ('  ros2 action send_goal /gemma_spec/generate gemma_spec_msgs/action/Generate '
                   '"{prompt: \'def plan(robot):\', max_new_tokens: 32}" --feedback\n'
@@ -106,22 +108,76 @@ def run_goal(client, label, goal, stream):
 
 
 def compared_paths(speculative: str, plain: str) -> str:
-    """Say what the two goals' decode steps ran on: a speedup across different paths is not like for like."""
+    """Say what the two loops' decode steps ran on: a speedup across different paths is not like for like."""
     if speculative == plain:
         return 'both decoded on: {}'.format(speculative)
     return 'not like for like while the node warms up: speculative on {}, plain on {}'.format(speculative, plain)
 
 
-def print_plan(result):
-    """Print the parsed action plan, or why the output holds none."""
-    if not result.structure_complete:
-        print('\nno complete action plan (finish {}): {}'.format(
-            result.finish_reason, '; '.join(result.warnings) or 'the output stopped early'))
-        return
-    steps = json.loads(result.text)['steps']
-    print('\nparsed action plan ({} step{}):'.format(len(steps), '' if len(steps) == 1 else 's'))
-    for number, step in enumerate(steps, 1):
-        print('  {}. {:<8} {}'.format(number, step['action'], step['target']))
+def simulate(call) -> dict:
+    """Answer a call as the robot would: here it always succeeds."""
+    return {'ok': True}
+
+
+def show_call(call) -> str:
+    arguments = json.loads(call.arguments or '{}')
+    return '{}({})'.format(call.name, ', '.join('{}={!r}'.format(key, value) for key, value in arguments.items()))
+
+
+def planner_loop(client, label, tools, max_new_tokens, drafter='', stream=True):
+    """
+    Run the planner loop once: request, calls, simulated results, until the model answers (or MAX_TURNS).
+
+    Returns (calls made, final answer, every reply's outcome).
+    """
+    print('\n=== {} ==='.format(label), flush=True)
+    messages = [{'role': 'system', 'content': SYSTEM}, {'role': 'user', 'content': REQUEST}]
+    calls, outcomes = [], []
+
+    def on_feedback(feedback):
+        sys.stdout.write(feedback.text_delta)
+        for call in feedback.tool_calls_delta:
+            sys.stdout.write('  -> {}'.format(show_call(call)))
+        sys.stdout.flush()
+
+    for _ in range(MAX_TURNS):
+        goal = make_goal(messages=messages, tools=tools, tool_choice='auto', max_new_tokens=max_new_tokens,
+                         drafter=drafter)
+        outcome = client.send(goal, on_feedback=on_feedback if stream else None)
+        if outcome.status != 'succeeded':
+            raise RuntimeError('goal {}: {}'.format(outcome.status, outcome.result.error if outcome.result else ''))
+        outcomes.append(outcome)
+        result = outcome.result
+        if result.finish_reason != 'tool_calls':
+            return calls, result.text, outcomes
+        messages.append({'role': 'assistant', 'content': result.text, 'tool_calls': [
+            {'id': call.id, 'name': call.name, 'arguments': call.arguments} for call in result.tool_calls]})
+        for call in result.tool_calls:
+            calls.append((call.name, json.loads(call.arguments or '{}')))
+            answer = simulate(call)
+            if stream:
+                sys.stdout.write('  <- {}\n'.format(json.dumps(answer)))
+            messages.append({'role': 'tool', 'name': call.name, 'content': json.dumps(answer)})
+    return calls, '', outcomes
+
+
+def loop_figures(outcomes) -> dict:
+    """Return a loop's tokens, decode seconds (after each first token), target passes and decode paths."""
+    results = [outcome.result for outcome in outcomes]
+    return {'tokens': [t for r in results for t in r.token_ids],
+            'new_tokens': sum(r.stats.new_tokens for r in results),
+            'decode_s': sum(max(r.stats.wall_time - r.stats.time_to_first_token, 0.0) for r in results),
+            'passes': sum(r.stats.target_passes for r in results),
+            'paths': ', '.join(sorted({r.stats.decode_path for r in results}))}
+
+
+def print_plan(calls, answer):
+    """Print the calls the loop made and the final answer, and whether the plan is the expected one."""
+    print('\nplan ({} call{}):'.format(len(calls), '' if len(calls) == 1 else 's'))
+    for number, (name, arguments) in enumerate(calls, 1):
+        print('  {}. {}({})'.format(number, name, ', '.join('{}={!r}'.format(k, v) for k, v in arguments.items())))
+    print('answer: {}'.format(answer or '(none within {} replies)'.format(MAX_TURNS)))
+    print('the plan is {} for the request'.format('right' if calls == EXPECTED_PLAN else 'NOT the expected one'))
 
 
 def image_support(latest) -> str:
@@ -168,8 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument('--params-file', default=None, help='node parameters (default config/orin.yaml)')
     parser.add_argument('-p', '--param', action='append', default=[], metavar='NAME:=VALUE',
                         help='extra node parameter, e.g. engine.device:=cpu (repeatable)')
-    parser.add_argument('--max-new-tokens', type=int, default=192)
-    parser.add_argument('--no-compare', action='store_true', help='skip the plain-decoding comparison goal')
+    parser.add_argument('--max-new-tokens', type=int, default=96, help='per model reply')
+    parser.add_argument('--no-compare', action='store_true', help='skip the plain-decoding comparison loop')
     parser.add_argument('--no-image', action='store_true', help='skip the image goal')
     parser.add_argument('--image-max-new-tokens', type=int, default=32)
     parser.add_argument('--once', action='store_true', help='stop the node after the demo goals (no serving)')
@@ -198,20 +254,26 @@ def main(argv=None) -> int:
         print('node ready ({:.1f} s after the action server appeared)'.format(time.monotonic() - started))
         if node is not None:
             node.quiet = True
-        goal = dict(messages=[('system', SYSTEM), ('user', REQUEST)], max_new_tokens=args.max_new_tokens,
-                    json_schema=json.dumps(PLAN_SCHEMA))
-        print('\nplanner request: {}\nplan schema: {}'.format(REQUEST, json.dumps(PLAN_SCHEMA)))
-        spec = run_goal(client, 'speculative (node default drafter)', make_goal(**goal), stream=True)
-        print_plan(spec.result)
+        with open(installed(TOOLS_FILE), encoding='utf-8') as stream:
+            tools = stream.read()
+        print('\nplanner request: {}\ntools: {}'.format(REQUEST, ', '.join(
+            tool['function']['name'] for tool in json.loads(tools))))
+        calls, answer, spec = planner_loop(client, 'planner loop, speculative (node default drafter)', tools,
+                                           args.max_new_tokens)
+        print_plan(calls, answer)
+        spec_figures = loop_figures(spec)
+        print('{} replies, {} tokens, tau {:.2f}'.format(len(spec), spec_figures['new_tokens'],
+                                                         spec_figures['new_tokens'] / max(spec_figures['passes'], 1)))
         if not args.no_compare:
-            plain = run_goal(client, 'plain decoding (drafter none), same goal', make_goal(drafter='none', **goal),
-                             stream=False)
-            same = list(plain.result.token_ids) == list(spec.result.token_ids)
-            plain_rate = plain.result.stats.tokens_per_second
-            ratio = spec.result.stats.tokens_per_second / plain_rate if plain_rate > 0 else math.nan  # NaN: no rate
-            print('\nspeculative vs plain: {}x decode tokens/s ({}), identical tokens: {}'.format(
-                format_figure(ratio, '{:.2f}'),
-                compared_paths(spec.result.stats.decode_path, plain.result.stats.decode_path), same))
+            _, _, plain = planner_loop(client, 'planner loop, plain decoding (drafter none)', tools,
+                                       args.max_new_tokens, drafter='none', stream=False)
+            plain_figures = loop_figures(plain)
+            same = plain_figures['tokens'] == spec_figures['tokens']
+            ratio = (spec_figures['new_tokens'] / spec_figures['decode_s']) / \
+                (plain_figures['new_tokens'] / plain_figures['decode_s']) \
+                if spec_figures['decode_s'] > 0 and plain_figures['decode_s'] > 0 else math.nan
+            print('\nspeculative vs plain over the loop: {}x decode tokens/s ({}), identical tokens: {}'.format(
+                format_figure(ratio, '{:.2f}'), compared_paths(spec_figures['paths'], plain_figures['paths']), same))
         if not args.no_image:
             images = image_support(client.diagnostics_sample(NODE_NAME, timeout=10.0))
             if images == 'accepted':

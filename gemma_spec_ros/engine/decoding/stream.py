@@ -134,7 +134,9 @@ class ReplyStream:
         if self._held.startswith(self._label):
             held, self._held, self._label = self._held[len(self._label):], '', ''
             return held
-        if self._label.startswith(self._held) and not final:
+        if self._label.startswith(self._held):
+            if final:   # the channel closed inside its label (a small max_thinking_tokens): no thoughts
+                self._held = self._label = ''
             return ''   # may still be the label
         held, self._held, self._label = self._held, '', ''
         return held

@@ -86,8 +86,9 @@ class ReplyConstraint:
 
     @property
     def structured(self) -> bool:
-        """The reply has a structure to complete (a grammar or tool calls), not only thoughts and free text."""
-        return self._answer is not None or self._rules.calls
+        """The reply has a structure to complete: a grammar, required calls, or calls it began; not free text."""
+        return self._answer is not None or self._rules.tool_choice == 'required' or \
+            self._state.phase in (CALL, CALLED) or self._state.calls > 0
 
     @property
     def in_thought(self) -> bool:
