@@ -184,8 +184,12 @@ class BackendConformance:
         assert result.finish_reason == 'cancelled' and result.token_ids == []
 
     def test_tau_and_acceptance_follow_the_one_definition(self, conforming):
-        stats = conforming.generate(GenerationRequest(prompt='the cube, the cube, the cube, the cube, the',
-                                                      max_new_tokens=24)).stats
+        for _ in range(3):   # a vLLM window that an earlier (cancelled) goal's late counters reach is server-wide
+            result = conforming.generate(GenerationRequest(prompt='the cube, the cube, the cube, the cube, the',
+                                                           max_new_tokens=24))
+            if not getattr(result, 'server_wide', False):
+                break
+        stats = result.stats
         assert stats.target_passes >= 1
         assert stats.tau == pytest.approx(tau(stats.new_tokens, stats.target_passes))
         expected = acceptance_rate(stats.accepted_tokens, stats.drafted_tokens)
