@@ -296,14 +296,7 @@ class GrammarConstraint:
 
     def allowed_prefix_len(self, tokens: Sequence[int] | torch.Tensor) -> int:
         """How many leading tokens the grammar allows from here (the n-gram drafter cuts its proposal there)."""
-        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-        allowed = 0
-        for token in tokens:
-            if not self.advance(token):
-                break
-            allowed += 1
-        self._matcher.rollback(allowed)
-        return allowed
+        return allowed_prefix_len(self, tokens)
 
     @contextmanager
     def lookahead(self) -> Iterator['Lookahead']:
@@ -332,6 +325,18 @@ class GrammarConstraint:
     def _fill_mask_row(self, row: int) -> None:
         assert not self._matcher.is_terminated(), 'no token may follow a stop token'
         self._matcher.fill_next_token_bitmask(self._bitmask, row)
+
+
+def allowed_prefix_len(constraint, tokens: Sequence[int] | torch.Tensor) -> int:
+    """How many leading tokens a constraint (advance, rollback) allows from its position; it is left there."""
+    tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+    allowed = 0
+    for token in tokens:
+        if not constraint.advance(token):
+            break
+        allowed += 1
+    constraint.rollback(allowed)
+    return allowed
 
 
 class Lookahead:

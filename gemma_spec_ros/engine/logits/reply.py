@@ -27,7 +27,7 @@ import torch
 
 from ..conversation.format import ConversationTokens
 from ..conversation.reply import ReplyRules
-from .grammar import ConstraintCompiler, GrammarConstraint, Lookahead
+from .grammar import ConstraintCompiler, GrammarConstraint, Lookahead, allowed_prefix_len
 
 START, THOUGHT, ANSWER, CALL, CALLED, DONE = 'start', 'thought', 'answer', 'call', 'called', 'done'
 
@@ -156,14 +156,7 @@ class ReplyConstraint:
 
     def allowed_prefix_len(self, tokens_: Sequence[int] | torch.Tensor) -> int:
         """How many leading tokens the reply's shape allows from here."""
-        tokens_ = tokens_.tolist() if isinstance(tokens_, torch.Tensor) else tokens_
-        allowed = 0
-        for token in tokens_:
-            if not self.advance(token):
-                break
-            allowed += 1
-        self.rollback(allowed)
-        return allowed
+        return allowed_prefix_len(self, tokens_)
 
     @contextmanager
     def lookahead(self) -> Iterator[Lookahead]:
