@@ -61,6 +61,12 @@ class ReplyConstraint:
         self._text = text                                  # ordinary tokens (no special, no control token)
         self._free_answer = text.clone()
         self._free_answer[self._ends] = True
+        self._thought = text.clone()
+        if tokens.channel_close is not None:
+            self._thought[tokens.channel_close] = True
+        self._free_answer_or_call = self._free_answer.clone()
+        if tokens.call_open is not None:
+            self._free_answer_or_call[tokens.call_open] = True
         # special tokens a grammar never takes (checked here: xgrammar logs each one it refuses)
         special = frozenset(compiler.special_ids)
         self._blocked = {ANSWER: special - set(self._ends), CALL: special - {tokens.quote, tokens.call_close}}
@@ -109,9 +115,7 @@ class ReplyConstraint:
         if state.phase == THOUGHT:
             if rules.thinking_budget and state.thought_tokens >= rules.thinking_budget:
                 return self._only_token(tokens.channel_close)
-            mask = self._text.clone()
-            mask[tokens.channel_close] = True
-            return mask
+            return self._thought
         if state.phase == CALL:
             return state.call.next_mask()[0]
         if state.phase == CALLED:
@@ -128,7 +132,7 @@ class ReplyConstraint:
         if self._answer is not None:
             return self._answer.next_mask()[0]
         if self._rules.calls:
-            return self._free_answer | self._only_token(self._tokens.call_open)
+            return self._free_answer_or_call
         return self._free_answer
 
     def _only_token(self, *tokens_: int) -> torch.Tensor:
