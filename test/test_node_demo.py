@@ -52,7 +52,8 @@ def test_make_run_launches_streams_reports_and_stops_cleanly_on_ctrl_c(tmp_path)
     output = ''.join(lines)
     assert run.returncode == 0, output
     for expected in ('$ ros2 launch gemma_spec_ros orin.launch.py', '[gemma_spec]: ready in', 'node ready',
-                     '=== speculative', 'action plan', 'tau', 'ttft', 'peak RSS', 'identical tokens: True',
+                     '=== planner loop, speculative', 'plan (', 'the plan is', 'tau', 'ttft', 'peak RSS',
+                     'speculative vs plain over the loop', 'identical tokens: True',
                      '=== image goal', 'right answer: ', 'image prefill p50 (ms)',
                      '/diagnostics', 'MemAvailable', 'ros2 action send_goal', 'Ctrl-C: stopping the client',
                      'process has finished cleanly'):

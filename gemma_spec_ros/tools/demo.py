@@ -262,8 +262,9 @@ def main(argv=None) -> int:
                                            args.max_new_tokens)
         print_plan(calls, answer)
         spec_figures = loop_figures(spec)
-        print('{} replies, {} tokens, tau {:.2f}'.format(len(spec), spec_figures['new_tokens'],
-                                                         spec_figures['new_tokens'] / max(spec_figures['passes'], 1)))
+        print('{} replies, {} tokens, tau {:.2f} over the loop; its last reply:'.format(
+            len(spec), spec_figures['new_tokens'], spec_figures['new_tokens'] / max(spec_figures['passes'], 1)))
+        print(format_stats(spec[-1].result.stats), flush=True)
         if not args.no_compare:
             _, _, plain = planner_loop(client, 'planner loop, plain decoding (drafter none)', tools,
                                        args.max_new_tokens, drafter='none', stream=False)
