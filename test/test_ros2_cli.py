@@ -124,10 +124,13 @@ def test_send_goal_with_feedback_succeeds(launched):
 
 def test_send_goal_with_robot_tools_asks_for_a_tool_call(launched):
     tools = robot_tools()
+    for tool in tools:   # bounded strings: a call closes within max_new_tokens whatever the weights
+        for schema in tool['function']['parameters']['properties'].values():
+            schema['maxLength'] = 16
     declared = {tool['function']['name']: tool['function']['parameters'] for tool in tools}
     goal = ("{{messages: [{{role: system, content: 'You are the task planner of a mobile robot.'}}, "
             "{{role: user, content: 'Bring me the red cup from the kitchen.'}}], tools: '{}', tool_choice: required, "
-            'parallel_tool_calls: false, max_new_tokens: 48}}').format(
+            'parallel_tool_calls: false, max_new_tokens: 96}}').format(
                 json.dumps(tools, separators=(',', ':')).replace("'", "''"))   # YAML single quotes: '' is '
     code, output = send_goal(goal, '--feedback')
     assert code == 0, output
