@@ -107,9 +107,12 @@ def launched(tmp_path_factory):
         assert launch.wait_for('ready in', READY_TIMEOUT), launch.text[-3000:]
         yield launch
     finally:
-        if launch.process.poll() is None:
-            launch.process.kill()
-            launch.process.wait(30)
+        if launch.process.poll() is None:   # Ctrl-C stops the node with it; a SIGKILL would leave the node running
+            try:
+                launch.interrupt(60)
+            except subprocess.TimeoutExpired:
+                launch.process.kill()
+                launch.process.wait(30)
         ros2('daemon', 'stop', timeout=60)
 
 
