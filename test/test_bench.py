@@ -78,6 +78,24 @@ def test_quick_constrained_category_on_tiny_models(tiny_models, tmp_path, capsys
     assert '| ours/mtp/K2 | 2 |' in capsys.readouterr().out
 
 
+def test_planner_category_on_tiny_models(tiny_models, tmp_path, capsys):
+    out = tmp_path / 'planner'
+    assert main(['--planner', '2', '--target', tiny_models.target, '--draft', tiny_models.draft, '--assistant',
+                 tiny_models.assistant, '--drafters', 'ngram,mtp', '--repeats', '1', '--max-new-tokens', '12',
+                 '--compile', 'eager', '--threads', '1', '--out', str(out)]) == 0
+    document = json.loads((out / 'results.json').read_text())
+    assert document['schema'] == 'gemma_spec_ros.bench.planner/1' and document['conversations'] == 2
+    accuracy = document['accuracy']
+    assert 0 <= accuracy['exact_sequences'] <= 1 and accuracy['valid_calls'] in (0.0, 1.0)
+    assert accuracy['valid_calls'] == 1.0 or accuracy['calls'] == 0   # the grammar makes every call valid
+    assert list(document['systems']) == ['none', 'ngram', 'mtp']
+    for name, system in document['systems'].items():
+        assert system['identical_to_plain'], name   # greedy: every drafter gives plain decoding's tokens
+        assert system['tau'] >= 1.0 and system['tokens_per_second'] > 0
+    assert document['systems']['none']['speedup'] == 1.0
+    assert '| mtp |' in capsys.readouterr().out
+
+
 def test_constrained_category_measures_one_compile_mode(capsys, tiny_models):
     assert main(['--constrained', '--quick', '--compile', 'eager,auto', '--target', tiny_models.target]) == 2
     assert '--constrained measures one compile mode, got eager,auto' in capsys.readouterr().err

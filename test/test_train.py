@@ -45,7 +45,7 @@ def test_tokenizer_command(tiny_corpus, tmp_path):
     assert ids[0] == 2 and tokenizer.decode(ids, skip_special_tokens=True) == text
     chat = tokenizer.apply_chat_template([{'role': 'user', 'content': 'Go to the dock'}], tokenize=False,
                                          add_generation_prompt=True)
-    assert chat == '<bos><start_of_turn>user\nGo to the dock<end_of_turn>\n<start_of_turn>model\n'
+    assert chat == '<bos><|turn>user\nGo to the dock<turn|>\n<|turn>model\n'
 
 
 def test_target_trains_saves_and_resumes(tiny_target, tiny_corpus):
@@ -73,6 +73,24 @@ def test_draft_distills_from_target(tiny_target, tiny_corpus, tmp_path):
                  '--steps', '2', '--out', str(tmp_path / 'draft'), '--run-dir', str(tmp_path / 'run'), *TINY]) == 0
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / 'draft')
     assert draft.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_target).config.vocab_size
+
+
+def test_init_fine_tunes_with_extra_input(tiny_target, tiny_corpus, tmp_path, capsys):
+    """--init goes on from a saved target or draft; --extra-input adds documents to --input's."""
+    extra = tmp_path / 'extra.jsonl'
+    extra.write_text(json.dumps({'text': '<|turn>user\nGo to the sink.<turn|>\n'}) + '\n')
+    out = tmp_path / 'tuned'
+    assert main(['target', '--init', str(tiny_target), '--input', str(tiny_corpus / 'textwrap.py'),
+                 '--extra-input', str(extra), '--eval-input', str(STDLIB / 'glob.py'), '--steps', '1',
+                 '--out', str(out), '--run-dir', str(tmp_path / 'run'), *TINY]) == 0
+    assert '--extra-input: 1 documents' in capsys.readouterr().out
+    report = json.loads((out / 'training.json').read_text())
+    assert report['shape'] == '2x32x64' and report['initialised_from']['steps'] == 3
+    assert report['held_out_perplexity_before']['code'] > 1
+    assert main(['draft', '--target', str(out), '--init', str(out), '--input', str(tiny_corpus),
+                 '--extra-input', str(extra), '--steps', '1', '--out', str(tmp_path / 'draft'),
+                 '--run-dir', str(tmp_path / 'run-draft'), *TINY]) == 0
+    assert json.loads((tmp_path / 'draft' / 'training.json').read_text())['initialised_from']['path'] == str(out)
 
 
 def test_assistant_trains_for_any_gemma4_target(tiny_models, tiny_corpus, tmp_path):

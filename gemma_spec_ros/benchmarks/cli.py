@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gemma_spec_ros.benchmarks import constrained, plots, vllm_peers
+from gemma_spec_ros.benchmarks import constrained, planner, plots, vllm_peers
 from gemma_spec_ros.benchmarks.analysis import summarize
 from gemma_spec_ros.benchmarks.harness import (
     Bench,
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help='measure the constrained category instead: our engine with and without the JSON Schema '
                              'of FILE on its prompts (default {}); output in --out (default '
                              'bench/results/constrained)'.format(constrained.DEFAULT_SPEC))
+    parser.add_argument('--planner', nargs='?', type=int, const=40, metavar='N',
+                        help='measure the planner category instead: N held-out robot-task conversations (default 40) '
+                             'run as planner loops with tools, per drafter: exact call sequences, valid calls, tau '
+                             'and speedup; output in --out (default bench/results/planner)')
     parser.add_argument('--json-free-whitespace', action='store_true',
                         help='with --constrained: let the output put whitespace between JSON elements (default: '
                              'compact JSON)')
@@ -137,6 +141,13 @@ def run(args, argv: list[str]) -> Path:
                             'python -m gemma_spec_ros bench ' + shlex.join(argv),
                             progress=lambda message: print(message, file=sys.stderr), on_step=lambda name: bar.update(),
                             json_free_whitespace=args.json_free_whitespace)
+        return out
+    if args.planner is not None:
+        if args.planner < 1:
+            raise ValueError('--planner needs N >= 1 conversations, got {}'.format(args.planner))
+        out = Path(args.out or 'bench/results/planner')
+        planner.run(settings, args.planner, out, 'python -m gemma_spec_ros bench ' + shlex.join(argv),
+                    progress=lambda message: print(message, file=sys.stderr))
         return out
     vllm_ks = sorted(set(_parse_list(args.vllm_ks, int, '--vllm-ks'))) if args.vllm_ks else []
     if vllm_ks and min(vllm_ks) < 1:
@@ -269,5 +280,5 @@ def main(argv: list[str] | None = None) -> int:
         print('bench: {}'.format(error), file=sys.stderr)
         return 2
     print((out / 'results.md').read_text())
-    print('wrote {}/results.json, results.md{}'.format(out, '' if args.constrained else ' and plots'))
+    print('wrote {}/results.json, results.md{}'.format(out, '' if args.constrained or args.planner else ' and plots'))
     return 0

@@ -1,5 +1,7 @@
 """
-``python -m gemma_spec_ros train <tokenizer|target|draft|assistant|ordered-head|eval-drafter|vision>``.
+``python -m gemma_spec_ros train <command>``: tokenizer, target, draft, assistant, ordered-head, eval-drafter, vision.
+
+Also planner-corpus and eval-planner (the robot-task conversations of train/planner.py).
 
 Training commands share: --seed, a tqdm bar with loss and tokens/s, safetensors checkpoints in --run-dir
 every --checkpoint-every steps, --resume, --max-minutes, and a from_pretrained-loadable --out directory
@@ -8,6 +10,7 @@ with the tokenizer and a training.json report.
 
 import argparse
 import contextlib
+import json
 import random
 import sys
 import time
@@ -67,9 +70,16 @@ def streams(args: argparse.Namespace, tokenizer) -> tuple[TokenStream, dict[str,
         train_docs = corpus.load_documents(None, 'train')
         held_docs = corpus.load_documents(args.eval_input, 'all') if args.eval_input else \
             corpus.load_documents(None, 'heldout')
+    extra = corpus.load_documents(args.extra_input, 'all') if getattr(args, 'extra_input', None) else []
+    train_docs = train_docs + extra
     train = TokenStream.from_documents(tokenizer, train_docs)
     held = {kind: TokenStream.from_documents(tokenizer, [d for d in held_docs if d.kind == kind])
             for kind in sorted({d.kind for d in held_docs})}
+    if extra:
+        extra_tokens = sum(len(ids) + 2 for ids in tokenizer([d.text for d in extra], add_special_tokens=False)[
+            'input_ids'])
+        print(f'--extra-input: {len(extra)} documents, {extra_tokens / 1e6:.2f} M tokens '
+              f'({100 * extra_tokens / len(train):.0f} % of the training tokens)')
     print(f'corpus: {len(train_docs)} training documents ({len(train) / 1e6:.2f} M tokens); held out: ' +
           (', '.join(f'{kind} {len(s) / 1e3:.0f} k tokens' for kind, s in held.items()) or 'none'))
     return train, held
@@ -101,6 +111,21 @@ def cached_greedy_windows(cache: Path, args: argparse.Namespace, target, train: 
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({'made_by': made_by, 'windows': windows}, cache)
     return windows
+
+
+def load_initial(model_class, path: str, device: torch.device, what: str):
+    """--init: a saved model to go on training (float32), instead of a fresh one of --shape."""
+    if not (Path(path) / 'config.json').exists():
+        raise ValueError(f'--init {path} has no config.json')
+    print(f'{what}: initialised from {path}')
+    return model_class.from_pretrained(path, dtype=torch.float32).to(device)
+
+
+def initial_report(path: str | None) -> dict:
+    """Keep the --init model's training.json under initialised_from in the new one."""
+    report = Path(path) / 'training.json' if path else None
+    return {'initialised_from': {'path': path, **json.loads(report.read_text())}} if report and report.exists() \
+        else ({'initialised_from': {'path': path}} if path else {})
 
 
 def training_report(args: argparse.Namespace, result: LoopResult, **extra) -> dict:
@@ -135,15 +160,24 @@ def target_command(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     shape = ModelShape.parse(args.shape, sliding_window=args.sliding_window)
     train, held = streams(args, tokenizer)
-    model = Gemma4ForCausalLM(text_config(shape, len(tokenizer))).to(device)
-    init_for_scratch_training(model.model)
-    print(f'target {args.shape}: {parameter_count(model) / 1e6:.2f} M parameters')
+    before = {}
+    if args.init:
+        model = load_initial(Gemma4ForCausalLM, args.init, device, 'target')
+        config = model.config
+        shape_text = f'{config.num_hidden_layers}x{config.hidden_size}x{config.intermediate_size}'
+        before = {'held_out_perplexity_before': held_out_perplexity(model, held, args, device)}
+        print(f"held-out perplexity of {args.init} (windows of {args.seq_len}): {before['held_out_perplexity_before']}")
+    else:
+        model = Gemma4ForCausalLM(text_config(shape, len(tokenizer))).to(device)
+        init_for_scratch_training(model.model)
+        shape_text = args.shape
+    print(f'target {shape_text}: {parameter_count(model) / 1e6:.2f} M parameters')
     batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
     result = train_loop(model, lm_step(model, train, batch, device), loop_settings(args), 'target')
     ppl = held_out_perplexity(model, held, args, device)
     print(f'held-out perplexity: {ppl}')
-    report = training_report(args, result, shape=args.shape, parameters=parameter_count(model),
-                             held_out_perplexity=ppl)
+    report = training_report(args, result, shape=shape_text, parameters=parameter_count(model),
+                             held_out_perplexity=ppl, **before, **initial_report(args.init))
     save_model(model, Path(args.out), Path(args.tokenizer), storage_dtype(args.storage_dtype), report)
     print(f'saved {args.out}')
     return 0
@@ -158,15 +192,23 @@ def draft_command(args: argparse.Namespace) -> int:
     teacher_config = teacher.config.get_text_config()
     shape = ModelShape.parse(args.shape, sliding_window=teacher_config.sliding_window)
     train, held = streams(args, tokenizer)
-    model = Gemma4ForCausalLM(text_config(shape, teacher_config.vocab_size)).to(device)
-    init_for_scratch_training(model.model)
-    print(f'draft {args.shape}: {parameter_count(model) / 1e6:.2f} M parameters')
+    if args.init:
+        model = load_initial(Gemma4ForCausalLM, args.init, device, 'draft')
+        if model.config.vocab_size != teacher_config.vocab_size:
+            raise ValueError(f'--init {args.init} has another vocabulary than the target')
+        config = model.config
+        shape_text = f'{config.num_hidden_layers}x{config.hidden_size}x{config.intermediate_size}'
+    else:
+        model = Gemma4ForCausalLM(text_config(shape, teacher_config.vocab_size)).to(device)
+        init_for_scratch_training(model.model)
+        shape_text = args.shape
+    print(f'draft {shape_text}: {parameter_count(model) / 1e6:.2f} M parameters')
     batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
     result = train_loop(model, distill_step(model, teacher, train, batch, device), loop_settings(args), 'draft')
     ppl = held_out_perplexity(model, held, args, device)
     print(f'held-out perplexity: {ppl}')
-    report = training_report(args, result, shape=args.shape, parameters=parameter_count(model),
-                             held_out_perplexity=ppl, target=args.target)
+    report = training_report(args, result, shape=shape_text, parameters=parameter_count(model),
+                             held_out_perplexity=ppl, target=args.target, **initial_report(args.init))
     save_model(model, Path(args.out), Path(args.target), storage_dtype(args.storage_dtype), report)
     print(f'saved {args.out}')
     return 0
@@ -218,7 +260,8 @@ def assistant_command(args: argparse.Namespace) -> int:
     assistant.generation_config.num_assistant_tokens = args.draft_steps   # transformers' assisted generate needs it
     report = training_report(args, result, shape=args.shape if not args.init else f'init from {args.init}',
                              parameters=parameter_count(assistant), target=args.target,
-                             held_out_draft_accuracy=accuracy, greedy_windows=args.greedy_windows)
+                             held_out_draft_accuracy=accuracy, greedy_windows=args.greedy_windows,
+                             **initial_report(args.init))
     save_model(assistant, Path(args.out), Path(args.target), storage_dtype(args.storage_dtype), report)
     print(f'saved {args.out}')
     return 0
@@ -318,6 +361,8 @@ def vision_command(args: argparse.Namespace) -> int:
     tokenizer = vision.multimodal_tokenizer(Path(args.tokenizer), out)
     config = vision.multimodal_config(Path(args.target), shape, tokenizer)
     model = vision.build_model(Path(args.target), config, args.output_scale)
+    if args.init:   # a trained tower and embedder, adapted to a changed target instead of trained anew
+        vision.load_tower(model, Path(args.init))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f'vision tower {args.shape} + embedder: {trainable / 1e6:.2f} M trainable parameters (target frozen)')
     encoder = vision.SceneEncoder(tokenizer, shape.image_processor())
@@ -336,11 +381,56 @@ def vision_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def planner_corpus_command(args: argparse.Namespace) -> int:
+    from gemma_spec_ros.train import planner
+
+    start = time.time()
+    tokenizer = load_tokenizer(args.tokenizer)
+    chars = planner.write_corpus(Path(args.out), args.conversations, args.seed, tokenizer)
+    print(f'wrote {args.conversations} robot-task conversations ({chars / 1e6:.1f} M chars) to {args.out} '
+          f'in {time.time() - start:.1f} s')
+    return 0
+
+
+def eval_planner_command(args: argparse.Namespace) -> int:
+    from gemma_spec_ros.train import planner
+
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.time()
+    tokenizer = load_tokenizer(args.target)
+    model = load_frozen(args.target, torch.device('cpu'), 'target')
+    report = planner.evaluate_planner(model, tokenizer, args.conversations, args.max_calls, progress=print)
+    result = {**report.as_dict(), 'wall_minutes': round((time.time() - start) / 60, 1),
+              'command': 'python -m gemma_spec_ros train ' + ' '.join(sys.argv[2:] if args.argv is None
+                                                                      else args.argv)}
+    print(f'held-out planner ({report.conversations} conversations, {report.calls} calls): exact call sequences '
+          f'{report.exact_sequences:.1%}, schema-valid calls {report.valid_calls:.1%}, exact final answers '
+          f'{report.exact_answers:.1%}; expected calls made in place {report.right_calls:.1%}, right first calls '
+          f'{report.first_calls_right:.1%}')
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
+        print(f'wrote {args.out}')
+    if args.write:
+        path = Path(args.target) / 'training.json'
+        training = json.loads(path.read_text()) if path.exists() else {}
+        training['held_out_planner'] = result
+        path.write_text(json.dumps(training, indent=2) + '\n')
+        print(f'wrote held_out_planner into {path}')
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------------ parser
-def add_corpus_args(parser: argparse.ArgumentParser) -> None:
+def add_corpus_args(parser: argparse.ArgumentParser, extra: bool = True) -> None:
     parser.add_argument('--input', nargs='+', metavar='PATH',
                         help='training text: files, directories or .jsonl ({"text": ...} per line); '
                              'default: Python stdlib sources + English docs on this machine (held-out files excluded)')
+    if extra:
+        parser.add_argument('--extra-input', nargs='+', metavar='PATH',
+                            help='more training text (same formats) added to --input or the default corpus, e.g. '
+                                 'the robot-task conversations of `train planner-corpus`')
     parser.add_argument('--seed', type=int, default=0, help='random seed')
 
 
@@ -368,17 +458,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest='command', required=True)
 
     tok = commands.add_parser('tokenizer', help='train the byte-level BPE tokenizer')
-    add_corpus_args(tok)
+    add_corpus_args(tok, extra=False)
     tok.add_argument('--vocab-size', type=int, default=4096, help='vocabulary size incl. special tokens')
     tok.add_argument('--out', default='models/tokenizer', help='output directory')
     tok.set_defaults(run=tokenizer_command)
 
-    target = commands.add_parser('target', help='train the target Gemma4ForCausalLM from scratch')
+    target = commands.add_parser('target', help='train the target Gemma4ForCausalLM from scratch (or fine-tune one)')
     add_corpus_args(target)
     add_training_args(target, out='models/gemma4-spec-target', run_dir='runs/target', steps=1000, lr=2e-3)
     target.add_argument('--tokenizer', default='models/tokenizer', help='tokenizer directory')
     target.add_argument('--shape', default='12x192x768', help='LAYERSxHIDDENxINTERMEDIATE')
     target.add_argument('--sliding-window', type=int, default=128, help='sliding attention window')
+    target.add_argument('--init', help='fine-tune an existing target directory instead of building --shape')
     target.set_defaults(run=target_command)
 
     draft = commands.add_parser('draft', help='distill a smaller Gemma4ForCausalLM draft model from a target')
@@ -386,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_args(draft, out='models/gemma4-spec-draft', run_dir='runs/draft', steps=600, lr=2e-3)
     draft.add_argument('--target', default='models/gemma4-spec-target', help='teacher (target) model directory')
     draft.add_argument('--shape', default='2x192x768', help='LAYERSxHIDDENxINTERMEDIATE')
+    draft.add_argument('--init', help='go on training an existing draft directory instead of building --shape')
     draft.set_defaults(run=draft_command)
 
     assistant = commands.add_parser('assistant', help='train a Gemma4AssistantForCausalLM (MTP) for a target')
@@ -452,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     vis.add_argument('--out', default='models/gemma4-spec-vision', help='output directory')
     vis.add_argument('--run-dir', default='runs/vision', help='checkpoints and optimizer state (not for git)')
     vis.add_argument('--resume', action='store_true', help='continue from the checkpoint in --run-dir')
+    vis.add_argument('--init', help='start from this vision model directory\'s tower and embedder (e.g. after the '
+                     'target was fine-tuned)')
     vis.add_argument('--steps', type=int, default=600, help='optimizer steps (sets the schedule)')
     vis.add_argument('--max-minutes', type=float, default=0.0, help='stop early after this wall time; 0 = off')
     vis.add_argument('--batch-size', type=int, default=2, help='scenes per step (every question of each)')
@@ -469,6 +563,24 @@ def build_parser() -> argparse.ArgumentParser:
     vis.add_argument('--threads', type=int, default=1, help='torch CPU threads; 0 = default')
     vis.add_argument('--seed', type=int, default=0, help='random seed (training scenes)')
     vis.set_defaults(run=vision_command)
+
+    corpus_parser = commands.add_parser('planner-corpus', help='write synthetic robot-task conversations as JSONL')
+    corpus_parser.add_argument('--out', default='runs/planner.jsonl', help='JSONL file ({"text": ...} per line)')
+    corpus_parser.add_argument('--conversations', type=int, default=6000, help='training conversations to write')
+    corpus_parser.add_argument('--tokenizer', default='models/tokenizer', help='tokenizer with the chat template')
+    corpus_parser.add_argument('--seed', type=int, default=0, help='random seed')
+    corpus_parser.set_defaults(run=planner_corpus_command)
+
+    plan = commands.add_parser('eval-planner', help='held-out robot-task planning: exact call sequences (greedy)')
+    plan.add_argument('--target', default='models/gemma4-spec-target')
+    plan.add_argument('--conversations', type=int, default=40, help='held-out conversations')
+    plan.add_argument('--max-calls', type=int, default=8, help='calls per conversation before giving up')
+    plan.add_argument('--out', default='', help='JSON report (optional)')
+    plan.add_argument('--write', action='store_true', help="put the figures into TARGET/training.json "
+                                                           "(held_out_planner)")
+    plan.add_argument('--threads', type=int, default=0, help='torch CPU threads; 0 = default')
+    plan.add_argument('--seed', type=int, default=0, help='torch seed (generation is greedy)')
+    plan.set_defaults(run=eval_planner_command)
     return parser
 
 

@@ -159,6 +159,14 @@ def _scale_embedder_outputs(model: Gemma4ForConditionalGeneration, times_text: f
     torch.nn.init.normal_(projection.weight, std=times_text * rms / math.sqrt(projection.in_features))
 
 
+def load_tower(model: Gemma4ForConditionalGeneration, vision_dir: Path) -> None:
+    """Load a vision model directory's tower and embedder (vision.safetensors) into model; the text stays."""
+    weights = {name: tensor.float() for name, tensor in load_file(vision_dir / VISION_WEIGHTS).items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or any(name.startswith(('model.vision_tower.', 'model.embed_vision.')) for name in missing):
+        raise ValueError(f'{vision_dir} does not fit this vision shape: unexpected {unexpected[:3]}')
+
+
 def load_vision_model(path: Path, dtype: torch.dtype = torch.float32) -> Gemma4ForConditionalGeneration:
     return Gemma4ForConditionalGeneration.from_pretrained(str(path), key_mapping=SHARED_TEXT_KEY_MAPPING,
                                                           dtype=dtype).eval()

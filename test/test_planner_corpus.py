@@ -1,0 +1,107 @@
+"""The synthetic robot-task corpus (train/planner.py): chat-template rendering, held-out split, tool schemas."""
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from gemma_spec_ros.train import corpus, planner
+from gemma_spec_ros.train.cli import main
+from gemma_spec_ros.train.data import TokenStream, random_windows
+
+CONTROL = ('<|turn>', '<turn|>', '<|tool>', '<tool|>', '<|tool_call>', '<tool_call|>', '<|tool_response>',
+           '<tool_response|>', '<|"|>', '<|channel>', '<channel|>', '<|think>')
+
+
+def all_calls(conversation: planner.Conversation) -> list[tuple[str, dict]]:
+    return conversation.calls + [call for _, calls, _ in conversation.later for call in calls]
+
+
+@pytest.fixture(scope='module')
+def tokenizer():
+    return planner._cached_tokenizer()
+
+
+@pytest.fixture(scope='module')
+def conversations(tokenizer) -> list[planner.Conversation]:
+    rng = random.Random(0)
+    return [planner.training_conversation(rng, tokenizer) for _ in range(300)]
+
+
+def test_renders_through_the_chat_template_with_single_control_tokens(tokenizer, conversations):
+    vocab = tokenizer.get_vocab()
+    for conversation in conversations[:40]:
+        ids = tokenizer(conversation.text, add_special_tokens=False)['input_ids']
+        assert tokenizer.decode(ids) == conversation.text
+        for token in CONTROL:   # every control token in the text is one token
+            assert ids.count(vocab[token]) == conversation.text.count(token), token
+        assert ids.count(vocab['<|tool_call>']) == len(all_calls(conversation))
+        for name, _ in all_calls(conversation):
+            assert f'<|tool_response>response:{name}{{ok:true}}<tool_response|>' in conversation.text
+        last_answer = conversation.later[-1][2] if conversation.later else conversation.answer
+        assert conversation.text.endswith(f'<tool_response|>{last_answer}<turn|>\n')
+        assert conversation.text.count('<|turn>user\n') == 1 + len(conversation.later)
+        plain = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools, tokenize=False,
+                                              enable_thinking=conversation.thinking)
+        if conversation.thinking:   # thoughts open the reply, before the first call
+            assert '<|turn>system\n<|think>' in conversation.text
+            assert conversation.text == plain.replace(
+                '<|turn>model\n', f'<|turn>model\n<|channel>thought\n{conversation.thought}<channel|>', 1)
+        else:
+            assert conversation.text == plain and '<|channel>' not in plain
+    share = sum(c.thinking for c in conversations) / len(conversations)
+    assert 0.2 < share < 0.4
+    assert any(c.later for c in conversations) and not any(c.later for c in conversations if c.thinking)
+
+
+def test_held_out_combinations_and_phrasings_never_train(conversations):
+    held_pairs = [(thing, place) for thing in planner.objects()
+                  for place in (*planner.SURFACES, 'fridge', 'drawer', 'bin')
+                  if planner.is_held_out_pair(thing, place)]
+    assert held_pairs
+    held_phrasings = [re.compile(re.escape(planner.PHRASINGS[kind][index]).replace(r'\{x\}', '.+')
+                                 .replace(r'\{a\}', '.+').replace(r'\{b\}', '.+').replace(r'\{t\}', '.+') + '$')
+                      for kind, index in planner.HELD_OUT_PHRASING.items()]
+    for conversation in conversations:
+        for request in [m['content'] for m in conversation.messages if m['role'] == 'user']:
+            assert not any(pattern.match(request) for pattern in held_phrasings), request
+        placed = {(a['object'], a['place']) for name, a in all_calls(conversation) if name == 'place'}
+        for thing, place in held_pairs:
+            assert f'a {thing} on the {place}' not in conversation.messages[0]['content']
+            assert (thing, place) not in placed
+    held = [planner.held_out_conversation(seed) for seed in range(20)]
+    assert [c.text for c in held] == [planner.held_out_conversation(seed).text for seed in range(20)]
+    texts = {c.text for c in conversations}
+    assert not texts.intersection(c.text for c in held)
+
+
+def test_expected_calls_fit_the_tool_schemas(conversations):
+    tools = json.loads(planner.TOOLS_PATH.read_text())
+    schemas = {tool['function']['name']: tool['function']['parameters'] for tool in tools}
+    assert set(schemas) == {'navigate_to', 'pick', 'place', 'open', 'close', 'say'}
+    for schema in schemas.values():
+        assert schema['required'] == list(schema['properties'])
+    for conversation in conversations + [planner.held_out_conversation(seed) for seed in range(20)]:
+        assert conversation.calls
+        for name, arguments in all_calls(conversation):
+            jsonschema.validate(arguments, schemas[name])
+            assert planner.valid_arguments(name, arguments, tools)
+    assert not planner.valid_arguments('pick', {'thing': 'red cup'}, tools)
+    assert not planner.valid_arguments('fly', {}, tools)
+
+
+def test_corpus_command_and_whole_conversation_windows(tokenizer, tmp_path):
+    out = tmp_path / 'planner.jsonl'
+    assert main(['planner-corpus', '--out', str(out), '--conversations', '12', '--seed', '1']) == 0
+    documents = corpus.load_documents([str(out)], 'all')
+    assert len(documents) == 12 and all(d.text.startswith('<|turn>system\n') for d in documents)
+    code = corpus.Document('x.py', 'code', 'x = 1\n' * 400)
+    stream = TokenStream.from_documents(tokenizer, [code, *documents, code])
+    assert len(stream.chat_spans) == 12
+    turn = tokenizer.convert_tokens_to_ids('<|turn>')
+    windows = random_windows(stream, 64, 1025, torch.Generator().manual_seed(0))
+    inside = [w for w in windows if turn in w[:8].tolist()]
+    assert inside and all(w[0] == tokenizer.bos_token_id and w[1] == turn for w in inside)
