@@ -110,9 +110,13 @@ def test_chat_prompt_generates_text(engine):
     rendered = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered.endswith('<|turn>model\n')
     templated = engine.tokenizer(rendered, add_special_tokens=False).input_ids
-    plain = engine.generate(GenerationRequest(prompt_ids=templated, max_new_tokens=8, drafter='none'))
+    assert engine.validate(GenerationRequest(messages=messages)).prompt_ids == templated
+    plain = engine.generate(GenerationRequest(messages=messages, max_new_tokens=8, drafter='none'))
     assert result.stats.prompt_tokens == len(templated)
     assert (result.token_ids, result.text, result.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+    # a chat turn without tools never calls one (the fine-tuned target would: it planned with tools)
+    vocab = engine.tokenizer.get_vocab()
+    assert vocab['<|tool_call>'] not in result.token_ids and vocab['<|channel>'] not in result.token_ids
     # the reply is text: the new tokens decoded, ended by the model's end of turn or by max_new_tokens
     assert result.text.strip() and result.stats.new_tokens == len(result.token_ids)
     assert result.text == engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)

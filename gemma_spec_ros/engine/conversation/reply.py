@@ -24,6 +24,7 @@ class ReplyRules:
     tool_choice: str = 'none'       # none|auto|required (a tool's name is 'required' with one tool's grammar)
     forced_tool: str = ''           # the tool every call must name ('' = any declared tool)
     parallel_calls: bool = True     # False: one call, then the reply asks for its result
+    chat: bool = False              # a reply in a chat turn: without declared tools it never calls one
 
     @property
     def calls(self) -> bool:
@@ -105,5 +106,6 @@ def reply_rules(request: GenerationRequest, tokens: ConversationTokens) -> tuple
     if not isinstance(request.parallel_tool_calls, bool):
         raise ValueError('parallel_tool_calls must be a bool, got {!r}'.format(request.parallel_tool_calls))
     forced = '' if choice in ('auto', 'none', 'required') else choice
-    rules = ReplyRules(request.thinking, budget, 'required' if forced else choice, forced, request.parallel_tool_calls)
+    rules = ReplyRules(request.thinking, budget, 'required' if forced else choice, forced, request.parallel_tool_calls,
+                       bool(request.messages))
     return declared, rules

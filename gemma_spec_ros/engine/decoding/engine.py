@@ -210,7 +210,8 @@ class Engine(Backend):
         run = new_run(plan, self._drafters['none'], self._tokenizer, self._device, self._constraints.conversation)
         if plan.compiled_grammar is not None:
             run.constraint = self._constraints.matcher(plan.compiled_grammar)
-        if plan.reply.thinking or plan.tools:   # declared tools: calls only as tool_choice allows
+        # declared tools: calls only as tool_choice allows; a chat turn without tools (or a grammar) never calls one
+        if plan.reply.thinking or plan.tools or (plan.reply.chat and run.constraint is None):
             run.constraint = ReplyConstraint(self._constraints, plan.reply, run.constraint, plan.compiled_calls)
         if plan.drafter in self.drafter_errors:
             run.warnings.append('{}; ran plain decoding'.format(self.drafter_errors[plan.drafter].describe()))
