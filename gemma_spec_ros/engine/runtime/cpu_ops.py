@@ -17,6 +17,7 @@ loaded on the CPU (ensure_built). Where they cannot be built, ensure_built says 
 SDPA and a float product over the same rounded rows and the converted int8 data (quantize.quantized_linear).
 """
 
+import fcntl
 import functools
 import hashlib
 import warnings
@@ -90,8 +91,19 @@ def ensure_built() -> bool:
     directory = Path(compile_cache_dir()) / 'gemma_spec_extensions' / 'cpu_ops_{}'.format(digest)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name='gemma_spec_cpu_ops', sources=[str(source) for source in SOURCES],
-                           extra_cflags=flags, build_directory=str(directory), is_python_module=False, verbose=False)
+        # torch's build lock is a plain file that a killed builder leaves behind, and load() then waits on it forever;
+        # every builder here holds this flock first (the kernel drops it with its process), so under it a leftover
+        # 'lock' has no owner
+        with open(directory / 'build.flock', 'w') as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            stale = directory / 'lock'
+            if stale.exists():
+                warnings.warn('removed the stale build lock {} (its builder was killed)'.format(stale), CpuOpsWarning,
+                              stacklevel=2)
+                stale.unlink(missing_ok=True)
+            cpp_extension.load(name='gemma_spec_cpu_ops', sources=[str(source) for source in SOURCES],
+                               extra_cflags=flags, build_directory=str(directory), is_python_module=False,
+                               verbose=False)
         _register_fakes()
     except Exception as exc:  # noqa: BLE001 (no compiler, no headers, a failed build: the fallbacks serve)
         _state['failure'] = '{}: {}'.format(type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc) else '')
