@@ -263,6 +263,9 @@ def test_ebnf_grammar_output_matches(compiler, tokenizer, models, greedy):
 
 @pytest.mark.parametrize('text, message', [
     ('{"type": "object",', r'^json_schema: not valid JSON: Expecting'),
+    ('null', r'^json_schema: a JSON Schema must be a JSON object, got null'),
+    ('1', r'^json_schema: a JSON Schema must be a JSON object, got 1'),
+    ('["type", "object"]', r'^json_schema: a JSON Schema must be a JSON object, got \["type"'),
     ('{"type": "object", "properties": {"x": {"type": "vector"}}}', r'^json_schema: .* at \$\.properties\.x\.type$'),
     ('{"type": "integer", "minimum": 5, "maximum": 2}', r'^json_schema: Invalid range: minimum greater than maximum$'),
     ('{"type": "string", "pattern": "[a-z"}', r"^json_schema: '\[a-z' is not a 'regex' at \$\.pattern$"),

@@ -415,6 +415,9 @@ def _check_json_schema(text: str) -> None:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError('{}: not valid JSON: {}'.format(JSON_SCHEMA, exc)) from exc
+    if not isinstance(schema, dict):   # true/false are schemas too, but say nothing a grammar can hold to
+        raise ValueError('{}: a JSON Schema must be a JSON object, got {} (use {{}} for any JSON value)'.format(
+            JSON_SCHEMA, json.dumps(schema)[:40]))
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
