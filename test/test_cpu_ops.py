@@ -1,5 +1,10 @@
 """The C++ CPU ops (runtime/cpu_ops.py): attention against SDPA, int8 products against float64, and the fallback."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import warnings
 
 import pytest
@@ -63,6 +68,64 @@ def test_a_failed_build_leaves_the_fallbacks_and_says_why(monkeypatch, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         assert not cpu_ops.ensure_built()  # tried once, said once
+
+
+BUILD = """
+import sys, warnings
+from pathlib import Path
+from gemma_spec_ros.engine.runtime import cpu_ops
+cpu_ops.SOURCES = (Path(sys.argv[1]),)
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter('always')
+    cpu_ops.ensure_built()   # this test's library has none of the ops' schemas: it loads, then says so
+library = cpu_ops.build_directory() / 'gemma_spec_cpu_ops.so'
+print('built' if library.exists() else 'not built', [str(w.message) for w in said if 'CPU ops' in str(w.message) or
+                                                     'lock' in str(w.message)], flush=True)
+"""
+
+
+def test_a_builder_killed_mid_build_leaves_a_lock_that_the_next_start_takes_over(tmp_path):
+    source = tmp_path / 'ops.cpp'   # a library that takes a second or two to compile
+    source.write_text('#include <iostream>\n#include <map>\n#include <regex>\n#include <string>\n'
+                      'int gemma_spec_test_op() { return std::regex_match(std::string("a"), std::regex("a")); }\n')
+    env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(tmp_path / 'cache')}
+    builder = subprocess.Popen([sys.executable, '-c', BUILD, str(source)], env=env, start_new_session=True,
+                               stdout=subprocess.PIPE, text=True)
+    extensions = tmp_path / 'cache' / 'gemma_spec_extensions'
+    deadline = time.monotonic() + 120
+    while not list(extensions.glob('cpu_ops_*/lock')) and time.monotonic() < deadline and builder.poll() is None:
+        time.sleep(0.05)
+    locks = list(extensions.glob('cpu_ops_*/lock'))
+    assert locks, 'the builder never took torch\'s build lock'
+    os.killpg(builder.pid, signal.SIGKILL)   # the compiler with it, as a power cut would
+    builder.wait(timeout=30)
+    assert locks[0].exists()   # left behind: cpp_extension.load alone would wait on it for ever
+    restart = subprocess.run([sys.executable, '-c', BUILD, str(source)], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert restart.stdout.startswith('built'), restart.stdout + restart.stderr[-2000:]
+    assert 'removed the stale build lock' in restart.stdout and not locks[0].exists()
+
+
+def test_a_build_lock_held_too_long_by_a_live_process_gives_the_fallbacks(monkeypatch, tmp_path):
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path / 'cache'))
+    monkeypatch.setattr(cpu_ops, '_state', {'built': False, 'failure': ''})
+    monkeypatch.setattr(cpu_ops, 'BUILD_WAIT_S', 1.0)
+    directory = cpu_ops.build_directory()
+    directory.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, '-c', 'import fcntl, sys, time; f = open(sys.argv[1], "w"); '
+                               'fcntl.flock(f, fcntl.LOCK_EX); print("held", flush=True); time.sleep(120)',
+                               str(directory / 'build.flock')], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'held'   # a builder that hangs (stopped, not dead)
+        start = time.monotonic()
+        with pytest.warns(cpu_ops.CpuOpsWarning, match=r'TimeoutError: another process held the build lock .* for '
+                                                       r'over 1 s\); CPU attention uses SDPA'):
+            assert not cpu_ops.ensure_built()
+        assert time.monotonic() - start < 30
+        assert not cpu_ops.int8_linear_usable(torch.zeros(1, 64))
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def _int8(outputs: int, inputs: int, generator: torch.Generator):

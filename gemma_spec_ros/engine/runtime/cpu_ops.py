@@ -17,9 +17,11 @@ loaded on the CPU (ensure_built). Where they cannot be built, ensure_built says 
 SDPA and a float product over the same rounded rows and the converted int8 data (quantize.quantized_linear).
 """
 
+import contextlib
 import fcntl
 import functools
 import hashlib
+import time
 import warnings
 from pathlib import Path
 
@@ -29,6 +31,9 @@ SOURCES = (Path(__file__).with_name('cpu_attention.cpp'), Path(__file__).with_na
 HEADERS = (Path(__file__).with_name('lane_totals.h'),)  # part of the build's key: a changed header rebuilds
 VECTOR_WIDTH = 8  # floats in at::vec's Vectorized<float> with these flags (AVX2, NEON or its portable form)
 ACTIVATION_BLOCK = 32  # int8_linear's inputs per activation scale: the input width must be a multiple
+# Longest wait for another process's build of the same ops (a build takes about 30 s here, minutes on a busy Orin);
+# past it the fallbacks serve, so a builder that hangs (stopped, not dead) never stalls a start for ever.
+BUILD_WAIT_S = 600.0
 
 
 @functools.cache
@@ -76,36 +81,59 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], down.shape[0])
 
 
+def build_directory() -> Path:
+    """Return where the ops of these sources, flags and torch version are built (in the compile cache)."""
+    from .compile_cache import compile_cache_dir  # not at import: compile_cache imports the layers' modules
+
+    key = b''.join(path.read_bytes() for path in SOURCES + HEADERS)
+    key += torch.__version__.encode() + ' '.join(_cflags()).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    return Path(compile_cache_dir()) / 'gemma_spec_extensions' / 'cpu_ops_{}'.format(digest)
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, wait_s: float):
+    """
+    Hold the build flock of directory, waiting at most wait_s (TimeoutError after), and remove a stale torch lock.
+
+    torch's build lock is a plain file that a killed builder leaves behind, and cpp_extension.load then waits on it
+    for ever. Every builder here holds this flock first, and the kernel drops a flock with its process, so under it
+    a leftover 'lock' file has no live owner.
+    """
+    deadline = time.monotonic() + wait_s
+    with open(directory / 'build.flock', 'w') as held:
+        while True:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError('another process held the build lock {} for over {:.0f} s'.format(
+                        directory / 'build.flock', wait_s)) from None
+                time.sleep(0.2)
+        stale = directory / 'lock'
+        if stale.exists():
+            warnings.warn('removed the stale build lock {} (its builder was killed)'.format(stale), CpuOpsWarning,
+                          stacklevel=4)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def ensure_built() -> bool:
     """Build and load the ops unless done (or failed) before; whether they can be called."""
     if _state['built'] or _state['failure']:
         return _state['built']
     from torch.utils import cpp_extension
 
-    from .compile_cache import compile_cache_dir  # not at import: compile_cache imports the layers' modules
-
-    flags = _cflags()
-    key = b''.join(path.read_bytes() for path in SOURCES + HEADERS)
-    key += torch.__version__.encode() + ' '.join(flags).encode()
-    digest = hashlib.sha256(key).hexdigest()[:16]
-    directory = Path(compile_cache_dir()) / 'gemma_spec_extensions' / 'cpu_ops_{}'.format(digest)
     try:
+        directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
-        # torch's build lock is a plain file that a killed builder leaves behind, and load() then waits on it forever;
-        # every builder here holds this flock first (the kernel drops it with its process), so under it a leftover
-        # 'lock' has no owner
-        with open(directory / 'build.flock', 'w') as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
-            stale = directory / 'lock'
-            if stale.exists():
-                warnings.warn('removed the stale build lock {} (its builder was killed)'.format(stale), CpuOpsWarning,
-                              stacklevel=2)
-                stale.unlink(missing_ok=True)
+        with build_lock(directory, BUILD_WAIT_S):
             cpp_extension.load(name='gemma_spec_cpu_ops', sources=[str(source) for source in SOURCES],
-                               extra_cflags=flags, build_directory=str(directory), is_python_module=False,
+                               extra_cflags=_cflags(), build_directory=str(directory), is_python_module=False,
                                verbose=False)
         _register_fakes()
-    except Exception as exc:  # noqa: BLE001 (no compiler, no headers, a failed build: the fallbacks serve)
+    except Exception as exc:  # noqa: BLE001 (no compiler, no headers, a failed build, a hung builder: fallbacks serve)
         _state['failure'] = '{}: {}'.format(type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc) else '')
         warnings.warn('the CPU ops could not be built ({}); CPU attention uses SDPA and int8 products a float '
                       'product'.format(_state['failure']), CpuOpsWarning, stacklevel=2)
