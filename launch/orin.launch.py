@@ -3,7 +3,9 @@ Launch the gemma_spec node with the Jetson Orin parameters: ``ros2 launch gemma_
 
 The node is a managed (lifecycle) node. autostart:=true (the default) configures and activates it as soon as it
 runs; autostart:=false leaves it unconfigured for ``ros2 lifecycle set /gemma_spec configure`` and ``activate``
-(or a lifecycle manager).
+(or a lifecycle manager). respawn:=true starts the node again when its process dies (a crash, a kill, the OOM
+killer) after respawn_delay seconds; with autostart it comes back serving, and clients see the lost goals end
+(GenerateClient: status 'lost', send(retries=1) resends them).
 """
 
 import os
@@ -35,6 +37,8 @@ def _node(context):
         arguments=['--ros-args', '--log-level', LaunchConfiguration('log_level')],
         output='screen',
         emulate_tty=True,
+        respawn=LaunchConfiguration('respawn').perform(context) == 'true',
+        respawn_delay=float(LaunchConfiguration('respawn_delay').perform(context)),
     )]
 
 
@@ -49,6 +53,10 @@ def generate_launch_description():
         DeclareLaunchArgument('autostart', default_value='true', choices=['true', 'false'],
                               description='configure and activate the managed node at once (false: wait for '
                                           '`ros2 lifecycle set`)'),
+        DeclareLaunchArgument('respawn', default_value='false', choices=['true', 'false'],
+                              description='start the node again when its process dies'),
+        DeclareLaunchArgument('respawn_delay', default_value='2.0',
+                              description='seconds between the death of the node and its new start'),
         DeclareLaunchArgument('device', default_value='',
                               description="override engine.device: auto|cpu|cuda ('' = keep the params file's)"),
         DeclareLaunchArgument('drafter', default_value='',

@@ -109,7 +109,7 @@ def orin_launch_description(domain_id: int, output: 'LaunchOutput', arguments: d
     import launch_pytest
     from ament_index_python.packages import get_package_share_directory
     from launch.actions import IncludeLaunchDescription, RegisterEventHandler, SetEnvironmentVariable
-    from launch.event_handlers import OnProcessExit, OnProcessIO
+    from launch.event_handlers import OnProcessExit, OnProcessIO, OnProcessStart
     from launch.launch_description_sources import PythonLaunchDescriptionSource
 
     from launch import LaunchDescription  # the launch package, not the repository folder launch/
@@ -121,6 +121,7 @@ def orin_launch_description(domain_id: int, output: 'LaunchOutput', arguments: d
         SetEnvironmentVariable('PYTHONUNBUFFERED', '1'),
         RegisterEventHandler(OnProcessIO(on_stdout=output.on_output, on_stderr=output.on_output)),
         RegisterEventHandler(OnProcessExit(on_exit=output.on_exit)),
+        RegisterEventHandler(OnProcessStart(on_start=output.on_start)),
         IncludeLaunchDescription(PythonLaunchDescriptionSource(str(launch_file)),
                                  launch_arguments=arguments.items()),
         launch_pytest.actions.ReadyToTest(),
@@ -134,6 +135,7 @@ class LaunchOutput:
         self._lock = threading.Condition()
         self.text = ''
         self.exit_codes = {}  # process name -> return code
+        self.pids = []        # every process started, in order (a respawned node again)
 
     def on_output(self, event):
         with self._lock:
@@ -142,6 +144,19 @@ class LaunchOutput:
 
     def on_exit(self, event, context):
         self.exit_codes[event.action.name] = event.returncode
+
+    def on_start(self, event, context):
+        with self._lock:
+            self.pids.append(event.pid)
+            self._lock.notify_all()
+
+    def wait_for_start(self, count, timeout):
+        """Wait until count processes have started; return their pids."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while len(self.pids) < count and time.monotonic() < deadline:
+                self._lock.wait(0.5)
+            return list(self.pids)
 
     def wait_for(self, needle, timeout):
         deadline = time.monotonic() + timeout

@@ -48,12 +48,13 @@ class Outcome:
     """What happened to one goal, as the client saw it."""
 
     accepted: bool = False
-    status: str = 'rejected'          # succeeded|aborted|canceled|rejected|timeout
+    status: str = 'rejected'          # succeeded|aborted|canceled|rejected|timeout|lost (the server went away)
     result: object = None             # Generate.Result
     feedback: list = field(default_factory=list)        # Generate.Feedback messages in arrival order
     feedback_times: list = field(default_factory=list)  # seconds after sending, per feedback message
     result_time: float = 0.0          # seconds from sending to the result
     cancel_time: float = 0.0          # seconds after sending when the cancel was requested (0 = never)
+    attempts: int = 1                 # goals sent: more than 1 where send(retries=...) resent a lost goal
 
     @property
     def busy(self) -> bool:
@@ -272,6 +273,7 @@ class GenerateClient:
 
     def __init__(self, action_name=DEFAULT_ACTION, node_name='gemma_spec_client', context=None):
         self._node = rclpy.create_node(node_name, context=context)
+        self._action_name = self._node.resolve_topic_name(action_name)
         self._client = ActionClient(self._node, Generate, action_name,
                                     feedback_sub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH))
         self._feedback_handlers = {}   # goal id bytes -> callback(Generate.Feedback)
@@ -330,12 +332,28 @@ class GenerateClient:
         return self._diagnostics.wait(predicate, timeout=timeout)
 
     def send(self, goal, on_feedback=None, cancel_after_tokens=0, cancel_after_seconds=0.0,
-             timeout=600.0) -> Outcome:
+             timeout=600.0, retries=0, server_timeout=60.0) -> Outcome:
         """
         Send one goal and wait for its result; optionally cancel after N tokens or seconds.
 
         A goal without client_id is sent as this client's node name (fair admission between clients).
+
+        When the action server leaves the ROS graph while the goal runs (the node was killed; ROS sees that within
+        the DDS lease), the outcome is 'lost' instead of a wait until timeout. retries: send a lost goal again, as
+        a new goal, that many times, each once a server is back within server_timeout (e.g. launch respawned the
+        node); outcome.attempts counts the goals sent. Feedback of a lost attempt stays in outcome.feedback.
         """
+        outcome = self._send_once(goal, on_feedback, cancel_after_tokens, cancel_after_seconds, timeout)
+        for attempt in range(retries):
+            if outcome.status != 'lost' or not self.wait_for_server(server_timeout):
+                break
+            lost = outcome
+            outcome = self._send_once(goal, on_feedback, cancel_after_tokens, cancel_after_seconds, timeout)
+            outcome.attempts = attempt + 2
+            outcome.feedback[:0], outcome.feedback_times[:0] = lost.feedback, lost.feedback_times
+        return outcome
+
+    def _send_once(self, goal, on_feedback, cancel_after_tokens, cancel_after_seconds, timeout) -> Outcome:
         if not goal.client_id:
             goal = copy.copy(goal)
             goal.client_id = self._node.get_fully_qualified_name()
@@ -366,9 +384,11 @@ class GenerateClient:
         goal_id = UUID(uuid=list(uuid.uuid4().bytes))
         self._feedback_handlers[bytes(goal_id.uuid)] = feedback_callback
         try:
-            sent = _wait(self._in_executor(self._client.send_goal_async, goal, goal_uuid=goal_id), timeout)
-            if sent is None:
-                outcome.status = 'timeout'
+            servers = self._servers()
+            alive = (lambda: bool(servers & self._servers())) if servers else None   # none known: wait as asked
+            sent = _wait(self._in_executor(self._client.send_goal_async, goal, goal_uuid=goal_id), timeout, alive)
+            if sent is None or sent is LOST:   # identity: a goal handle's == compares goal ids
+                outcome.status = 'timeout' if sent is None else 'lost'
                 return outcome
             if not sent.accepted:
                 return outcome
@@ -382,12 +402,12 @@ class GenerateClient:
             elif cancel_after_seconds > 0:
                 timer = threading.Timer(cancel_after_seconds, request_cancel)
                 timer.start()
-            response = _wait(self._in_executor(sent.get_result_async), timeout)
+            response = _wait(self._in_executor(sent.get_result_async), timeout, alive)
             if timer is not None:
                 timer.cancel()
             outcome.result_time = time.monotonic() - start
-            if response is None:
-                outcome.status = 'timeout'
+            if response is None or response is LOST:
+                outcome.status = 'timeout' if response is None else 'lost'
                 return outcome
             outcome.status = STATUS_NAMES.get(response.status, 'unknown')
             outcome.result = response.result
@@ -397,6 +417,16 @@ class GenerateClient:
             return outcome
         finally:
             del self._feedback_handlers[bytes(goal_id.uuid)]
+
+    def _servers(self) -> set:
+        """
+        Return the ids (GIDs) of the action servers' status publishers in the ROS graph now.
+
+        A goal is lost when every server seen as it was sent has left the graph. Names cannot tell: a node that
+        launch respawned has the same ones, and knows nothing of the goal.
+        """
+        topic = self._action_name + '/_action/status'
+        return {bytes(info.endpoint_gid) for info in self._node.get_publishers_info_by_topic(topic)}
 
     def _in_executor(self, function, *args, **kwargs):
         """
@@ -427,11 +457,26 @@ class _ResultOfTask:
         return self._outer.result().result()
 
 
-def _wait(future, timeout):
+LOST = object()      # what _wait returns when the server left the graph
+LOST_AFTER = 1.0     # seconds the server must stay out of the graph to count as gone (discovery can flicker)
+
+
+def _wait(future, timeout, server_is_ready=None):
+    """Return the future's result; None after timeout; LOST once server_is_ready() stays False LOST_AFTER s."""
     done = threading.Event()
     future.add_done_callback(lambda _: done.set())
-    if not done.wait(timeout):
-        return None
+    deadline = time.monotonic() + timeout
+    missing_since = None
+    while not done.wait(min(0.25, max(deadline - time.monotonic(), 0.0))):
+        now = time.monotonic()
+        if now >= deadline:
+            return None
+        if server_is_ready is not None and not server_is_ready():
+            missing_since = missing_since or now
+            if now - missing_since >= LOST_AFTER:
+                return LOST
+        else:
+            missing_since = None
     return future.result()
 
 
@@ -531,6 +576,8 @@ def build_parser():
     parser.add_argument('--cancel-after', type=int, default=0, metavar='N', help='cancel after N tokens')
     parser.add_argument('--action', default=DEFAULT_ACTION, help='action name (default %(default)s)')
     parser.add_argument('--server-timeout', type=float, default=30.0, help='seconds to wait for the server')
+    parser.add_argument('--retries', type=int, default=0,
+                        help='send the goal again this many times when its server is lost (killed, respawned)')
     parser.add_argument('--quiet', '-q', action='store_true', help='do not stream the text')
     return parser
 
@@ -565,7 +612,8 @@ def main(argv=None) -> int:
             return 1
 
         stream = FeedbackPrinter(sys.stdout) if not args.quiet else None
-        outcome = client.send(goal, on_feedback=stream, cancel_after_tokens=args.cancel_after)
+        outcome = client.send(goal, on_feedback=stream, cancel_after_tokens=args.cancel_after, retries=args.retries,
+                              server_timeout=args.server_timeout)
     except KeyboardInterrupt:
         return 130
     finally:
