@@ -18,7 +18,15 @@ from rclpy.serialization import deserialize_message, serialize_message
 
 from gemma_spec_ros.engine.backends.vllm import SERVER_WIDE_WARNING, VllmStatus
 from gemma_spec_ros.engine.backends.vllm_metrics import unknown_stats
-from gemma_spec_ros.engine.types import BatchGoalStatus, DisabledDrafter, EngineStatus, GenerationStats
+from gemma_spec_ros.engine.types import (
+    BatchGoalStatus,
+    DisabledDrafter,
+    EngineStatus,
+    GenerationStats,
+    GenerationWarning,
+    WarningKind,
+    structure_incomplete,
+)
 from gemma_spec_ros.ros import diagnostics
 from gemma_spec_ros.ros.diagnostics import ERROR, OK, STALE, WARN, PeriodStatus, Updater
 from gemma_spec_ros.tools.client import level_name
@@ -121,6 +129,22 @@ def test_unknown_server_figures_stay_out_of_the_window():
     assert snap['drafter_fallbacks'] == 0 and snap['last_warning'] == SERVER_WIDE_WARNING
 
 
+def test_only_drafter_fallbacks_count_as_drafter_fallbacks():
+    metrics = diagnostics.GenerationMetrics()
+    dropped = GenerationWarning(WarningKind.DROPPED_TOOL_CALL, 'dropped a tool call the server parsed (x)')
+    fallback = GenerationWarning(WarningKind.DRAFTER_FALLBACK, "drafter 'mtp' failed (RuntimeError: x)")
+    metrics.record('succeeded', result(warnings=[structure_incomplete(8), dropped, SERVER_WIDE_WARNING]))
+    assert metrics.snapshot()['drafter_fallbacks'] == 0
+    metrics.record('succeeded', result(warnings=[fallback, structure_incomplete(8)]))
+    snap = metrics.snapshot()
+    assert snap['drafter_fallbacks'] == 1 and snap['last_warning'] == structure_incomplete(8)
+    import copy
+    import pickle
+    for warning in (fallback, copy.deepcopy(fallback), pickle.loads(pickle.dumps(fallback))):
+        assert isinstance(warning, str) and warning.kind is WarningKind.DRAFTER_FALLBACK
+        assert warning == "drafter 'mtp' failed (RuntimeError: x)"
+
+
 def test_plain_goals_stay_out_of_the_window_tau():
     metrics = diagnostics.GenerationMetrics()
     metrics.record('succeeded', result(new_tokens=12, passes=3, drafted=12, accepted=9, tps=60.0))
@@ -209,7 +233,8 @@ class StrictWrapper(DiagnosticStatusWrapper):
 
 def test_tasks_pass_strings_as_diagnostic_updater_requires():
     metrics = diagnostics.GenerationMetrics()
-    metrics.record('succeeded', result(warnings=['drafter failed']), [(0.0, 0), (0.1, 1), (0.2, 1)])
+    fallback = GenerationWarning(WarningKind.DRAFTER_FALLBACK, 'drafter failed')
+    metrics.record('succeeded', result(warnings=[fallback]), [(0.0, 0), (0.1, 1), (0.2, 1)])
     local = EngineStatus(target_id='t', drafter='mtp', speculating=True, num_draft_tokens=2,
                          disabled_drafters=[DisabledDrafter('ngram', 'n-gram table', '/models/ngram', 'missing')])
     server = VllmStatus(url='http://gpu-server:8000', reachable=True, model='gemma', drafter='ngram',

@@ -205,3 +205,15 @@ def test_extreme_numeric_values_never_reach_an_internal_error(tiny_engine, name)
             continue
         result = tiny_engine.generate(plan)
         assert result.finish_reason in ('stop', 'length') and 1 <= len(result.token_ids) <= plan.max_new_tokens, value
+
+
+def test_fatal_errors_are_told_by_type():
+    from gemma_spec_ros.engine.backend import is_fatal_error
+
+    assert is_fatal_error(MemoryError())
+    assert is_fatal_error(torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB'))
+    assert is_fatal_error(torch.AcceleratorError('CUDA error: an illegal memory access was encountered'))
+    # a goal's own failure names a CUDA error in its text, but is no device fault: the node keeps serving
+    assert not is_fatal_error(ValueError('CUDA error: in the prompt text'))
+    assert not is_fatal_error(RuntimeError('CUDA error: a message, not the device'))
+    assert not is_fatal_error(RuntimeError('shape mismatch'))

@@ -90,12 +90,23 @@ class Backend(abc.ABC):
 
 def is_fatal_error(error: BaseException) -> bool:
     """
-    Whether an error raised by generate() leaves the backend unable to serve: device out of memory, a CUDA fault.
+    Whether an error raised by generate() leaves the backend unable to serve: out of memory, a device fault.
 
-    Other errors end their goal only. Judged by type name and message, so that this module needs no torch.
+    Other errors end their goal only. Judged by type: MemoryError, torch.OutOfMemoryError and torch.AcceleratorError
+    (a CUDA fault), looked up only where torch is loaded, so that this module needs none.
     """
-    return isinstance(error, MemoryError) or type(error).__name__ == 'OutOfMemoryError' or \
-        'CUDA error' in str(error)
+    if isinstance(error, MemoryError):
+        return True
+    torch = sys.modules.get('torch')
+    if torch is None:
+        return False
+    kinds = tuple(kind for kind in (getattr(torch, 'OutOfMemoryError', None), getattr(torch, 'AcceleratorError', None))
+                  if kind is not None)
+    if isinstance(error, kinds):
+        return True
+    # torch before 2.8 (JetPack 6 ships 2.5) raised a CUDA fault as a plain RuntimeError: the one test of a message
+    return not hasattr(torch, 'AcceleratorError') and isinstance(error, RuntimeError) and \
+        str(error).startswith('CUDA error')
 
 
 def release_memory() -> None:

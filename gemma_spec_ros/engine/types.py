@@ -5,6 +5,7 @@ EngineConfig fields carry their parameter metadata (description, limits or choic
 group); the node declares its ROS parameters from it and requests.check_config enforces it.
 """
 
+import enum
 import json
 import math
 import threading
@@ -225,13 +226,42 @@ class GenerationStats:
                                        # prefill (part of time_to_first_token); 0 without images
 
 
+class WarningKind(enum.Enum):
+    """What a result's warning is about: what programs (diagnostics, logs) test instead of its text."""
+
+    DRAFTER_FALLBACK = 'drafter_fallback'          # the drafter failed or cannot serve: plain decoding ran
+    STRUCTURE_INCOMPLETE = 'structure_incomplete'  # max_new_tokens ended a json_schema / grammar / tool-call reply
+    DROPPED_TOOL_CALL = 'dropped_tool_call'        # a call the request did not allow was left out of tool_calls
+    SERVER_WIDE_FIGURES = 'server_wide_figures'    # vLLM: tau and acceptance include other requests' rounds
+    CONFIGURATION = 'configuration'                # a setting the backend serves otherwise than asked (at open)
+
+
+class GenerationWarning(str):
+    """A warning of a result or a backend: its text (what a ROS result carries), and its kind for programs."""
+
+    kind: WarningKind
+
+    def __new__(cls, kind: WarningKind, text: str) -> 'GenerationWarning':
+        warning = super().__new__(cls, text)
+        warning.kind = kind
+        return warning
+
+    def __getnewargs__(self):   # copy and pickle rebuild it through __new__
+        return self.kind, str(self)
+
+
+def structure_incomplete(max_new_tokens: int) -> GenerationWarning:
+    return GenerationWarning(WarningKind.STRUCTURE_INCOMPLETE, 'structure incomplete: max_new_tokens ({}) ended the '
+                             'output before it completed its json_schema / grammar / tool calls'.format(max_new_tokens))
+
+
 @dataclass
 class GenerationResult:
     text: str
     token_ids: list[int]
     finish_reason: str                 # one of FINISH_REASONS
     stats: GenerationStats
-    warnings: list[str] = field(default_factory=list)  # e.g. drafter failed, fell back to plain decoding
+    warnings: list[GenerationWarning] = field(default_factory=list)  # e.g. the drafter failed: plain decoding ran
     structure_complete: bool = False   # the output completed the request's json_schema / grammar / tool calls
                                        # (False without)
     reasoning: str = ''                # the thoughts, apart from text (thinking on)

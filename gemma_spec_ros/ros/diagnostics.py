@@ -16,7 +16,6 @@ from collections import deque
 from diagnostic_msgs.msg import DiagnosticStatus
 from diagnostic_updater import FrequencyStatus, FrequencyStatusParam, Updater  # noqa: F401 (Updater: the node's)
 
-from gemma_spec_ros.engine.backends.vllm import SERVER_WIDE_WARNING
 from gemma_spec_ros.engine.stats import (
     acceptance_rate,
     format_figure,
@@ -28,6 +27,7 @@ from gemma_spec_ros.engine.stats import (
     token_gaps,
     tokens_per_second,
 )
+from gemma_spec_ros.engine.types import WarningKind
 
 OK = DiagnosticStatus.OK
 WARN = DiagnosticStatus.WARN
@@ -101,7 +101,8 @@ class GenerationMetrics:
                 return
             if result.warnings:
                 self._last_warning = result.warnings[-1]
-                self._drafter_fallbacks += sum(warning != SERVER_WIDE_WARNING for warning in result.warnings)
+                self._drafter_fallbacks += sum(getattr(warning, 'kind', None) is WarningKind.DRAFTER_FALLBACK
+                                               for warning in result.warnings)
             stats = result.stats
             if stats.new_tokens > 0:
                 from_acceptance = accepted_at is not None and len(feedback_times) > 1

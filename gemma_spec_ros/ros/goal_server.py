@@ -19,8 +19,7 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallb
 from rclpy.qos import QoSProfile
 
 from gemma_spec_ros.engine.backend import Backend, is_fatal_error
-from gemma_spec_ros.engine.backends.vllm import SERVER_WIDE_WARNING
-from gemma_spec_ros.engine.types import parameter_name
+from gemma_spec_ros.engine.types import WarningKind, parameter_name
 from gemma_spec_ros.ros.conversions import ImageLimits, delta_to_feedback, goal_to_request, result_to_msg
 from gemma_spec_ros.ros.diagnostics import GenerationMetrics
 from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
@@ -131,7 +130,8 @@ class GoalServer:
         engine_finish = job.result.finish_reason if job.result is not None else ''
         if job.result is not None:
             for warning in job.result.warnings:  # a vLLM server's overlapping requests are normal: debug
-                log = self._logger.debug if warning == SERVER_WIDE_WARNING else self._logger.warning
+                server_wide = getattr(warning, 'kind', None) is WarningKind.SERVER_WIDE_FIGURES
+                log = self._logger.debug if server_wide else self._logger.warning
                 log('goal {}: {}'.format(_short_id(goal_handle), warning))
         if job.client_cancelled and engine_finish in ('cancelled', ''):
             result = result_to_msg(job.result, finish_reason='cancelled')

@@ -37,7 +37,7 @@ from PIL import Image as PilImage
 from ..backend import Backend, Capabilities
 from ..conversation.reply import ReplyRules
 from ..requests import check_fields, check_images, check_max_new_tokens, check_messages, check_prompt_size
-from ..stats import acceptance_rate, decode_tokens_per_second, percentile, tau, token_gaps
+from ..stats import decode_tokens_per_second, percentile, token_gaps
 from ..types import (
     DRAFTERS,
     CancelToken,
@@ -49,7 +49,16 @@ from ..types import (
     GenerationStats,
     config_field,
 )
-from .vllm_metrics import UNKNOWN_FLOAT, UNKNOWN_INT, ServerCounters, parse_metrics, speculation_stats, unknown_stats
+from .vllm_metrics import (
+    SERVER_WIDE_WARNING,
+    UNKNOWN_FLOAT,
+    UNKNOWN_INT,
+    ServerCounters,
+    fill_speculation,
+    parse_metrics,
+    speculation_stats,
+    unknown_stats,
+)
 from .vllm_reply import (
     PARSER_ARGS,
     PARSERS,
@@ -63,7 +72,6 @@ from .vllm_reply import (
 )
 from .vllm_stream import Collected, ServerClient, ServerUnavailable
 
-SERVER_WIDE_WARNING = 'tau and acceptance are server-wide: other requests ran on the server during this one'
 SERVER_DRAFTER = 'server'    # drafter label when the server speculates with a method not named in the config
 COUNTER_LAG_SECONDS = 3.0    # longest wait after a goal's stream for the server's counters to cover its tokens
 
@@ -373,7 +381,10 @@ class VllmBackend(Backend):
                                                     not collected.stop_string)
         result.warnings += cut_off_warnings(finish_reason, plan.reply, plan.max_new_tokens)
         if after is not None or self.drafter == 'none':
-            self._fill_speculation(result, before, after, new_tokens, overlapped or after is None or after.busy)
+            result.server_wide = fill_speculation(result.stats, before, after, new_tokens,
+                                                  overlapped or after is None or after.busy)
+            if result.server_wide:
+                result.warnings.append(SERVER_WIDE_WARNING)
         return result
 
     # ----------------------------------------------------------------------------------------------- statistics
@@ -391,27 +402,6 @@ class VllmBackend(Backend):
             stats.inter_token_latency_p95 = percentile(gaps, 95)
             stats.tokens_per_second = decode_tokens_per_second(arrivals)
         return stats
-
-    def _fill_speculation(self, result: VllmResult, before: ServerCounters | None, after: ServerCounters | None,
-                          new_tokens: int, overlapped: bool) -> None:
-        stats = result.stats
-        if after is None or after.drafts is None:  # plain decoding is exact per request, whatever else ran
-            stats.tau, stats.acceptance_rate = tau(new_tokens, new_tokens), acceptance_rate(0, 0)
-            stats.mean_num_draft_tokens = 0.0
-            stats.target_passes, stats.drafted_tokens, stats.accepted_tokens = new_tokens, 0, 0
-            stats.per_position_acceptance = []
-            return
-        window = speculation_stats(before, after)
-        alone = not overlapped and window.target_passes + window.accepted_tokens == new_tokens
-        stats.tau, stats.acceptance_rate = window.tau, window.acceptance_rate
-        stats.per_position_acceptance = window.per_position_acceptance
-        stats.mean_num_draft_tokens = window.mean_num_draft_tokens
-        if alone:
-            stats.target_passes = int(window.target_passes)
-            stats.drafted_tokens, stats.accepted_tokens = int(window.drafted_tokens), int(window.accepted_tokens)
-        else:
-            result.server_wide = True
-            result.warnings.append(SERVER_WIDE_WARNING)
 
     def _scrape_after(self, before: ServerCounters, new_tokens: int, finish_reason: str) -> ServerCounters | None:
         """

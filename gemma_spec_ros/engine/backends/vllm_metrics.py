@@ -17,10 +17,12 @@ import re
 from dataclasses import dataclass, field, fields
 
 from ..stats import acceptance_rate, tau
-from ..types import GenerationStats
+from ..types import GenerationStats, GenerationWarning, WarningKind
 
 UNKNOWN_FLOAT = math.nan
 UNKNOWN_INT = -1
+SERVER_WIDE_WARNING = GenerationWarning(WarningKind.SERVER_WIDE_FIGURES, 'tau and acceptance are server-wide: other '
+                                        'requests ran on the server during this one')
 _METRIC_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -75,6 +77,32 @@ def speculation_stats(before: ServerCounters | None, after: ServerCounters) -> S
         per_position_acceptance=[acceptance_rate(now - then, drafts) for now, then in
                                  zip(after.accepted_per_position, earlier, strict=True)] if drafts > 0 else [],
         mean_num_draft_tokens=drafted / drafts if drafts > 0 else 0.0)
+
+
+def fill_speculation(stats: GenerationStats, before: ServerCounters | None, after: ServerCounters | None,
+                     new_tokens: int, overlapped: bool) -> bool:
+    """
+    Fill a request's tau, acceptance and counts from the scrapes around it; whether they are server-wide.
+
+    Plain decoding is exact per request whatever else ran. With speculation, counts are the request's own only
+    when nothing overlapped it and the window's tokens are its tokens; else they stay unknown and the rates cover
+    every request of the window (server-wide).
+    """
+    if after is None or after.drafts is None:
+        stats.tau, stats.acceptance_rate = tau(new_tokens, new_tokens), acceptance_rate(0, 0)
+        stats.mean_num_draft_tokens = 0.0
+        stats.target_passes, stats.drafted_tokens, stats.accepted_tokens = new_tokens, 0, 0
+        stats.per_position_acceptance = []
+        return False
+    window = speculation_stats(before, after)
+    alone = not overlapped and window.target_passes + window.accepted_tokens == new_tokens
+    stats.tau, stats.acceptance_rate = window.tau, window.acceptance_rate
+    stats.per_position_acceptance = window.per_position_acceptance
+    stats.mean_num_draft_tokens = window.mean_num_draft_tokens
+    if alone:
+        stats.target_passes = int(window.target_passes)
+        stats.drafted_tokens, stats.accepted_tokens = int(window.drafted_tokens), int(window.accepted_tokens)
+    return not alone
 
 
 def metric_samples(text: str, model: str = ''):

@@ -33,7 +33,7 @@ from ..conversation.format import CONTROL_TOKENS, ConversationTokens
 from ..conversation.reply import ReplyRules, reply_rules
 from ..conversation.syntax import QUOTE_CHAR, call_arguments
 from ..conversation.tool_grammar import call_grammar
-from ..types import GenerationRequest, ToolCall
+from ..types import GenerationRequest, GenerationWarning, ToolCall, WarningKind, structure_incomplete
 
 PARSERS = ('', 'gemma4')
 PARSER_ARGS = ("--enable-auto-tool-choice --tool-call-parser gemma4 --reasoning-parser gemma4 "
@@ -132,12 +132,11 @@ def reply_finish_reason(collected, rules: ReplyRules | None) -> str:
     return 'stop' if reason == 'tool_calls' else reason
 
 
-def cut_off_warnings(finish_reason: str, rules: ReplyRules | None, max_new_tokens: int) -> list[str]:
+def cut_off_warnings(finish_reason: str, rules: ReplyRules | None, max_new_tokens: int) -> list[GenerationWarning]:
     """Return the local engine's warning when max_new_tokens cut a reply that may make calls; else none."""
     if finish_reason != 'length' or rules is None or not rules.calls:
         return []
-    return ['structure incomplete: max_new_tokens ({}) ended the output before it completed its json_schema / '
-            'grammar / tool calls'.format(max_new_tokens)]
+    return [structure_incomplete(max_new_tokens)]
 
 
 def openai_tools(tools: tuple[tool_rules.ToolSpec, ...]) -> list[dict]:
@@ -251,7 +250,7 @@ class CallReader:
         self._calls: list[dict] = []    # per server index: name, argument pieces
         self._read = 0                   # calls taken so far
         self.calls: list[ToolCall] = []
-        self.warnings: list[str] = []
+        self.warnings: list[GenerationWarning] = []
 
     def add(self, pieces: list[dict], finished: bool) -> list[ToolCall]:
         """Take a chunk's delta.tool_calls; return the calls it completed (finished: the reply ended here)."""
@@ -282,7 +281,8 @@ class CallReader:
                 raise ValueError('arguments {} are not an object'.format(text))
             tool_rules.validate_arguments(self._tools[name], arguments)
         except ValueError as exc:   # json.JSONDecodeError too
-            self.warnings.append('dropped a tool call the server parsed ({})'.format(exc))
+            self.warnings.append(GenerationWarning(WarningKind.DROPPED_TOOL_CALL,
+                                                   'dropped a tool call the server parsed ({})'.format(exc)))
             return None
         return ToolCall('call_{}'.format(len(self.calls)), name,
                         json.dumps(arguments, separators=(',', ':'), ensure_ascii=False))

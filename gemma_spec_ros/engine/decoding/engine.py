@@ -27,7 +27,9 @@ from ..types import (
     EngineStatus,
     GenerationRequest,
     GenerationResult,
+    GenerationWarning,
     WarmupState,
+    WarningKind,
 )
 from . import calibration, images
 from .batch import start_batching
@@ -143,11 +145,12 @@ class Engine(Backend):
                                                      ', '.join(sorted(self._drafters)))
 
     @property
-    def warnings(self) -> list[str]:
-        warnings = ['{}; goals asking for it run plain decoding'.format(disabled.describe())
-                    for disabled in self.drafter_errors.values()]
+    def warnings(self) -> list[GenerationWarning]:
+        warnings = [GenerationWarning(WarningKind.DRAFTER_FALLBACK, '{}; goals asking for it run plain decoding'.format(
+            disabled.describe())) for disabled in self.drafter_errors.values()]
         if self.config.max_batch != 1 and self._batch is None:  # transformers' forward has no batched steps
-            warnings.append("engine.max_batch needs the fast path, not transformers' forward: goals run one at a time")
+            warnings.append(GenerationWarning(WarningKind.CONFIGURATION, "engine.max_batch needs the fast path, not "
+                                              "transformers' forward: goals run one at a time"))
         return warnings
 
     def _usable_drafters(self):
@@ -214,7 +217,8 @@ class Engine(Backend):
         if plan.reply.thinking or plan.tools or (plan.reply.chat and run.constraint is None):
             run.constraint = ReplyConstraint(self._constraints, plan.reply, run.constraint, plan.compiled_calls)
         if plan.drafter in self.drafter_errors:
-            run.warnings.append('{}; ran plain decoding'.format(self.drafter_errors[plan.drafter].describe()))
+            run.warnings.append(GenerationWarning(WarningKind.DRAFTER_FALLBACK, '{}; ran plain decoding'.format(
+                self.drafter_errors[plan.drafter].describe())))
         else:
             run.drafter, run.controller = self._drafters[plan.drafter], self._controllers.get(plan.drafter)
         return run

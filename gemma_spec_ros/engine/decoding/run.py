@@ -11,7 +11,16 @@ from ..logits.grammar import GrammarConstraint
 from ..logits.reply import ReplyConstraint
 from ..requests import RequestPlan
 from ..stats import RoundTally, tau
-from ..types import DeltaCallback, GenerationResult, GenerationStats, StreamDelta, ToolCall
+from ..types import (
+    DeltaCallback,
+    GenerationResult,
+    GenerationStats,
+    GenerationWarning,
+    StreamDelta,
+    ToolCall,
+    WarningKind,
+    structure_incomplete,
+)
 from .calibration import Stopwatch
 from .stream import ReplyStream, StopStrings
 
@@ -34,7 +43,7 @@ class Run:
     generated: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)      # streamed text, one piece per delta
     thoughts: list[str] = field(default_factory=list)    # streamed thought text
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[GenerationWarning] = field(default_factory=list)
     tally: RoundTally = field(default_factory=RoundTally)
     finish: str = ''
 
@@ -43,8 +52,7 @@ class Run:
         complete = self.constraint is not None and self.constraint.completed and not self.stops.stopped
         structured = self.constraint is not None and getattr(self.constraint, 'structured', True)
         if structured and self.finish == 'length' and not complete:
-            self.warnings.append('structure incomplete: max_new_tokens ({}) ended the output before it completed '
-                                 'its json_schema / grammar / tool calls'.format(self.plan.max_new_tokens))
+            self.warnings.append(structure_incomplete(self.plan.max_new_tokens))
         # calls count only when the reply asked for their results: a cut-off reply's calls are not a plan to run
         calls = self.reply.calls if self.finish == 'tool_calls' else []
         return GenerationResult(''.join(self.pieces), self.generated, self.finish, stats,
@@ -68,8 +76,8 @@ class Run:
 
     def fall_back(self, plain: Drafter, exc: Exception) -> None:
         """Continue this request with plain decoding after the drafter raised."""
-        self.warnings.append('drafter {!r} failed ({}: {}); fell back to plain decoding'.format(
-            self.drafter.name, type(exc).__name__, exc))
+        self.warnings.append(GenerationWarning(WarningKind.DRAFTER_FALLBACK, 'drafter {!r} failed ({}: {}); fell back '
+                                               'to plain decoding'.format(self.drafter.name, type(exc).__name__, exc)))
         self.drafter, self.controller = plain, None
 
 

@@ -5,7 +5,7 @@ from transformers import PreTrainedTokenizerFast
 from ..conversation import tools as tool_rules
 from ..conversation.format import THOUGHT_LABEL, ConversationTokens
 from ..conversation.reply import TEXT, THOUGHT, ReplySplitter
-from ..types import ToolCall
+from ..types import GenerationWarning, ToolCall, WarningKind
 
 
 class IncrementalDetokenizer:
@@ -105,7 +105,7 @@ class ReplyStream:
         self._label = THOUGHT_LABEL   # still to strip from the thoughts' start ('' once decided)
         self._held = ''
         self.calls: list[ToolCall] = []
-        self.warnings: list[str] = []
+        self.warnings: list[GenerationWarning] = []
 
     def add(self, token_ids: list[int]) -> tuple[str, str, list[ToolCall]]:
         """Append a round's tokens; return its new answer text, new thought text and the calls it completed."""
@@ -146,5 +146,6 @@ class ReplyStream:
         try:
             return tool_rules.parse_call(body, self._tools, len(self.calls))
         except ValueError as exc:   # only where no grammar held the call: tool_choice none, or no tools
-            self.warnings.append('dropped a tool call the request did not allow ({})'.format(exc))
+            self.warnings.append(GenerationWarning(WarningKind.DROPPED_TOOL_CALL,
+                                                   'dropped a tool call the request did not allow ({})'.format(exc)))
             return None
