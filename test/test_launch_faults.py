@@ -1,12 +1,14 @@
 """
-Faults under launch_pytest: the node killed mid-goal with respawn:=true.
+Faults under launch_pytest: the node killed or stopped mid-goal, with respawn:=true.
 
-launch starts the node again and it comes back serving (/diagnostics ready); a client's goal whose server died
-ends 'lost' within the DDS lease instead of waiting for its timeout, and send(retries=1) resends it to the new node.
+Killed: launch starts the node again and it comes back serving (/diagnostics ready); a client's goal whose server
+died ends 'lost' within the DDS lease instead of waiting for its timeout, and send(retries=1) resends it to the new
+node. Stopped for 10 s (SIGSTOP, then SIGCONT): the goal finishes, nothing lost.
 """
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -23,6 +25,7 @@ DOMAIN_ID = 91 + (os.getpid() + 11) % 80
 ACTION = '/gemma_spec/generate'
 READY_TIMEOUT = 300.0
 LOST_WITHIN = 40.0    # seconds from the kill to the 'lost' outcome: a DDS participant lease and a margin
+STALL_S = 10.0        # seconds the node is stopped (SIGSTOP), below Fast DDS's default 20 s participant lease
 LONG_GOAL = make_goal('def parse(text):', max_new_tokens=1000)   # runs for seconds, long enough to be killed in
 
 OUTPUT = LaunchOutput()
@@ -65,6 +68,7 @@ def test_a_goal_whose_node_is_killed_ends_lost_and_the_node_comes_back(ready):
     outcome, waited, pid = send_and_kill(ready)
     assert outcome.status == 'lost' and outcome.result is None and outcome.feedback
     assert waited < LOST_WITHIN
+    print('the goal ended lost {:.1f} s after the kill'.format(waited))
     started = OUTPUT.wait_for_start(2, 60)
     assert len(started) >= 2 and started[-1] != pid, 'launch did not start the node again'
     ready.wait_until_ready('gemma_spec', READY_TIMEOUT)
@@ -81,3 +85,26 @@ def test_send_with_a_retry_resends_a_lost_goal_to_the_respawned_node(ready):
     assert outcome.attempts == 2 and outcome.status == 'succeeded', outcome.status
     assert outcome.result.finish_reason == 'length' and outcome.result.stats.new_tokens == 1000
     assert OUTPUT.pids[-1] != pid
+
+
+@pytest.mark.launch(fixture=respawning_launch)
+def test_a_node_stopped_for_ten_seconds_mid_goal_finishes_it_and_loses_nothing(ready):
+    # SIGSTOP as a stalled process (swapping, a debugger, a frozen container): shorter than the DDS lease, the
+    # client keeps waiting and the goal resumes where it stopped
+    ready.wait_until_ready('gemma_spec', READY_TIMEOUT)
+    assert ready.wait_for_server(30)
+    pid = OUTPUT.wait_for_start(1, 30)[-1]
+    stopped = {}
+
+    def on_feedback(_):
+        if not stopped:
+            stopped['at'] = time.monotonic()
+            os.kill(pid, signal.SIGSTOP)
+            timer = threading.Timer(STALL_S, os.kill, (pid, signal.SIGCONT))
+            timer.start()
+
+    outcome = ready.send(LONG_GOAL, on_feedback=on_feedback, timeout=300)
+    assert stopped and outcome.status == 'succeeded' and outcome.attempts == 1, outcome.status
+    assert time.monotonic() - stopped['at'] >= STALL_S
+    assert outcome.result.stats.new_tokens == 1000 and outcome.fully_streamed
+    assert OUTPUT.pids[-1] == pid   # the same process: launch saw no death

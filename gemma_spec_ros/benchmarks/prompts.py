@@ -1,9 +1,9 @@
 """The prompt set: JSON lines with ``prompt`` and ``category`` (and an optional ``id``)."""
 
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from gemma_spec_ros.engine.config_file import shipped_file_candidates
 
 DEFAULT_PROMPTS = 'bench/prompts.jsonl'
 
@@ -64,10 +64,7 @@ def take_per_category(prompts: list[Prompt], count: int) -> list[Prompt]:
 
 def default_prompts_path(name: str = DEFAULT_PROMPTS, option: str = '--prompts') -> str:
     """bench/prompts.jsonl (or another bench file) of the dev checkout, else of an installed share/gemma_spec_ros."""
-    candidates = [Path(__file__).resolve().parents[2] / name]
-    for prefix in filter(None, os.environ.get('AMENT_PREFIX_PATH', '').split(os.pathsep)):
-        candidates.append(Path(prefix) / 'share' / 'gemma_spec_ros' / name)
-    for candidate in candidates:
+    for candidate in shipped_file_candidates(name):
         if candidate.is_file():
             return str(candidate)
     raise ValueError('no {} found; pass {} FILE'.format(name, option))

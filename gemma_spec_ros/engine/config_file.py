@@ -28,6 +28,14 @@ def read_constraint_files(json_schema: str | None, grammar: str | None) -> dict[
     return fields
 
 
+def shipped_file_candidates(relative: str) -> list[Path]:
+    """Return where a shipped file may be: the repository root (a checkout), then each $AMENT_PREFIX_PATH share."""
+    candidates = [REPO_ROOT / relative]
+    for prefix in filter(None, os.environ.get('AMENT_PREFIX_PATH', '').split(os.pathsep)):
+        candidates.append(Path(prefix) / 'share' / 'gemma_spec_ros' / relative)
+    return candidates
+
+
 def resolve_model_path(path: str) -> str:
     """
     Absolute path for a model directory.
@@ -38,10 +46,7 @@ def resolve_model_path(path: str) -> str:
     """
     if not path or os.path.isabs(path):
         return path
-    candidates = [Path.cwd() / path, REPO_ROOT / path]
-    for prefix in filter(None, os.environ.get('AMENT_PREFIX_PATH', '').split(os.pathsep)):
-        candidates.append(Path(prefix) / 'share' / 'gemma_spec_ros' / path)
-    for candidate in candidates:
+    for candidate in [Path.cwd() / path, *shipped_file_candidates(path)]:
         if candidate.exists():
             return str(candidate.resolve())
     return str(Path.cwd() / path)

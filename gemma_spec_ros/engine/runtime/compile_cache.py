@@ -10,8 +10,8 @@ import linecache
 import os
 from pathlib import Path
 
+from ..backend import return_freed_memory
 from . import torch_internals
-from .weights import return_freed_memory
 
 
 def compile_cache_dir() -> str:

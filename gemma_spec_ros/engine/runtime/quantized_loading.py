@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from ..backend import return_freed_memory
 from .quantize import QuantizedWeight, Quantizer, quantized_kind
-from .weights import return_freed_memory
 
 LOAD_ROWS = 4096  # rows read per block of a large matrix (one block: 4096 x 9 k bfloat16 = 72 MiB for E2B's PLE)
 SAFETENSORS_DTYPES = {'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16, 'I64': torch.int64,

@@ -5,14 +5,14 @@ The flat per-dtype buffers they move into (FlatTensors), blocked matrices, 16-bi
 (store_exact_half), and one decoder layer's parts (_layer_parts).
 """
 
-import ctypes
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from ..backend import return_freed_memory
 from .layers import ROW_PRODUCT_MAX_ROWS, _Shape, _Weights
-from .quantize import QuantizedWeight, Quantizer
+from .quantize import QUANTIZED_MATRICES, QuantizedWeight, Quantizer
 
 # Outputs per block of a blocked matrix: one AVX-512 vector of float32.
 BLOCK_WIDTH = 16
@@ -120,19 +120,6 @@ class FlatTensors:
         return self.buffers[index][offset:offset + shape.numel()].view(shape)
 
 
-def return_freed_memory() -> None:
-    """
-    Return the memory glibc's heap keeps after frees to the OS (malloc_trim; a no-op without glibc).
-
-    After the weights moved into FlatTensors, the bundled target's old storages (34 MB) otherwise stayed resident.
-    """
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
-
-
 def _stored(name: str) -> property:
     """Return a lean model's tensor attribute, read from its FlatTensors by the handle in _name."""
     handle = '_' + name
@@ -182,10 +169,6 @@ def store_exact_half(model) -> torch.dtype | None:
     return dtype
 
 
-# A layer's matrices, which a lean model may store blocked (block_matrix).
-_LAYER_MATRICES = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
-
-
 def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: FlatTensors,
                  row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS, blocked: bool = False,
                  quantizer: Quantizer | None = None) -> _Layer:
@@ -210,13 +193,13 @@ def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: Flat
         per_layer_projection=layer.per_layer_projection.weight if ple else None,
         per_layer_norm=layer.post_per_layer_input_norm.weight if ple else None)
     if quantizer is not None:  # integer matrices are never blocked: their kernels read their own layouts
-        weights = weights._replace(**{name: quantizer.matrix(getattr(weights, name)) for name in _LAYER_MATRICES})
+        weights = weights._replace(**{name: quantizer.matrix(getattr(weights, name)) for name in QUANTIZED_MATRICES})
         weights = weights._replace(per_layer_gate=quantizer.table(weights.per_layer_gate),
                                    per_layer_projection=quantizer.table(weights.per_layer_projection))
     # int4 products are exact per row whatever the pass, but their 16-bit inputs turn attention's tiny pass-to-pass
     # differences into whole rounding steps (greedy outputs then depended on K): float64 removes them
     shape = _Shape(attn.layer_type, num_heads, num_heads // attn.num_key_value_groups, attn.head_dim, eps,
                    row_product_max_rows, None if quantizer is None else quantizer.attention_dtype)
-    return _Layer(shape, kv_index, tensors.add_each(weights, _LAYER_MATRICES if blocked else ()))
+    return _Layer(shape, kv_index, tensors.add_each(weights, QUANTIZED_MATRICES if blocked else ()))
 
 
