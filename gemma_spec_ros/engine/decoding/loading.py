@@ -15,6 +15,7 @@ from ..runtime.quantize import Quantizer
 from ..runtime.warmup import Warmup, warm_up_blocking
 from ..stats import mib
 from ..types import REGISTRY, DisabledDrafter, EngineConfig
+from . import compile_worker
 from .calibration import calibrate
 from .engine import Engine
 
@@ -59,7 +60,8 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
                                                 None if engine._batch is None else engine._batch.rows)
     if background:
         engine._warmup = Warmup(engine._graph_jobs, progress, on_compiled=lambda: calibrate(engine, progress),
-                                default_path=engine._default_path_jobs, compile_process=config)
+                                default_path=engine._default_path_jobs,
+                                compile_process=(config, compile_worker.__name__))
     if config.warmup != 'off':  # timing every pass size would compile each graph now, not on first use
         calibrate(engine, progress)
     progress('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '

@@ -42,7 +42,6 @@ BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priori
 # finalizes aborts the process ('terminate called without an active exception').
 STOP_WAIT_SECONDS = 90.0
 
-COMPILE_WORKER = 'gemma_spec_ros.engine.decoding.compile_worker'  # the compile process (python -m): loads an Engine
 
 
 class CompileProcess:
@@ -54,10 +53,10 @@ class CompileProcess:
     It exits when its standard input closes or the thread that started it ends.
     """
 
-    def __init__(self, config: EngineConfig):
-        """Start the process; wait_ready() waits for its models."""
+    def __init__(self, config: EngineConfig, module: str):
+        """Start `python -m module` (the layer that loads an Engine names it); wait_ready() waits for its models."""
         self._process = subprocess.Popen(
-            [sys.executable, '-m', COMPILE_WORKER, json.dumps(dataclasses.asdict(config)), str(os.getpid())],
+            [sys.executable, '-m', module, json.dumps(dataclasses.asdict(config)), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
 
     def wait_ready(self) -> bool:
@@ -103,13 +102,13 @@ class Warmup:
 
     jobs: every graph to build, in the order wanted before any request (order_jobs), the first default_path of
     them the target's and the default drafter's. on_compiled: called in the worker once those serve (the engine
-    times its verify passes again then). compile_process: the engine's config, for a CompileProcess that compiles
-    each graph before the worker builds it (None: the worker compiles).
+    times its verify passes again then). compile_process: the engine's config and the module to run, for a
+    CompileProcess that compiles each graph before the worker builds it (None: the worker compiles).
     """
 
     def __init__(self, jobs: list[GraphJob], progress: Callable[[str], None],
                  on_compiled: Callable[[], None] | None = None, default_path: int = 0,
-                 compile_process: EngineConfig | None = None):
+                 compile_process: tuple[EngineConfig, str] | None = None):
         self._pending = list(jobs)
         self._default_path = set(jobs[:default_path])
         self._default_path_done: float | None = None
@@ -259,7 +258,7 @@ class Warmup:
 
     def _start_compiler(self) -> None:
         try:
-            self._compiler = CompileProcess(self._compile_process_config)  # stop() can end it while it loads
+            self._compiler = CompileProcess(*self._compile_process_config)  # stop() can end it while it loads
         except OSError as exc:
             self._progress('warm-up: no compile process ({}); compiling in this process'.format(exc))
             return
