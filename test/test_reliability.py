@@ -282,3 +282,52 @@ def test_sigint_mid_goal_aborts_it_and_exits_cleanly(context, tiny_models):
     assert outcome.status == 'aborted' and outcome.result.error == 'node is shutting down'
     assert outcome.result.finish_reason == 'cancelled' and outcome.result.text == outcome.streamed_text
     assert 0 < outcome.result.stats.new_tokens < 900
+
+
+FLOOD_CLIENTS, FLOOD_GOALS = 20, 10
+
+
+def test_a_flood_of_goals_from_twenty_clients_all_end_fairly_and_each_refusal_says_why(context, tiny_models):
+    # 20 planners x 10 goals offered at once to engine.max_batch 4 + queue.max_length 4; a refused goal is retried.
+    # With ROS's default service queue (10 requests) some of the first 20 goal requests were dropped unanswered.
+    params = tiny_params(tiny_models, **{'engine.max_batch': 4, 'queue.max_length': 4, 'engine.drafter': 'none'})
+    with serving(context, 'gemma_spec_flood', params) as (node, _):
+        clients = [GenerateClient('/gemma_spec_flood/generate', 'flood_%d' % i, context=node.context)
+                   for i in range(FLOOD_CLIENTS)]
+        served, refusals, others = [], [], []   # (time, client) of each served goal; refusal texts; anything else
+        start = threading.Barrier(FLOOD_CLIENTS)
+
+        def plan(index, planner):
+            start.wait(60)
+            for number in range(FLOOD_GOALS):
+                goal = make_goal('Planner {} goal {}: go to the'.format(index, number), max_new_tokens=4)
+                for _ in range(600):
+                    outcome = planner.send(goal, timeout=120)
+                    if not outcome.busy:
+                        break
+                    refusals.append(outcome.result.error)
+                    time.sleep(0.2)
+                if outcome.status == 'succeeded':
+                    served.append((time.monotonic(), index))
+                else:   # a goal request the node never answered ends as 'timeout' here
+                    others.append((index, number, outcome.status, outcome.accepted))
+
+        try:
+            for planner in clients:
+                assert planner.wait_for_server(30)
+            threads = [threading.Thread(target=plan, args=pair) for pair in enumerate(clients)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(600)
+            assert not any(thread.is_alive() for thread in threads), 'a client hung'
+        finally:
+            for planner in clients:
+                planner.close()
+    assert not others and len(served) == FLOOD_CLIENTS * FLOOD_GOALS
+    assert refusals and all(r.startswith('busy: ') and 'queue.max_length 4' in r for r in refusals), refusals[:3]
+    # fair admission: over the first half of the served goals, each client had its share within +-20 % (of 5)
+    first_half = [client for _, client in sorted(served)[:len(served) // 2]]
+    shares = [first_half.count(client) for client in range(FLOOD_CLIENTS)]
+    fair = len(first_half) / FLOOD_CLIENTS
+    assert all(0.8 * fair <= share <= 1.2 * fair for share in shares), shares

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from gemma_spec_msgs.action import Generate
 from rclpy.action import ActionServer, CancelResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
-from rclpy.qos import QoSProfile
+from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from gemma_spec_ros.engine.backend import Backend, is_fatal_error
 from gemma_spec_ros.engine.types import WarningKind, parameter_name
@@ -25,6 +25,10 @@ from gemma_spec_ros.ros.diagnostics import GenerationMetrics
 from gemma_spec_ros.ros.goal_queue import ORPHANED_REASON, GoalQueue, Job
 
 FEEDBACK_QUEUE_DEPTH = 1000  # KEEP_LAST depth for feedback: one message per round; a slower reader loses the oldest
+# KEEP_LAST depth of the goal, result and cancel services' request queues. ROS's default (10) drops requests when
+# more clients than that send at once (a flood of 20 planners lost goal requests, and their clients never heard
+# back); every request must reach the queue, which answers each (busy when full).
+SERVICE_QUEUE_DEPTH = 1000
 CANCEL_STATE_TIMEOUT = 2.0   # seconds to wait for rclpy to mark a cancelled goal CANCELING
 RESULT_TIMEOUT = 60.0  # seconds a finished goal's result is kept (rclpy: 900); bounds what busy goals hold
 SUPERVISE_PERIOD = 0.25  # seconds between checks for goals past queue.goal_timeout or without a receiver
@@ -50,6 +54,9 @@ class GoalServer:
             handle_accepted_callback=self.handle_accepted_callback,
             callback_group=ReentrantCallbackGroup(),
             feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH),
+            goal_service_qos_profile=QoSProfile(depth=SERVICE_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE),
+            result_service_qos_profile=QoSProfile(depth=SERVICE_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE),
+            cancel_service_qos_profile=QoSProfile(depth=SERVICE_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE),
             result_timeout=RESULT_TIMEOUT)
         action = node.resolve_action_name()
         self._receiver_topics = (action + '/_action/feedback', action + '/_action/status')

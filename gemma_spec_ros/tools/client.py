@@ -26,7 +26,7 @@ from gemma_spec_msgs.msg import ChatMessage, ToolCall
 from PIL import Image as PilImage
 from rclpy.action import ActionClient
 from rclpy.executors import SingleThreadedExecutor
-from rclpy.qos import QoSProfile
+from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import CompressedImage, Image
 from unique_identifier_msgs.msg import UUID
@@ -36,6 +36,7 @@ from gemma_spec_ros.engine.stats import format_stats
 
 DEFAULT_ACTION = '/gemma_spec/generate'
 FEEDBACK_QUEUE_DEPTH = 1000
+SERVICE_QUEUE_DEPTH = 1000   # KEEP_LAST depth of the action's service replies (see GenerateClient)
 FEEDBACK_SETTLE = 1.0   # seconds to wait for feedback still in flight when the result arrives
 STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: 'succeeded', GoalStatus.STATUS_ABORTED: 'aborted',
                 GoalStatus.STATUS_CANCELED: 'canceled'}
@@ -274,8 +275,13 @@ class GenerateClient:
     def __init__(self, action_name=DEFAULT_ACTION, node_name='gemma_spec_client', context=None):
         self._node = rclpy.create_node(node_name, context=context)
         self._action_name = self._node.resolve_topic_name(action_name)
+        # the services' replies to every client of the action arrive at each client, which keeps its own: with
+        # ROS's default depth (10) a burst of other clients' replies pushed out this one's (a flood of 20 planners)
+        services = QoSProfile(depth=SERVICE_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE)
         self._client = ActionClient(self._node, Generate, action_name,
-                                    feedback_sub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH))
+                                    feedback_sub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH),
+                                    goal_service_qos_profile=services, result_service_qos_profile=services,
+                                    cancel_service_qos_profile=services)
         self._feedback_handlers = {}   # goal id bytes -> callback(Generate.Feedback)
         self._node.create_subscription(Generate.Impl.FeedbackMessage, action_name + '/_action/feedback',
                                        self._on_feedback, QoSProfile(depth=FEEDBACK_QUEUE_DEPTH))
