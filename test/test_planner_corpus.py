@@ -66,16 +66,57 @@ def test_held_out_combinations_and_phrasings_never_train(conversations):
                                  .replace(r'\{a\}', '.+').replace(r'\{b\}', '.+').replace(r'\{t\}', '.+') + '$')
                       for kind, index in planner.HELD_OUT_PHRASING.items()]
     for conversation in conversations:
-        for request in [m['content'] for m in conversation.messages if m['role'] == 'user']:
+        users = [m['content'] for m in conversation.messages if m['role'] == 'user']
+        for request in map(planner.request_of, users):
             assert not any(pattern.match(request) for pattern in held_phrasings), request
         placed = {(a['object'], a['place']) for name, a in all_calls(conversation) if name == 'place'}
         for thing, place in held_pairs:
-            assert f'a {thing} on the {place}' not in conversation.messages[0]['content']
+            assert not any(f'a {thing} on the {place}' in user for user in users)
             assert (thing, place) not in placed
     held = [planner.held_out_conversation(seed) for seed in range(20)]
     assert [c.text for c in held] == [planner.held_out_conversation(seed).text for seed in range(20)]
     texts = {c.text for c in conversations}
     assert not texts.intersection(c.text for c in held)
+
+
+def test_the_system_turn_is_fixed_and_each_user_turn_shows_the_scene_as_it_is_now(conversations):
+    assert {c.messages[0]['content'] for c in conversations} == {planner.SYSTEM}
+    checked = 0
+    for conversation in conversations:
+        users = [m['content'] for m in conversation.messages if m['role'] == 'user']
+        assert all(u.startswith(('Scene: a ', 'Scene: no objects.')) and u.count('\n') == 1 for u in users)
+        requests = [conversation.calls] + [calls for _, calls, _ in conversation.later]
+        for before, now, calls in zip(users, users[1:], requests, strict=False):
+            scene_before, scene_now = before.split('\n')[0], now.split('\n')[0]
+            for name, arguments in calls:
+                if name != 'place':
+                    continue
+                thing, place = arguments['object'], arguments['place']
+                gone = place in ('fridge', 'drawer', 'bin', 'user')
+                assert f'a {thing} on the ' in scene_before
+                assert (f'a {thing} on the ' in scene_now) != gone
+                assert gone or f'a {thing} on the {place}' in scene_now
+                checked += 1
+    assert checked > 20
+    held = planner.held_out_conversation(0)
+    assert held.request == planner.request_of(held.messages[1]['content']) and 'Scene' not in held.request
+
+
+def test_chat_turns_without_tools_continue_the_given_text(tokenizer, tmp_path):
+    text = ''.join(f'def function_{i}(x):\n    return x + {i}\n\n' for i in range(100))
+    out = tmp_path / 'chat.jsonl'
+    planner.write_corpus(out, 60, 2, tokenizer, chat_share=0.5, chat_texts=[text])
+    rows = [json.loads(line)['text'] for line in out.read_text().splitlines()]
+    chats = [row for row in rows if '<|tool>' not in row]
+    assert 15 < len(chats) < 45
+    for chat in chats:
+        assert chat.startswith('<|turn>') and '<|tool_call>' not in chat and chat.endswith('<turn|>\n')
+        user = chat.split('<|turn>user\n', 1)[1].split('<turn|>', 1)[0]
+        reply = chat.split('<|turn>model\n', 1)[1].removesuffix('<turn|>\n')
+        head = user.split('\n', 1)[1] if user.startswith(('Continue', 'Go on')) else user
+        assert re.sub(r'\s', '', head + reply) in re.sub(r'\s', '', text)   # the template trims each turn
+    with pytest.raises(ValueError, match='chat_texts'):
+        planner.write_corpus(out, 4, 2, tokenizer, chat_share=0.5)
 
 
 def test_expected_calls_fit_the_tool_schemas(conversations):

@@ -84,7 +84,7 @@ def run(settings: Settings, conversations: int, out: Path, command: str, progres
             plain = loops['none'][index][-1]
             progress('{}/{} repeat {}: {} {} -> {}'.format(
                 index + 1, len(held_out), repeat + 1, 'ok ' if plain.calls == conversation.calls else 'bad',
-                conversation.messages[1]['content'], plain.calls))
+                conversation.request, plain.calls))
     document = {
         'schema': 'gemma_spec_ros.bench.planner/1', 'command': command,
         'machine': machine_description(settings.threads),
@@ -104,7 +104,7 @@ def accuracy(held_out: list[planner.Conversation], loops: list[Loop]) -> dict:
              for name, arguments in loop.calls]
     valid = sum(planner.valid_arguments(name, arguments, tools) for name, arguments, tools in calls)
     answers = sum(loop.answer == conversation.answer for conversation, loop in zip(held_out, loops, strict=True))
-    wrong = [{'request': conversation.messages[1]['content'], 'expected': conversation.calls, 'made': loop.calls}
+    wrong = [{'request': conversation.request, 'expected': conversation.calls, 'made': loop.calls}
              for conversation, loop in zip(held_out, loops, strict=True) if loop.calls != conversation.calls]
     return {'exact_sequences': exact / len(held_out), 'valid_calls': valid / max(len(calls), 1), 'calls': len(calls),
             'exact_answers': answers / len(held_out), 'wrong': wrong[:8]}

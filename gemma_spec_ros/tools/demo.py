@@ -32,9 +32,10 @@ from gemma_spec_ros.tools.client import GenerateClient, compressed_image_from_fi
 
 NODE_NAME = 'gemma_spec'
 TOOLS_FILE = os.path.join('config', 'robot_tools.json')
-SYSTEM = ('You are the task planner of a mobile robot with an arm. Call the tools one at a time to do what the '
-          'user asks, then answer in one short sentence.\nScene: a red cup on the kitchen table, a blue bottle on '
-          'the shelf, a green apple on the counter.')
+# The system turn stays the same on every call; each user turn opens with the scene as the robot sees it now.
+SYSTEM = ('You are the task planner of a mobile robot with an arm. Each request starts with the scene as the robot '
+          'sees it. Call the tools one at a time to do what the user asks, then answer in one short sentence.')
+SCENE = 'a red cup on the kitchen table, a blue bottle on the shelf, a green apple on the counter'
 REQUEST = 'Bring the red cup from the kitchen table to the sink.'
 # the plan a planner expects for REQUEST: the demo says whether the model's calls are this one
 EXPECTED_PLAN = [('navigate_to', {'place': 'kitchen table'}), ('pick', {'object': 'red cup'}),
@@ -131,7 +132,8 @@ def planner_loop(client, label, tools, max_new_tokens, drafter='', stream=True):
     Returns (calls made, final answer, every reply's outcome).
     """
     print('\n=== {} ==='.format(label), flush=True)
-    messages = [{'role': 'system', 'content': SYSTEM}, {'role': 'user', 'content': REQUEST}]
+    messages = [{'role': 'system', 'content': SYSTEM},
+                {'role': 'user', 'content': 'Scene: {}.\n{}'.format(SCENE, REQUEST)}]
     calls, outcomes = [], []
 
     def on_feedback(feedback):

@@ -1,6 +1,8 @@
 """
 ``python -m gemma_spec_ros train <command>``: tokenizer, target, draft, assistant, ordered-head, eval-drafter, vision.
 
+Also eval-continuations (do greedy continuations of code, prose and tool-less chat loop).
+
 Also planner-corpus and eval-planner (the robot-task conversations of train/planner.py).
 
 Training commands share: --seed, a tqdm bar with loss and tokens/s, safetensors checkpoints in --run-dir
@@ -350,6 +352,30 @@ def eval_drafter_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def eval_continuations_command(args: argparse.Namespace) -> int:
+    from gemma_spec_ros.train.evaluate import continuation_report, held_out_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = [p for p in held_out_prompts(args.prompts_per_category, args.prompt_chars, args.seed)
+               if p.category != 'extraction']   # copying loops by design
+    reports = {}
+    for path in args.targets:
+        tokenizer = load_tokenizer(path)
+        reports[path] = continuation_report(load_frozen(path, torch.device('cpu'), 'target'), tokenizer, prompts,
+                                            args.max_new_tokens)
+        figures = ', '.join(f"{kind} {r['looping']:.0%} looping / {r['distinct_4grams']:.2f} distinct"
+                            for kind, r in reports[path].items() if kind != 'chat')
+        print(f'{path}: {figures}')
+        for chat in reports[path]['chat']:
+            print(f"  chat {chat['request']!r} -> {chat['reply'][:100]!r}{' (loops)' if chat['looping'] else ''}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(reports, indent=1) + '\n')
+        print(f'wrote {args.out}')
+    return 0
+
+
 def vision_command(args: argparse.Namespace) -> int:
     from gemma_spec_ros.train import vision
 
@@ -386,7 +412,8 @@ def planner_corpus_command(args: argparse.Namespace) -> int:
 
     start = time.time()
     tokenizer = load_tokenizer(args.tokenizer)
-    chars = planner.write_corpus(Path(args.out), args.conversations, args.seed, tokenizer)
+    texts = [d.text for d in corpus.load_documents(None, 'train')] if args.chat_share else None
+    chars = planner.write_corpus(Path(args.out), args.conversations, args.seed, tokenizer, args.chat_share, texts)
     print(f'wrote {args.conversations} robot-task conversations ({chars / 1e6:.1f} M chars) to {args.out} '
           f'in {time.time() - start:.1f} s')
     return 0
@@ -537,6 +564,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument('--seed', type=int, default=0, help='prompt sampling seed')
     evaluate.set_defaults(run=eval_drafter_command)
 
+    cont = commands.add_parser('eval-continuations',
+                               help='greedy continuations of held-out code and prose, and chat replies without tools:'
+                                    ' do they loop (what a fine-tune must keep)')
+    cont.add_argument('targets', nargs='+', help='target model directories to compare')
+    cont.add_argument('--prompts-per-category', type=int, default=8)
+    cont.add_argument('--prompt-chars', type=int, default=600, help='prompt length in characters')
+    cont.add_argument('--max-new-tokens', type=int, default=96)
+    cont.add_argument('--out', default='', help='JSON report (optional)')
+    cont.add_argument('--threads', type=int, default=0, help='torch CPU threads; 0 = default')
+    cont.add_argument('--seed', type=int, default=0, help='prompt sampling seed')
+    cont.set_defaults(run=eval_continuations_command)
+
     vis = commands.add_parser('vision', help='train a vision tower + embedder on the frozen target (synthetic scenes)')
     vis.add_argument('--target', default='models/gemma4-spec-target', help='the frozen text model')
     vis.add_argument('--tokenizer', default='models/tokenizer', help='tokenizer to copy with image tokens added')
@@ -569,6 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_parser.add_argument('--conversations', type=int, default=6000, help='training conversations to write')
     corpus_parser.add_argument('--tokenizer', default='models/tokenizer', help='tokenizer with the chat template')
     corpus_parser.add_argument('--seed', type=int, default=0, help='random seed')
+    corpus_parser.add_argument('--chat-share', type=float, default=0.0,
+                               help='share of chat turns without tools (continuations of the default corpus)')
     corpus_parser.set_defaults(run=planner_corpus_command)
 
     plan = commands.add_parser('eval-planner', help='held-out robot-task planning: exact call sequences (greedy)')

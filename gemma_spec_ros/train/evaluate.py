@@ -135,3 +135,57 @@ def markdown_table(table: dict, drafters: list[str], ks: list[int]) -> str:
 def write_report(path, table: dict, prompts: list[Prompt], settings: dict) -> None:
     with open(path, 'w') as out:
         json.dump({'settings': settings, 'prompts': [asdict(p) for p in prompts], 'results': table}, out, indent=1)
+
+
+# ------------------------------------------------------------------------------------------ continuation quality
+CHAT_REQUESTS = ('Say hi.', 'What is a robot?', 'Write a Python function that adds two numbers.',
+                 'Describe the kitchen in one sentence.', 'Continue this text:\nThe robot arm has six joints and')
+
+
+def looping(ids: list[int], n: int = 8, repeats: int = 3) -> bool:
+    """Tell whether some n-gram comes back repeats times or more (a greedy loop such as `_from_from_from`)."""
+    counts: dict[tuple, int] = {}
+    for i in range(len(ids) - n + 1):
+        gram = tuple(ids[i:i + n])
+        counts[gram] = counts.get(gram, 0) + 1
+    return any(count >= repeats for count in counts.values())
+
+
+def distinct_ratio(ids: list[int], n: int = 4) -> float:
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def continuation_report(model, tokenizer, prompts: list[Prompt], max_new_tokens: int = 96) -> dict:
+    """
+    Report greedy continuations of held-out raw prompts, and chat replies without tools: what a fine-tune must keep.
+
+    Per category: the share that loops, the mean distinct 4-gram ratio and the mean length.
+    """
+    import torch
+
+    def greedy(ids: list[int], stop: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    eos = [tokenizer.eos_token_id]
+    by_category: dict[str, list[list[int]]] = {}
+    for prompt in prompts:
+        ids = [tokenizer.bos_token_id] + tokenizer(prompt.text, add_special_tokens=False)['input_ids']
+        by_category.setdefault(prompt.category, []).append(greedy(ids, eos))
+    report = {category: {'prompts': len(outs), 'looping': round(sum(map(looping, outs)) / len(outs), 3),
+                         'distinct_4grams': round(statistics.fmean(map(distinct_ratio, outs)), 3),
+                         'mean_tokens': round(statistics.fmean(map(len, outs)), 1)}
+              for category, outs in by_category.items()}
+    stop = tokenizer.convert_tokens_to_ids(['<turn|>', '<eos>'])
+    chats = []
+    for request in CHAT_REQUESTS:
+        text = tokenizer.apply_chat_template([{'role': 'user', 'content': request}], tokenize=False,
+                                             add_generation_prompt=True)
+        reply = greedy(tokenizer(text, add_special_tokens=False)['input_ids'], stop)
+        chats.append({'request': request, 'reply': tokenizer.decode(reply, skip_special_tokens=False),
+                      'looping': looping(reply), 'calls_a_tool': '<|tool_call>' in tokenizer.decode(reply)})
+    report['chat'] = chats
+    return report

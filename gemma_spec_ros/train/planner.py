@@ -52,13 +52,16 @@ PHRASINGS = {
 }
 HELD_OUT_PHRASING = {'move': 4, 'fridge': 3, 'drawer': 3, 'bin': 3, 'fetch': 3, 'where': 3, 'say': 3, 'door': 5}
 KIND_WEIGHTS = {'move': 4, 'fridge': 2, 'drawer': 2, 'bin': 2, 'fetch': 2, 'where': 1, 'say': 1, 'door': 1}
-SYSTEM = ('You are the task planner of a mobile robot with an arm. Call the tools one at a time to do what the '
-          'user asks, then answer in one short sentence.\nScene: {scene}.')
+# The system turn is the same on every call (a prefix cache keeps it); each user turn opens with the scene as the
+# robot sees it now, then the request.
+SYSTEM = ('You are the task planner of a mobile robot with an arm. Each request starts with the scene as the robot '
+          'sees it. Call the tools one at a time to do what the user asks, then answer in one short sentence.')
+USER = 'Scene: {scene}.\n{request}'
 
 
 @dataclass(frozen=True)
 class Conversation:
-    messages: list[dict]                 # system, user, then the model's calls, tool results and answer
+    messages: list[dict]                 # system, user (scene + request), then the model's calls, results and answer
     tools: list[dict]                    # the OpenAI-style tool list (config/robot_tools.json)
     thinking: bool
     thought: str                         # the thought sentence ('' without thinking)
@@ -70,6 +73,11 @@ class Conversation:
     @property
     def prompt_messages(self) -> list[dict]:
         return self.messages[:2]
+
+    @property
+    def request(self) -> str:
+        """Return the first request, without the scene."""
+        return request_of(self.messages[1]['content'])
 
 
 def robot_tools(path: Path = TOOLS_PATH) -> list[dict]:
@@ -177,7 +185,25 @@ def _plan(draw: _Draw) -> tuple[list[tuple[str, dict]], str, str]:
 
 
 def scene_listing(scene: tuple[tuple[str, str], ...]) -> str:
-    return ', '.join(f'a {name} on the {place}' for name, place in scene)
+    return ', '.join(f'a {name} on the {place}' for name, place in scene) or 'no objects'
+
+
+def after(draw: _Draw, scene: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """Return the scene once draw is done: a moved object stands on its new surface; one put away is gone."""
+    if draw.kind == 'move':
+        return tuple((name, draw.destination if name == draw.target else place) for name, place in scene)
+    if draw.kind in ('fridge', 'drawer', 'bin', 'fetch'):
+        return tuple((name, place) for name, place in scene if name != draw.target)
+    return scene
+
+
+def user_text(draw: _Draw, scene: tuple[tuple[str, str], ...]) -> str:
+    return USER.format(scene=scene_listing(scene), request=request_text(draw))
+
+
+def request_of(user_content: str) -> str:
+    """Return the request in a user turn (its last line)."""
+    return user_content.rsplit('\n', 1)[-1]
 
 
 def request_text(draw: _Draw) -> str:
@@ -189,9 +215,10 @@ def request_text(draw: _Draw) -> str:
 def _conversation(draw: _Draw, thinking: bool, tokenizer=None, later: tuple[_Draw, ...] = ()) -> Conversation:
     tools = robot_tools()
     calls, answer, thought = _plan(draw)
-    messages = [{'role': 'system', 'content': SYSTEM.format(scene=scene_listing(draw.scene))}]
+    messages, scene = [{'role': 'system', 'content': SYSTEM}], draw.scene
     for request in (draw, *later):
-        messages.append({'role': 'user', 'content': request_text(request)})
+        messages.append({'role': 'user', 'content': user_text(request, scene)})
+        scene = after(request, scene)
         for name, arguments in _plan(request)[0]:
             messages.append({'role': 'assistant', 'content': '', 'tool_calls': [
                 {'type': 'function', 'function': {'name': name, 'arguments': arguments}}]})
@@ -253,15 +280,49 @@ def training_document(conversation: Conversation) -> str:
     return conversation.text.removeprefix('<bos>')
 
 
-def write_corpus(out: Path, conversations: int, seed: int, tokenizer=None) -> int:
-    """Write conversations training conversations as JSONL {"text": ...}; returns the characters written."""
+CHAT_SYSTEMS = ('', 'You are a helpful assistant.', 'Answer briefly.')
+CHAT_ASKS = ('Continue this text:\n{head}', 'Go on:\n{head}', '{head}')
+
+
+def chat_turn(rng: random.Random, texts: list[str], tokenizer=None) -> str:
+    """
+    Return a chat turn without tools: the user gives the start of a code or prose text and the model goes on with it.
+
+    The planner conversations are the only chat turns the fine-tune sees otherwise; these keep a reply without
+    tools a text reply in the style of the base corpus (they are drawn from its training split).
+    """
+    for _ in range(20):
+        text = texts[rng.randrange(len(texts))]
+        if len(text) > 400:
+            break
+    start = rng.randrange(max(len(text) - 1200, 1))
+    cut = start + rng.randint(120, 400)
+    head, tail = text[start:cut], text[cut:cut + rng.randint(200, 800)]
+    system = rng.choice(CHAT_SYSTEMS)
+    messages = ([{'role': 'system', 'content': system}] if system else []) + [
+        {'role': 'user', 'content': rng.choice(CHAT_ASKS).format(head=head)},
+        {'role': 'assistant', 'content': tail}]
+    tokenizer = tokenizer or _cached_tokenizer()
+    return tokenizer.apply_chat_template(messages, tokenize=False).removeprefix('<bos>')
+
+
+def write_corpus(out: Path, conversations: int, seed: int, tokenizer=None, chat_share: float = 0.0,
+                 chat_texts: list[str] | None = None) -> int:
+    """
+    Write conversations training conversations as JSONL {"text": ...}; returns the characters written.
+
+    With chat_share, that share of them are chat turns without tools (chat_turn) drawn from chat_texts.
+    """
+    if chat_share and not chat_texts:
+        raise ValueError('chat_share needs chat_texts to draw the chat turns from')
     rng = random.Random(seed)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     chars = 0
     with out.open('w', encoding='utf-8') as file:
         for _ in range(conversations):
-            text = training_document(training_conversation(rng, tokenizer))
+            text = chat_turn(rng, chat_texts, tokenizer) if rng.random() < chat_share else \
+                training_document(training_conversation(rng, tokenizer))
             chars += len(text)
             file.write(json.dumps({'text': text}, ensure_ascii=False) + '\n')
     return chars
@@ -348,11 +409,11 @@ def evaluate_planner(model, tokenizer, num_conversations: int, max_calls: int = 
         total_calls += len(calls)
         valid += sum(valid_arguments(n, a, conversation.tools) for n, a in calls)
         if len(shown) < examples or (not right and len(shown) < 2 * examples):
-            shown.append({'request': conversation.messages[1]['content'], 'thinking': conversation.thinking,
+            shown.append({'request': conversation.request, 'thinking': conversation.thinking,
                           'expected': [[n, a] for n, a in conversation.calls], 'generated': [[n, a] for n, a in calls],
                           'answer': answer, 'right': right})
         if progress:
-            request = conversation.messages[1]['content']
+            request = conversation.request
             progress(f'{seed + 1}/{num_conversations}: {"ok " if right else "bad"} {request} -> {calls} | {answer!r}')
     return PlannerReport(num_conversations, exact / max(num_conversations, 1), valid / max(total_calls, 1),
                          answers / max(num_conversations, 1), right_calls / max(expected_calls, 1),
