@@ -163,6 +163,31 @@ def test_a_continued_turn_with_results_renders_and_runs(tiny_engine):
     assert tiny_engine.generate(plan).finish_reason in ('stop', 'length', 'tool_calls')
 
 
+def test_thinking_opens_a_turn_and_a_reply_after_tool_results_may_go_on_without_it(tiny_engine):
+    tokens = ConversationTokens.of(tiny_engine.tokenizer.get_vocab())
+    history = MESSAGES + [
+        {'role': 'assistant', 'content': '', 'tool_calls': [{'name': 'say', 'arguments': '{"text": "hi"}'}]},
+        {'role': 'tool', 'name': 'say', 'content': '{"ok": true}'}]
+    opening = tiny_engine.validate(request(thinking=True, tool_choice='auto'))
+    resuming = tiny_engine.validate(request(messages=history, thinking=True, tool_choice='auto'))
+    assert not opening.reply.resumes and resuming.reply.resumes
+    word = tiny_engine.tokenizer.encode('Done', add_special_tokens=False)[0]
+    first = ReplyConstraint(tiny_engine._constraints, opening.reply, None, opening.compiled_calls)
+    assert first.next_mask()[0].nonzero().flatten().tolist() == [tokens.channel_open]   # a turn thinks first
+    later = ReplyConstraint(tiny_engine._constraints, resuming.reply, None, resuming.compiled_calls)
+    mask = later.next_mask()[0]
+    assert mask[tokens.channel_open] and mask[tokens.call_open] and mask[word]   # think again, call, or answer
+    assert later.advance(word) and not later.in_thought and not later.advance(tokens.channel_open)
+    later.rollback(1)
+    assert later.advance(tokens.channel_open) and later.in_thought
+    for drafter in DRAFTERS:   # lossless as every mask: the same greedy tokens for each drafter
+        result = tiny_engine.generate(request(messages=history, thinking=True, max_thinking_tokens=3,
+                                              max_new_tokens=16, drafter=drafter, num_draft_tokens=3))
+        plain = tiny_engine.generate(request(messages=history, thinking=True, max_thinking_tokens=3,
+                                             max_new_tokens=16, drafter='none'))
+        assert result.token_ids == plain.token_ids
+
+
 def test_sampled_calls_follow_the_constrained_target_distribution(tiny_engine):
     """χ² of the first tokens of sampled replies against the target's exact distribution under the reply's masks."""
     temperature, top_k, length, samples = 2.0, 3, 4, 300

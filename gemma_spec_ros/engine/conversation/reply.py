@@ -25,6 +25,8 @@ class ReplyRules:
     forced_tool: str = ''           # the tool every call must name ('' = any declared tool)
     parallel_calls: bool = True     # False: one call, then the reply asks for its result
     chat: bool = False              # a reply in a chat turn: without declared tools it never calls one
+    resumes: bool = False           # the reply goes on with the model's turn after its calls' results: with
+                                    # thinking on it may think again but need not (the turn began with its thoughts)
 
     @property
     def calls(self) -> bool:
@@ -106,6 +108,8 @@ def reply_rules(request: GenerationRequest, tokens: ConversationTokens) -> tuple
     if not isinstance(request.parallel_tool_calls, bool):
         raise ValueError('parallel_tool_calls must be a bool, got {!r}'.format(request.parallel_tool_calls))
     forced = '' if choice in ('auto', 'none', 'required') else choice
+    resumes = bool(request.messages) and isinstance(request.messages[-1], dict) and \
+        request.messages[-1].get('role') == 'tool'
     rules = ReplyRules(request.thinking, budget, 'required' if forced else choice, forced, request.parallel_tool_calls,
-                       bool(request.messages))
+                       bool(request.messages), resumes)
     return declared, rules

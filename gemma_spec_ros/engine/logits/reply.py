@@ -4,6 +4,8 @@ The token masks that keep a reply in Gemma 4's shape: thoughts within their budg
 A reply passes through phases; each allows a set of next tokens:
 
     start     (thinking on) <|channel>: a reply with thinking on thinks first
+    resume    (thinking on, the reply goes on with the model's turn after tool results) <|channel> or whatever
+              the answer allows: the turn's thoughts came first, before its calls
     thought   ordinary tokens or <channel|>; once max_thinking_tokens tokens are in the channel (its 'thought'
               label too), only <channel|>
     answer    the json_schema / grammar's tokens, or ordinary text and the turn's end; with tool_choice auto also
@@ -29,7 +31,7 @@ from ..conversation.format import ConversationTokens
 from ..conversation.reply import ReplyRules
 from .grammar import ConstraintCompiler, GrammarConstraint, Lookahead, allowed_prefix_len
 
-START, THOUGHT, ANSWER, CALL, CALLED, DONE = 'start', 'thought', 'answer', 'call', 'called', 'done'
+START, RESUME, THOUGHT, ANSWER, CALL, CALLED, DONE = 'start', 'resume', 'thought', 'answer', 'call', 'called', 'done'
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class ReplyConstraint:
         self._blocked = {ANSWER: special - set(self._ends), CALL: special - {tokens.quote, tokens.call_close}}
         self._only: dict[tuple[int, ...], torch.Tensor] = {}   # tokens -> the mask allowing only them
         self._history: list[_State] = []
-        self._state = _State(START if rules.thinking else ANSWER, 0, None, 0)
+        first = (RESUME if rules.resumes else START) if rules.thinking else ANSWER
+        self._state = _State(first, 0, None, 0)
 
     # ------------------------------------------------------------------------------------------- state
     @property
@@ -124,6 +127,10 @@ class ReplyConstraint:
             return self._only_token(tokens.call_open, tokens.response_open)
         if state.phase == START:
             return self._only_token(tokens.channel_open)
+        if state.phase == RESUME:
+            mask = self._answer_mask().clone()
+            mask[tokens.channel_open] = True
+            return mask
         return self._answer_mask()
 
     def _answer_mask(self) -> torch.Tensor:
@@ -182,6 +189,8 @@ class ReplyConstraint:
         """Move past token; False (nothing changes) when the reply's shape does not allow it here."""
         state, tokens = self._state, self._tokens
         moved, phase, thought, call, calls = '', state.phase, state.thought_tokens, state.call, state.calls
+        if phase == RESUME:   # thoughts again, or on as the answer
+            phase = START if token == tokens.channel_open else ANSWER
         grammar = call if phase == CALL else self._answer if phase == ANSWER else None
         if phase == DONE or (grammar is None and not bool(self._mask()[token])):
             return False
