@@ -60,6 +60,19 @@ def missing_ros2_tools():
 
 
 @contextlib.contextmanager
+def ready_client(context, action, name, timeout):
+    """Yield a GenerateClient for action once the launched node's /diagnostics say its engine is ready."""
+    from gemma_spec_ros.tools.client import GenerateClient
+
+    client = GenerateClient(action, name, context=context)
+    try:
+        client.wait_until_ready('gemma_spec', timeout)
+        yield client
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
 def spinning_node(context, name, params, engine_factory=None, namespace='', load_timeout=120.0):
     """
     Spin a GemmaSpecNode as main() does; yield it with a GenerateClient for its action.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import LaunchOutput, missing_ros2_tools, orin_launch_description
+from conftest import LaunchOutput, missing_ros2_tools, orin_launch_description, ready_client
 
 if missing_ros2_tools():
     pytest.skip(missing_ros2_tools(), allow_module_level=True)
@@ -24,7 +24,7 @@ from rcl_interfaces.srv import GetParameters
 from rclpy.action import get_action_names_and_types
 from rclpy.parameter import parameter_value_to_python
 
-from gemma_spec_ros.tools.client import GenerateClient, make_goal
+from gemma_spec_ros.tools.client import make_goal
 
 DOMAIN_ID = 11 + (os.getpid() + 73) % 80
 NAMESPACE = 'robot1'
@@ -63,12 +63,8 @@ def orin_launch(params_file):
 @pytest.fixture(scope='module')
 def ready(context):
     """Wait until /diagnostics say the launched node has loaded its models; yield a client on the module's domain."""
-    client = GenerateClient(ACTION, 'launch_test_client', context=context)
-    try:
-        client.wait_until_ready('gemma_spec', READY_TIMEOUT)
+    with ready_client(context, ACTION, 'launch_test_client', READY_TIMEOUT) as client:
         yield client
-    finally:
-        client.close()
 
 
 @pytest.mark.launch(fixture=orin_launch)

@@ -12,14 +12,14 @@ import threading
 import time
 
 import pytest
-from conftest import LaunchOutput, missing_ros2_tools, orin_launch_description
+from conftest import LaunchOutput, missing_ros2_tools, orin_launch_description, ready_client
 
 if missing_ros2_tools():
     pytest.skip(missing_ros2_tools(), allow_module_level=True)
 
 import launch_pytest
 
-from gemma_spec_ros.tools.client import GenerateClient, make_goal
+from gemma_spec_ros.tools.client import make_goal
 
 DOMAIN_ID = 91 + (os.getpid() + 11) % 80
 ACTION = '/gemma_spec/generate'
@@ -40,12 +40,8 @@ def respawning_launch():
 
 @pytest.fixture(scope='module')
 def ready(context):
-    client = GenerateClient(ACTION, 'fault_test_client', context=context)
-    try:
-        client.wait_until_ready('gemma_spec', READY_TIMEOUT)
+    with ready_client(context, ACTION, 'fault_test_client', READY_TIMEOUT) as client:
         yield client
-    finally:
-        client.close()
 
 
 def send_and_kill(client, **send_options):

@@ -32,6 +32,18 @@ ORPHAN_LIMIT = 15.0   # seconds from SIGKILL to the aborted goal: 2 s lease + 0.
 F32_MAX = 3.4028234663852886e38
 
 
+def run_planners(clients, plan, timeout):
+    """Run plan(index, client) for every client in a thread of its own once each sees the server; True if all end."""
+    for planner in clients:
+        assert planner.wait_for_server(30)
+    threads = [threading.Thread(target=plan, args=pair) for pair in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    return not any(thread.is_alive() for thread in threads)
+
+
 @pytest.fixture(scope='module')
 def reliable(context, tiny_models):
     with serving(context, 'gemma_spec_rel', tiny_params(tiny_models)) as pair:
@@ -56,13 +68,7 @@ def test_concurrent_clients_with_cancels_all_end_and_stream_their_text(reliable)
                 time.sleep(0.05)
 
     try:
-        for planner in clients:
-            assert planner.wait_for_server(20)
-        threads = [threading.Thread(target=plan, args=pair) for pair in enumerate(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
+        run_planners(clients, plan, 300)
     finally:
         node.set_parameters([Parameter('queue.max_length', value=4)])
         for planner in clients:
@@ -313,14 +319,7 @@ def test_a_flood_of_goals_from_twenty_clients_all_end_fairly_and_each_refusal_sa
                     others.append((index, number, outcome.status, outcome.accepted))
 
         try:
-            for planner in clients:
-                assert planner.wait_for_server(30)
-            threads = [threading.Thread(target=plan, args=pair) for pair in enumerate(clients)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(600)
-            assert not any(thread.is_alive() for thread in threads), 'a client hung'
+            assert run_planners(clients, plan, 600), 'a client hung'
         finally:
             for planner in clients:
                 planner.close()

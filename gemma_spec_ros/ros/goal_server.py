@@ -47,6 +47,7 @@ class GoalServer:
         self._metrics = metrics
         self._backend = backend
         self._logger = node.get_logger()
+        services = QoSProfile(depth=SERVICE_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE)
         self._action_server = ActionServer(
             node, Generate, '~/generate',
             execute_callback=self.execute_callback,
@@ -54,9 +55,7 @@ class GoalServer:
             handle_accepted_callback=self.handle_accepted_callback,
             callback_group=ReentrantCallbackGroup(),
             feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_QUEUE_DEPTH),
-            goal_service_qos_profile=QoSProfile(depth=SERVICE_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE),
-            result_service_qos_profile=QoSProfile(depth=SERVICE_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE),
-            cancel_service_qos_profile=QoSProfile(depth=SERVICE_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE),
+            goal_service_qos_profile=services, result_service_qos_profile=services, cancel_service_qos_profile=services,
             result_timeout=RESULT_TIMEOUT)
         action = node.resolve_action_name()
         self._receiver_topics = (action + '/_action/feedback', action + '/_action/status')

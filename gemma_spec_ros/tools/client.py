@@ -347,16 +347,15 @@ class GenerateClient:
         When the action server leaves the ROS graph while the goal runs (the node was killed; ROS sees that within
         the DDS lease), the outcome is 'lost' instead of a wait until timeout. retries: send a lost goal again, as
         a new goal, that many times, each once a server is back within server_timeout (e.g. launch respawned the
-        node); outcome.attempts counts the goals sent. Feedback of a lost attempt stays in outcome.feedback.
+        node); the outcome is the last attempt's, and outcome.attempts counts the goals sent (on_feedback saw the
+        feedback of every attempt).
         """
         outcome = self._send_once(goal, on_feedback, cancel_after_tokens, cancel_after_seconds, timeout)
         for attempt in range(retries):
             if outcome.status != 'lost' or not self.wait_for_server(server_timeout):
                 break
-            lost = outcome
             outcome = self._send_once(goal, on_feedback, cancel_after_tokens, cancel_after_seconds, timeout)
             outcome.attempts = attempt + 2
-            outcome.feedback[:0], outcome.feedback_times[:0] = lost.feedback, lost.feedback_times
         return outcome
 
     def _send_once(self, goal, on_feedback, cancel_after_tokens, cancel_after_seconds, timeout) -> Outcome:

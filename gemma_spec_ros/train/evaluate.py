@@ -162,13 +162,10 @@ def continuation_report(model, tokenizer, prompts: list[Prompt], max_new_tokens:
 
     Per category: the share that loops, the mean distinct 4-gram ratio and the mean length.
     """
-    import torch
+    from gemma_spec_ros.train.lm import greedy_continuation
 
     def greedy(ids: list[int], stop: list[int]) -> list[int]:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=0)
-        return out[0, len(ids):].tolist()
+        return greedy_continuation(model, ids, stop, max_new_tokens)
 
     eos = [tokenizer.eos_token_id]
     by_category: dict[str, list[list[int]]] = {}

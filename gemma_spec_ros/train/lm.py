@@ -83,3 +83,11 @@ def perplexity(model: Gemma4ForCausalLM, stream: TokenStream, seq_len: int, max_
         total += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction='sum').item()
         count += chunk[:, 1:].numel()
     return math.exp(total / count)
+
+
+def greedy_continuation(model, ids: list[int], stop_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Return transformers' greedy continuation of ids (without them), ending at a stop id or max_new_tokens."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=0)
+    return out[0, len(ids):].tolist()

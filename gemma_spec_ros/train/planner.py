@@ -361,25 +361,18 @@ class PlannerReport:
                 'calls': self.calls, 'examples': self.examples}
 
 
-def _generate(model, ids: list[int], stop_ids: list[int], max_new_tokens: int) -> list[int]:
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def run_planner(model, tokenizer, conversation: Conversation, max_calls: int = 8,
                 max_new_tokens: int = 96) -> tuple[list[tuple[str, dict]], str, list[str]]:
     """Greedy planner loop: generate, run each call as {'ok': True}, until a final answer; (calls, answer, segments)."""
+    from gemma_spec_ros.train.lm import greedy_continuation  # torch and transformers: only to evaluate
+
     prompt = tokenizer.apply_chat_template(conversation.prompt_messages, tools=conversation.tools, tokenize=False,
                                            add_generation_prompt=True, enable_thinking=conversation.thinking)
     ids = tokenizer(prompt, add_special_tokens=False)['input_ids']
     stop_ids = tokenizer.convert_tokens_to_ids(['<|tool_response>', '<turn|>', '<eos>'])
     calls, segments, answer = [], [], ''
     for _ in range(max_calls + 1):
-        new = _generate(model, ids, stop_ids, max_new_tokens)
+        new = greedy_continuation(model, ids, stop_ids, max_new_tokens)
         segment = tokenizer.decode(new, skip_special_tokens=False)
         segments.append(segment)
         parsed = tokenizer.parse_response(segment, prefix='')
