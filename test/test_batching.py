@@ -165,7 +165,7 @@ def test_engine_serves_several_goals_at_once(batch_engine, tiny_engine):
     assert tiny_engine.capabilities.max_concurrent_goals == 1
     batched, single = batch_engine.status(), tiny_engine.status()
     assert batched.kv_cache_bytes >= single.kv_cache_bytes + MAX_BATCH * batched.kv_cache_slot_bytes  # slots too
-    assert batched.kv_cache_slot_bytes == batch_engine._batch.rows.cache.slot_nbytes > 0 == single.kv_cache_slot_bytes
+    assert batched.kv_cache_slot_bytes == batch_engine.batch.rows.cache.slot_nbytes > 0 == single.kv_cache_slot_bytes
 
 
 def test_the_slots_follow_from_the_kv_budget(tiny_engine_config, batch_engine):
@@ -358,7 +358,7 @@ def test_a_goal_that_fails_leaves_the_batch_serving(batch_engine, monkeypatch):
 def test_sampled_goals_in_a_batch_follow_the_target_distribution(batch_engine, monkeypatch, drafter):
     temperature, top_k, length, samples = 2.0, 3, 3, 800
     prompt_ids = batch_engine.tokenizer('the the the cube the the').input_ids
-    expected = target_distribution(batch_engine._target.model, prompt_ids, temperature, top_k, length)
+    expected = target_distribution(batch_engine.target_lm.model, prompt_ids, temperature, top_k, length)
     likely_second = Counter()  # drafting the likeliest second token gets drafts accepted and rejected
     for outcome, probability in expected.items():
         likely_second[outcome[1]] += probability
@@ -391,7 +391,7 @@ def test_sampled_goals_in_a_batch_follow_the_target_distribution(batch_engine, m
 def test_closing_the_engine_stops_its_scheduler(tiny_engine_config):
     engine = Engine.from_config(dataclasses.replace(tiny_engine_config, max_batch=2))
     assert len(engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=4, drafter='mtp')).token_ids) == 4
-    scheduler = engine._batch._thread
+    scheduler = engine.batch._thread
     assert scheduler.is_alive()
     engine.close()
     assert not scheduler.is_alive()  # it let go of the engine

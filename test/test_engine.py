@@ -208,14 +208,11 @@ def test_cancel_from_another_thread(tiny_engine):
     assert result.finish_reason == 'cancelled' and 0 < len(result.token_ids) < 500
 
 
-def test_eos_stops_generation(tiny_engine):
+def test_eos_stops_generation(tiny_engine, monkeypatch):
     plain = tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=12, drafter='none'))
-    eos_engine_ids = set(tiny_engine.eos_token_ids)
-    tiny_engine._eos_ids = eos_engine_ids | {plain.token_ids[5]}
-    try:
-        result = tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=12, drafter='ngram'))
-    finally:
-        tiny_engine._eos_ids = eos_engine_ids
+    # the rounds' stop ids: one token of the plain output becomes an EOS
+    monkeypatch.setattr(tiny_engine._rounds, 'eos_ids', set(tiny_engine.eos_token_ids) | {plain.token_ids[5]})
+    result = tiny_engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=12, drafter='ngram'))
     assert result.finish_reason == 'stop' and result.token_ids == plain.token_ids[:plain.token_ids.index(
         plain.token_ids[5]) + 1]
 
@@ -362,7 +359,7 @@ def test_draft_model_partial_acceptance_rolls_back(agreeing_engine, reference):
     # the draft model is the target, so its drafts are right; corrupting draft j makes exactly j of them accepted
     prompt_ids = ids_of(agreeing_engine, STORY_PROMPT)
     expected = reference(prompt_ids, LONG)
-    drafter = agreeing_engine._drafters['draft']
+    drafter = agreeing_engine.drafter('draft')
     original = drafter.propose
     drafter.propose = lambda context, k: corrupt_after(original(context, k), len(context.tokens) % (k + 1))
     try:
@@ -381,7 +378,7 @@ def test_mtp_partial_acceptance_cuts_rejected_kv(tiny_engine_off, reference):
     tiny_engine = tiny_engine_off
     prompt_ids = ids_of(tiny_engine, STORY_PROMPT)
     expected = reference(prompt_ids, LONG)
-    drafter = tiny_engine._drafters['mtp']
+    drafter = tiny_engine.drafter('mtp')
     original = drafter.propose
     seen_kv_lengths = []
 
@@ -413,7 +410,7 @@ def test_model_drafters_report_the_confidence_of_each_draft(tiny_engine, drafter
     from gemma_spec_ros.engine.drafters.base import DraftContext
     from gemma_spec_ros.engine.requests import SamplingParams
 
-    model_drafter = tiny_engine._drafters[drafter]
+    model_drafter = tiny_engine.drafter(drafter)
     original = model_drafter.propose
     seen = []
 
@@ -436,7 +433,7 @@ def test_model_drafters_report_the_confidence_of_each_draft(tiny_engine, drafter
             drawn = proposal.draft_probs.gather(-1, proposal.tokens[:, None])[:, 0]
             assert torch.allclose(confidences, drawn)
     assert (seen[0].draft_probs is None) == (SamplingParams(temperature).greedy)
-    controller = tiny_engine._controllers[drafter]
+    controller = tiny_engine.controller(drafter)
     uncut = controller.cutoffs.uncut
     assert uncut and all(len(r.drafted_under) == len(CUTOFFS) and 1 <= min(r.drafted_under)
                          and max(r.drafted_under) <= r.num_drafted for r in uncut)

@@ -38,11 +38,11 @@ OUTPUT_LENGTH = 3
 def test_rollbacks_right_at_the_window_edge_stay_exact(agreeing_engine, reference, edge):
     # the draft model is the target, so its drafts are right; each round's first wrong draft is put where the
     # rollback lands exactly on a multiple of the sliding window (or of the sliding ring's size)
-    target = agreeing_engine._target
+    target = agreeing_engine.target_lm
     assert isinstance(target, FastCausalLM) and target.mode == AGREEING_COMPILE
     period = SLIDING_WINDOW if edge == 'window' else target.cache.ring_size
     prompt_ids = agreeing_engine.tokenizer(STORY_PROMPT).input_ids
-    drafter = agreeing_engine._drafters['draft']
+    drafter = agreeing_engine.drafter('draft')
     original = drafter.propose
     edges = []
 
@@ -67,9 +67,9 @@ def test_mtp_assistant_reads_only_the_kept_target_cache(tiny_engine, reference):
     # step on a fresh target cache that never saw the rejected drafts
     prompt_ids = tiny_engine.tokenizer(STORY_PROMPT).input_ids
     truth = reference(prompt_ids, 60)
-    drafter = tiny_engine._drafters['mtp']
+    drafter = tiny_engine.drafter('mtp')
     assert drafter._fast is not None
-    target = tiny_engine._target
+    target = tiny_engine.target_lm
     fresh_target = FastCausalLM(target.model, target.cache.context_limit, target.max_query, 'eager')
     fresh_assistant = FastAssistant(drafter._assistant, fresh_target, 'eager')
     original = drafter.propose
@@ -105,7 +105,7 @@ def test_mtp_assistant_reads_only_the_kept_target_cache(tiny_engine, reference):
 def test_sampled_speculation_follows_the_target_distribution(tiny_engine, drafter):
     temperature = 2.0  # spreads the random target's top 3
     prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
-    expected = target_distribution(tiny_engine._target.model, prompt_ids, temperature, TOP_K, OUTPUT_LENGTH)
+    expected = target_distribution(tiny_engine.target_lm.model, prompt_ids, temperature, TOP_K, OUTPUT_LENGTH)
     assert sum(p * SAMPLES >= 5 for p in expected.values()) >= 10  # bins enough for power
     observed, drafted = Counter(), 0
     for seed in range(SAMPLES):
@@ -121,7 +121,7 @@ def test_sampled_speculation_follows_the_target_distribution(tiny_engine, drafte
 def test_chi_squared_detects_a_wrong_distribution(tiny_engine):
     # the same check against the target at another temperature must fail: the test has power
     prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
-    expected = target_distribution(tiny_engine._target.model, prompt_ids, 2.0, TOP_K, OUTPUT_LENGTH)
+    expected = target_distribution(tiny_engine.target_lm.model, prompt_ids, 2.0, TOP_K, OUTPUT_LENGTH)
     observed = Counter()
     for seed in range(SAMPLES):
         result = tiny_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=OUTPUT_LENGTH,
@@ -135,8 +135,8 @@ def test_status_reports_the_path_and_its_memory(tiny_engine, tiny_engine_off):
     fast, off = tiny_engine.status(), tiny_engine_off.status()
     assert (fast.compile_mode, off.compile_mode) == (TEST_COMPILE, 'transformers')
     assert fast.weights_bytes == off.weights_bytes > 0
-    target_cache = tiny_engine._target.cache
-    assert fast.kv_cache_bytes == target_cache.nbytes + tiny_engine._drafters['draft'].kv_cache_bytes
+    target_cache = tiny_engine.target_lm.cache
+    assert fast.kv_cache_bytes == target_cache.nbytes + tiny_engine.drafter('draft').kv_cache_bytes
     assert target_cache.context_limit == 1024  # engine.context_limit 4096, the tiny models' 1024 positions
     assert off.kv_cache_bytes == 0
 
@@ -155,7 +155,7 @@ def test_timed_target_passes_cover_every_size_and_leave_requests_exact(tiny_engi
 
 def test_context_limit_sizes_the_cache_and_bounds_requests(tiny_engine_config):
     engine = Engine.from_config(dataclasses.replace(tiny_engine_config, context_limit=64, drafter='draft'))
-    assert engine._target.cache.context_limit == 64
+    assert engine.target_lm.cache.context_limit == 64
     prompt_ids = engine.tokenizer(STORY_PROMPT).input_ids
     room = 64 - len(prompt_ids)
     with pytest.raises(ValueError, match='engine.context_limit'):
@@ -183,7 +183,7 @@ def test_auto_runs_transformers_forward_where_the_fast_path_does_not_cover_the_m
                           num_threads=TEST_THREADS)
     messages = []
     engine = Engine.from_config(config, progress=messages.append)
-    assert isinstance(engine._target, DynamicCausalLM) and engine.status().compile_mode == 'transformers'
+    assert isinstance(engine.target_lm, DynamicCausalLM) and engine.status().compile_mode == 'transformers'
     assert any('fast path not available' in message and 'MoE' in message for message in messages)
     assert engine.generate(GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=4)).token_ids
     with pytest.raises(ValueError, match='engine.compile=eager cannot run the target.*MoE'):
@@ -205,7 +205,7 @@ def test_compiled_steps_recompile_when_torch_threads_change_after_warm_up(agreei
 @pytest.mark.parametrize('temperature', [0.0, 1.0])
 def test_the_controller_prices_the_drafter_calls_each_round_makes(tiny_engine, monkeypatch, temperature):
     # greedy MTP rounds on the fast path draft in calls of several steps (K = 5: 4 + 1), sampled ones one per draft
-    drafter, controller = tiny_engine._drafters['mtp'], tiny_engine._controllers['mtp']
+    drafter, controller = tiny_engine.drafter('mtp'), tiny_engine.controller('mtp')
     steps, calls, rounds = drafter._fast._steps, [], []
     run_step, propose = steps.run, drafter.propose
 

@@ -178,7 +178,7 @@ def test_prefill_matches_transformers_forward_with_images(vision_models, vision_
 
 def processor_ids(engine, plan, question: str) -> list[int]:
     """Return Gemma4Processor's ids: the template rendered, each image token expanded, the text tokenized whole."""
-    tokenizer, vision = engine.tokenizer, engine._vision
+    tokenizer, vision = engine.tokenizer, engine.vision
     parts = [{'type': 'image'} for _ in plan.images] + [{'type': 'text', 'text': question}]
     chat = [{'role': 'user', 'content': parts}]
     pieces = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True).split('<|image|>')
@@ -188,7 +188,7 @@ def processor_ids(engine, plan, question: str) -> list[int]:
 
 
 def test_prompt_shows_each_image_as_its_placeholder_run(vision_engine):
-    vision = vision_engine._vision
+    vision = vision_engine.vision
     plan = vision_engine.validate(image_goal())
     ids, image_token = plan.prompt_ids, vision.image_token_id
     runs = [vision.placeholder_ids(image) for image in plan.images]
@@ -237,7 +237,7 @@ def test_transformers_forward_reads_images_too(vision_models, plain_tokens):
 def test_image_goals_run_alone_beside_a_batch(vision_models, plain_tokens):
     engine = Engine.from_config(engine_config(vision_models, max_batch=2))
     try:
-        assert engine._batch is not None
+        assert engine.batch is not None
         for drafter in ('none', 'mtp'):
             assert engine.generate(image_goal(drafter=drafter, num_draft_tokens=3)).token_ids == plain_tokens
     finally:

@@ -172,9 +172,9 @@ def test_thinking_opens_a_turn_and_a_reply_after_tool_results_may_go_on_without_
     resuming = tiny_engine.validate(request(messages=history, thinking=True, tool_choice='auto'))
     assert not opening.reply.resumes and resuming.reply.resumes
     word = tiny_engine.tokenizer.encode('Done', add_special_tokens=False)[0]
-    first = ReplyConstraint(tiny_engine._constraints, opening.reply, None, opening.compiled_calls)
+    first = ReplyConstraint(tiny_engine.constraints, opening.reply, None, opening.compiled_calls)
     assert first.next_mask()[0].nonzero().flatten().tolist() == [tokens.channel_open]   # a turn thinks first
-    later = ReplyConstraint(tiny_engine._constraints, resuming.reply, None, resuming.compiled_calls)
+    later = ReplyConstraint(tiny_engine.constraints, resuming.reply, None, resuming.compiled_calls)
     mask = later.next_mask()[0]
     assert mask[tokens.channel_open] and mask[tokens.call_open] and mask[word]   # think again, call, or answer
     assert later.advance(word) and not later.in_thought and not later.advance(tokens.channel_open)
@@ -193,7 +193,7 @@ def test_sampled_calls_follow_the_constrained_target_distribution(tiny_engine):
     temperature, top_k, length, samples = 2.0, 3, 4, 300
     fields = dict(tool_choice='auto', thinking=True, max_thinking_tokens=1, temperature=temperature, top_k=top_k)
     plan = tiny_engine.validate(request(**fields, drafter='mtp', num_draft_tokens=2, max_new_tokens=length))
-    model, compiler = tiny_engine._target.model, tiny_engine._constraints
+    model, compiler = tiny_engine.target_lm.model, tiny_engine.constraints
 
     def next_logits(prefix):
         import torch

@@ -130,7 +130,7 @@ def test_unset_token_ordering_refused(tiny_models, tmp_path):
 
 
 def test_failing_drafter_falls_back_to_plain_decoding(tiny_models, tiny_engine):
-    drafter = tiny_engine._drafters['draft']
+    drafter = tiny_engine.drafter('draft')
     original = drafter.propose
 
     def broken(context, k):

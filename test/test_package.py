@@ -157,6 +157,35 @@ def test_engine_modules_stay_small():
     assert sizes['decoding/engine.py'] <= 400
 
 
+def _private_names(tree: ast.Module) -> set[str]:
+    """The private names a module defines: functions, classes, self./cls. attributes, assignments, imports as."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                isinstance(node.value, ast.Name) and node.value.id in ('self', 'cls'):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+        elif isinstance(node, ast.ImportFrom):
+            names.update(alias.asname or alias.name for alias in node.names)
+    return {name for name in names if name.startswith('_') and not name.startswith('__')}
+
+
+def test_no_module_reaches_into_another_modules_private_fields():
+    """`x._name` only where this module defines _name: others use public methods (a library's privates aside)."""
+    trees = {path: ast.parse(path.read_text()) for path in (REPO / 'gemma_spec_ros').rglob('*.py')}
+    defined = {path: _private_names(tree) for path, tree in trees.items()}
+    ours = set().union(*defined.values())
+    reaches = ['{}:{} {}'.format(path.relative_to(REPO), node.lineno, ast.unparse(node))
+               for path, tree in trees.items() for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr in ours and node.attr not in defined[path]]
+    assert reaches == []
+
+
 def test_layers_are_a_checked_contract():
     """The import contracts in setup.cfg: between the packages and between the engine's parts (architecture.md)."""
     lint = subprocess.run([str(Path(sys.executable).parent / 'lint-imports'), '--no-cache', '--config',

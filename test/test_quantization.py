@@ -85,14 +85,14 @@ def quantized_engine(request, tiny_engine_config):
 
 def test_quantized_weights_are_smaller_and_reported(quantized_engine, tiny_engine):
     quantized, full = quantized_engine.status(), tiny_engine.status()
-    runner = quantized_engine._target
+    runner = quantized_engine.target_lm
     assert isinstance(runner, FastCausalLM) and runner.quantization.mode == quantized_engine.config.quantization
     report = runner.quantization
     shrink = 2 if report.mode == 'float16' else 3  # float16 halves every matrix and table exactly
     assert report.bytes_after <= report.bytes_before / shrink
     # the target, the draft model and the MTP assistant shrink
     assert quantized.weights_bytes < full.weights_bytes / (shrink - 0.1)
-    assert quantized_engine._drafters['mtp']._fast.quantization.matrices > 0
+    assert quantized_engine.drafter('mtp')._fast.quantization.matrices > 0
 
 
 @pytest.mark.parametrize('drafter', ['none', 'ngram', 'draft', 'mtp'])
@@ -143,7 +143,7 @@ def test_the_quantized_distribution_differs_from_float_where_the_test_has_power(
     # the χ² reference above must be the quantized model's: against float int4 outputs must stand apart
     prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
     quantized = _quantized_next_logits(tiny_models.target, 'int4', prompt_ids)(())
-    full = tiny_engine._target.model(torch.tensor([prompt_ids])).logits[0, -1]
+    full = tiny_engine.target_lm.model(torch.tensor([prompt_ids])).logits[0, -1]
     assert not torch.allclose(quantized, full, atol=1e-3)
 
 

@@ -103,7 +103,7 @@ def test_target_graphs_take_over_between_rounds_and_greedy_output_stays_exact(wa
 def test_sampled_output_follows_the_target_distribution_across_swaps(warming):
     _build_target_graphs(warming)
     prompt_ids = warming.tokenizer(SAMPLING_PROMPT).input_ids
-    expected = target_distribution(warming._target.model, prompt_ids, 2.0, TOP_K, OUTPUT_LENGTH)
+    expected = target_distribution(warming.target_lm.model, prompt_ids, 2.0, TOP_K, OUTPUT_LENGTH)
     observed, paths = Counter(), Counter()
     for seed in range(SAMPLES):
         result = warming.generate(GenerationRequest(

@@ -74,13 +74,13 @@ def _engine_proposals(engine, drafter: str, prompt_ids: list[int], output: list[
 
     for emitted in range(1, len(output)):
         cancel = CancelToken()
-        hook = _FirstProposal(engine._drafters[drafter], cancel)  # noqa: SLF001 (a measurement hook)
+        hook = _FirstProposal(engine.drafter(drafter), cancel)  # a measurement hook on the drafter object
         try:
             engine.generate(GenerationRequest(prompt_ids=prompt_ids + output[:emitted - 1],
                                               max_new_tokens=max_k + 2, drafter=drafter,
                                               num_draft_tokens=max_k), cancel=cancel)
         finally:
-            del engine._drafters[drafter].propose  # noqa: SLF001
+            del engine.drafter(drafter).propose
         yield hook.proposal
 
 
@@ -91,7 +91,7 @@ def _lookup_proposals(engine, drafter: str, prompt_ids: list[int], output: list[
     from gemma_spec_ros.engine.drafters.base import DraftContext
     from gemma_spec_ros.engine.requests import SamplingParams
 
-    lookup = engine._drafters[drafter]  # noqa: SLF001
+    lookup = engine.drafter(drafter)
     lookup.start(prompt_ids)
     for emitted in range(1, len(output)):
         tokens = prompt_ids + output[:emitted]
@@ -119,16 +119,16 @@ def measure_costs(engine, prompt_ids: list[int], drafters: list[str], max_k: int
             for k in [0, *range(1, max_k + 1)]:
                 engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=48,
                                                   drafter='none' if k == 0 else drafter, num_draft_tokens=k))
-    plain = engine._target_cost.relative()[1]  # noqa: SLF001 (the drafting fits' load-free unit)
-    fits = {d: engine._controllers[d].costs.draft_cost for d in drafters}  # noqa: SLF001
-    calls = {d: engine._drafters[d].draft_calls(SamplingParams(), False) for d in drafters}  # noqa: SLF001
+    plain = engine.verify_costs.relative()[1]  # the drafting fits' load-free unit
+    fits = {d: engine.controller(d).costs.draft_cost for d in drafters}
+    calls = {d: engine.drafter(d).draft_calls(SamplingParams(), False) for d in drafters}
     return {'verify_cost': [round(s / verify[0], 4) for s in verify],
             'plain_step_ms': round(verify[0] * 1000, 3),
             'draft_cost_ratio': {d: round(fit.step / plain, 4) for d, fit in fits.items()},
             'draft_fixed_ratio': {d: round(fit.fixed / plain, 4) for d, fit in fits.items()},
             'draft_call_ratio': {d: round(fit.per_call / plain, 4) for d, fit in fits.items()},
             'draft_calls': {d: [calls[d](k) for k in range(max_k + 1)] for d in drafters},
-            'cut_saves_drafting': {d: engine._drafters[d].cut_saves_drafting for d in drafters}}  # noqa: SLF001
+            'cut_saves_drafting': {d: engine.drafter(d).cut_saves_drafting for d in drafters}}
 
 
 def _write(path: str, result: dict) -> None:

@@ -35,7 +35,7 @@ from gemma_spec_ros.benchmarks.harness import WARM_UP_TOKENS, Settings, load_eng
 from gemma_spec_ros.benchmarks.prompts import Prompt, take_per_category
 from gemma_spec_ros.benchmarks.report import machine_description, write_json
 from gemma_spec_ros.benchmarks.systems import EngineRunner, System
-from gemma_spec_ros.engine.decoding import engine as engine_loop
+from gemma_spec_ros.engine.decoding import rounds as round_steps
 from gemma_spec_ros.engine.drafters import base as drafter_base
 from gemma_spec_ros.engine.logits.grammar import MAX_JSON_WHITESPACE, GrammarConstraint, Lookahead
 from gemma_spec_ros.engine.stats import decode_tau, tokens_per_second
@@ -47,7 +47,7 @@ CATEGORY = 'constrained'
 GOAL_OVERHEAD = 0.10    # time per token with the schema vs without, at the same decode tau
 # the constraint's calls during a generation: the matcher (Lookahead.mask goes through next_mask) and the masking
 _TIMED = ((GrammarConstraint, ('next_mask', 'masks_along', 'allowed_prefix_len', 'accept')), (Lookahead, ('push',)),
-          (engine_loop, ('mask_logits',)), (drafter_base, ('mask_logits',)))
+          (round_steps, ('mask_logits',)), (drafter_base, ('mask_logits',)))
 
 
 @dataclass

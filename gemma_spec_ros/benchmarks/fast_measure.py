@@ -63,7 +63,7 @@ class _System:
         self.lm = build_causal_lm(model, MODES[name], context_limit, 9, 'target', progress)
         self.warmup_seconds = self.lm.warmup(0, progress).seconds
         if name == 'compiled-dynamo':  # drop the graphs recorded for direct calls: every call enters through dynamo
-            self.lm._steps._direct.clear()
+            self.lm.forget_direct_graphs()
 
     def reset(self):
         self.lm.reset()
@@ -325,7 +325,8 @@ def _compile_stack_baseline(args) -> int:
     import torch
     from transformers import AutoConfig
 
-    from gemma_spec_ros.engine.runtime import models, runner
+    from gemma_spec_ros.engine.runtime import models
+    from gemma_spec_ros.engine.runtime.compile_cache import release_compile_garbage
     from gemma_spec_ros.engine.runtime.model import inlines_layers
 
     device = models.resolve_device(args.device)
@@ -339,7 +340,7 @@ def _compile_stack_baseline(args) -> int:
     with torch.inference_mode():
         tiny(example).item()
     del tiny
-    runner._release_compile_garbage()  # as after every step graph's compile
+    release_compile_garbage()  # as after every step graph's compile
     return _rss()[0]
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
-from gemma_spec_ros.engine.decoding.images import soft_tokens
 from gemma_spec_ros.engine.types import ImageInput
 
 MODELS = Path(__file__).resolve().parents[2] / 'models'
@@ -47,11 +46,10 @@ def goal(image: ImageInput | None, drafter: str, new_tokens: int) -> GenerationR
 def decode_steps_per_second(engine: Engine, request: GenerationRequest, steps: int) -> float:
     """Prefill the request's prompt (images included), then time steps plain decode steps of the target."""
     plan = engine.validate(request)
-    run = engine._new_run(plan)
-    target = engine._target
-    with engine._lock, torch.inference_mode():
+    with engine.exclusive() as target:
         target.reset()
-        out = target.prefill(torch.tensor([plan.prompt_ids]), 1, False, soft_tokens(engine._vision, run))
+        soft = engine.vision.encode(plan.images) if plan.images else None
+        out = target.prefill(torch.tensor([plan.prompt_ids]), 1, False, soft)
         token = out.logits[0, -1:].argmax(dim=-1)
         started = time.perf_counter()
         for _ in range(steps):
@@ -98,10 +96,10 @@ def main(argv=None) -> None:
         for shown in (image, None):
             rates[shown is not None].append(decode_steps_per_second(engine, goal(shown, 'none', 1), args.steps))
         for size, frame in frames.items():
-            encode_ms[size].append(engine._vision.encode((frame,)).seconds * 1000.0)
+            encode_ms[size].append(engine.vision.encode((frame,)).seconds * 1000.0)
 
     print('\nimage {} ({}x{}); target {}, decode steps {}; medians of {} repeats\n'.format(
-        Path(args.image).name, image.width, image.height, Path(args.target).name, engine._target.mode,
+        Path(args.image).name, image.width, image.height, Path(args.target).name, engine.target_lm.mode,
         args.repeats))
     print('| drafter | goal | prompt tokens | image prefill ms | TTFT ms | new tokens | decode tok/s | tau |')
     print('|---|---|---|---|---|---|---|---|')
@@ -115,7 +113,7 @@ def main(argv=None) -> None:
     print('\ntarget plain decode steps ({} steps, EOS ignored): {:.1f} tok/s after the image goal\'s prompt, {:.1f} '
           'after the text goal\'s'.format(args.steps, statistics.median(rates[True]), statistics.median(rates[False])))
     print('image prefill of a camera frame: ' + ', '.join('{}x{} {:.1f} ms ({} soft tokens)'.format(
-        width, height, statistics.median(encode_ms[width, height]), engine._vision.soft_token_count(width, height))
+        width, height, statistics.median(encode_ms[width, height]), engine.vision.soft_token_count(width, height))
         for width, height in frames))
 
 

@@ -1,7 +1,8 @@
 """
 The local engine: the decode loop (Engine, the local Backend) and what only it uses.
 
-- engine.py: Engine, prefill -> draft -> verify -> accept / roll back -> stream, one verify round at a time.
+- engine.py: Engine, the local Backend; its single-goal loop runs the target's own passes and cache.
+- rounds.py: Rounds, the steps of a decode round (plan, draft, verify, accept, emit) for one goal or a batch.
 - loading.py: load_engine, an Engine from an EngineConfig (Engine.from_config): models, drafters, warm-up.
 - calibration.py: timing target passes of every size, the controllers' verify-cost curve; Stopwatch.
 - batch.py: BatchScheduler, continuous batching (engine.max_batch): goals decoded together, one pass per round.

@@ -30,14 +30,14 @@ import torch
 
 from .. import requests
 from ..control import Decision, GoalPassCost, SpeculationController, TargetCost
-from ..drafters.base import DraftContext, Drafter, Proposal, RowRequest
-from ..logits.grammar import mask_logits
+from ..drafters.base import Drafter, Proposal, RowRequest
 from ..logits.verify import verify
 from ..runtime import FastCausalLM, GraphJob
 from ..runtime.model import StepOutput
 from ..runtime.rows import FastRows, row_bucket, row_buckets, slot_nbytes
 from ..stats import tau
 from ..types import BatchGoalStatus, CancelToken, DeltaCallback, GenerationResult
+from .rounds import Rounds
 from .run import Run
 
 CLOSED_REASON = 'the engine was closed'
@@ -69,10 +69,16 @@ class BatchGoal:
 class BatchScheduler:
     """Runs the rounds of up to rows.cache.num_slots goals at once, in a thread of its own (started on first use)."""
 
-    def __init__(self, engine, rows: FastRows, round_lock: threading.Lock, drafters: set[str],
-                 graph_jobs: list[GraphJob]):
-        """drafters: the names of the drafters that joined the batch (Drafter.join_batch); graph_jobs: its graphs."""
-        self._engine = engine          # decoding.Engine: its emit / verify / result steps serve both paths
+    def __init__(self, rounds: Rounds, rows: FastRows, round_lock: threading.Lock, drafters: set[str],
+                 graph_jobs: list[GraphJob], adopt_built_graphs):
+        """
+        Schedule goals on rows, each round's steps taken from rounds (which the single-goal path runs too).
+
+        drafters: the names of the drafters that joined the batch (Drafter.join_batch); graph_jobs: its graphs;
+        adopt_built_graphs: lets graphs a background warm-up built take over, between rounds.
+        """
+        self._rounds = rounds
+        self._adopt_built_graphs = adopt_built_graphs
         self.rows = rows
         self._drafters = drafters
         self.graph_jobs = graph_jobs   # the batched steps' graphs, for the engine's warm-up
@@ -143,7 +149,7 @@ class BatchScheduler:
                     order.shuffle(sizes)
                     for q in sizes:
                         started = time.perf_counter()
-                        self.rows.step(torch.zeros((bucket, q), dtype=torch.long, device=self._engine._device),
+                        self.rows.step(torch.zeros((bucket, q), dtype=torch.long, device=self._rounds.device),
                                        starts).logits.sum().item()  # the round's sync
                         samples.setdefault(q, []).append(time.perf_counter() - started)
                 medians[bucket] = {q: statistics.median(times) for q, times in samples.items()}
@@ -216,7 +222,7 @@ class BatchScheduler:
         drafting cost carries over, as the single-goal engine's one controller per drafter does (not that one: its
         costs are single-goal passes). A pinned K is only measured, as on the single-goal path.
         """
-        run, config = goal.run, self._engine.config
+        run = goal.run
         if run.controller is None:  # drafter none, or its model failed to load
             return
         goal.idle_controllers = self._idle_controllers.setdefault(drafter, [])
@@ -224,29 +230,19 @@ class BatchScheduler:
             run.controller, goal.pass_cost = goal.idle_controllers.pop()
         else:
             goal.pass_cost = GoalPassCost(self.pass_costs[row_bucket(goal.slot + 1, self.num_slots)])
-            run.controller = SpeculationController(config.max_draft_tokens, goal.pass_cost, config.profit_gate,
-                                                   config.probe_interval, run.drafter.cut_saves_drafting)
-        run.controller.start(run.drafter.draft_calls(run.plan.sampling, run.constraint is not None),
-                             pinned_k=bool(run.plan.pinned_k))
+            run.controller = self._rounds.new_controller(run.drafter, goal.pass_cost)
 
     def _prefill(self, goal: BatchGoal) -> None:
         """Put the goal's prompt into its slot and pick (and stream) its first token."""
-        engine, run = self._engine, goal.run
-        engine._call_drafter(run, lambda: run.drafter.start(run.tokens))
-        out = self.rows.prefill(goal.slot, torch.tensor([run.tokens], device=engine._device))
-        engine._call_drafter(run, lambda: run.drafter.observe(out, 1, 1))  # out holds the last prompt position
-        logits = out.logits[0, -1:]  # [1, vocab]
-        if run.constraint is not None:
-            logits = mask_logits(logits, run.constraint.next_mask(engine._device))
-        run.last_token = engine._first_token(logits, run.plan.sampling, run.generator)
-        run.tally.add_prefill(time.perf_counter())
-        self._emit(goal, [run.last_token.item()])
+        run = goal.run
+        self._rounds.start(run)
+        out = self.rows.prefill(goal.slot, torch.tensor([run.tokens], device=self._rounds.device))
+        self._emit(goal, self._rounds.first_token(run, out))
 
     def _run_round(self, goals: list[BatchGoal]) -> None:
         """Draft per goal, verify every goal in one batched pass, then accept, roll back and stream per goal."""
-        engine, rows = self._engine, self.rows
-        if engine._warmup is not None:
-            engine._warmup.adopt()  # graphs built since the last round take over: the whole round runs on them
+        rows, device = self.rows, self._rounds.device
+        self._adopt_built_graphs()
         batch = row_bucket(max(goal.slot for goal in goals) + 1, self.num_slots)
         self._propose(goals, batch)
         width = max(goal.width for goal in goals)
@@ -255,9 +251,9 @@ class BatchScheduler:
             row = [goal.run.tokens[-1]] + goal.drafts
             token_rows[goal.slot] = row + [0] * (width - len(row))
             starts[goal.slot] = rows.cache.slots[goal.slot].length
-        token_ids = torch.tensor(token_rows, device=engine._device)
+        token_ids = torch.tensor(token_rows, device=device)
         drafts = torch.tensor([goal_drafts + [-1] * (width - 1 - len(goal_drafts)) for goal_drafts in
-                               self._drafts_by_row(goals, batch)], dtype=torch.long, device=engine._device)
+                               self._drafts_by_row(goals, batch)], dtype=torch.long, device=device)
         started = time.perf_counter()
         out = rows.step(token_ids, starts)  # logits, hidden [batch, width, ...]
         # every row's greedy verdict at once: padding drafts of -1 are never accepted
@@ -272,31 +268,28 @@ class BatchScheduler:
 
     def _propose(self, goals: list[BatchGoal], batch: int) -> None:
         """Each goal's drafts for this round: on its own, or with the goals whose drafters share a model."""
-        engine, shared = self._engine, {}
+        rounds, shared = self._rounds, {}
         for goal in goals:
             run = goal.run
             goal.proposal, goal.drafts, goal.draft_seconds = None, [], 0.0
-            goal.decision = self._decide(goal, goals, batch)
-            budget = min(run.plan.max_new_tokens - len(run.generated), engine._context_limit - len(run.tokens)) - 1
-            k = min(goal.decision.num_draft_tokens, budget, self.rows.max_query - 1)
+            self._share_pass(goal, goals, batch)
+            goal.decision, k = rounds.plan(run, self.rows.max_query - 1)
             if k <= 0:
                 continue
-            context = DraftContext(run.tokens, run.last_token, run.plan.sampling, run.generator,
-                                   goal.decision.min_confidence, run.constraint)
             if run.drafter.rows is None:
                 started = time.perf_counter()
-                goal.proposal = engine._call_drafter(run, lambda run=run, context=context, k=k:
-                                                     run.drafter.propose(context, k))
+                goal.proposal = rounds.propose(run, goal.decision, k)
                 goal.draft_seconds = time.perf_counter() - started
             else:
-                shared.setdefault(run.drafter.rows, []).append((goal, RowRequest(goal.slot, context, k, run.drafter)))
+                shared.setdefault(run.drafter.rows, []).append(
+                    (goal, RowRequest(goal.slot, rounds.draft_context(run, goal.decision), k, run.drafter)))
         for drafter_rows, members in shared.items():
             started = time.perf_counter()
             try:
                 proposals = drafter_rows.propose_rows([request for _, request in members], batch)
             except Exception as exc:  # noqa: BLE001 (a drafter failure: its goals go on with plain decoding)
                 for goal, _ in members:
-                    goal.run.fall_back(self._engine._drafters['none'], exc)
+                    rounds.fall_back(goal.run, exc)
                 continue
             seconds = (time.perf_counter() - started) / len(members)  # the rows' steps ran once for all of them
             for (goal, _), proposal in zip(members, proposals, strict=True):
@@ -306,20 +299,14 @@ class BatchScheduler:
                 goal.drafts = goal.proposal.tokens.tolist()
             goal.width = 1 + len(goal.drafts)
 
-    def _decide(self, goal: BatchGoal, goals: list[BatchGoal], batch: int) -> Decision:
-        """Choose the goal's K this round: pinned, or its controller's on its share of this round's pass (else 0)."""
-        run = goal.run
-        if run.controller is None:
-            return Decision(0, False)
+    def _share_pass(self, goal: BatchGoal, goals: list[BatchGoal], batch: int) -> None:
+        """Price a speculating goal's verify passes at its share of this round's batched pass."""
+        if goal.run.controller is None:
+            return
         others = [other for other in goals if other is not goal]
         partners = [other for other in others if self._speculates_as_it_chooses(other)]
         goal.pass_cost.share(self.pass_costs[batch], len(goals), len(partners),
                              [other.width for other in others if other not in partners])
-        if run.plan.pinned_k:
-            return Decision(run.plan.pinned_k, True)
-        decision = run.controller.decide()
-        run.tally.paused_rounds += not decision.speculating and decision.num_draft_tokens == 0
-        return decision
 
     @staticmethod
     def _speculates_as_it_chooses(goal: BatchGoal) -> bool:
@@ -336,42 +323,26 @@ class BatchScheduler:
 
     def _accept(self, goal: BatchGoal, out: StepOutput, greedy: tuple[int, int], start: int, width: int) -> None:
         """Verify the goal's drafts (greedy: its row's greedy verdict); keep the accepted K/V; stream."""
-        engine, run, slot, drafts = self._engine, goal.run, goal.slot, goal.drafts
+        rounds, run, slot, drafts = self._rounds, goal.run, goal.slot, goal.drafts
         accept_started = time.perf_counter()
-        if run.plan.sampling.greedy and run.constraint is None:
-            accepted, next_token = greedy
-            run.last_token = torch.tensor([next_token], device=engine._device)
+        if rounds.takes_pass_verdict(run):
+            verdict = [greedy[0], *drafts, greedy[1]]
         else:  # sampled or under a grammar: the goal's own verification, with its generator
-            draft_tokens = run.last_token[:0] if goal.proposal is None else goal.proposal.tokens
-            row = engine._verify(run, goal.proposal, draft_tokens, out.logits[slot, :len(drafts) + 1])
-            run.last_token = row[-1:]
-            accepted, next_token = row[0].item(), row[-1].item()
+            verdict = rounds.verify(run, goal.proposal, out.logits[slot, :len(drafts) + 1]).tolist()
         cache = self.rows.cache.slots[slot]
         cache.advance(start, width)                 # the whole padded row was written ...
-        cache.crop(-(width - accepted - 1))         # ... the last token and the accepted drafts stay
+        cache.crop(-(width - verdict[0] - 1))       # ... the last token and the accepted drafts stay
         own_pass = StepOutput(out.logits[slot:slot + 1, :len(drafts) + 1], out.hidden[slot:slot + 1, :len(drafts) + 1])
-        engine._call_drafter(run, lambda: run.drafter.observe(own_pass, len(drafts) + 1, accepted + 1))
-        if run.controller is not None:
-            self._record(goal, accepted, time.perf_counter() - accept_started)
-        run.tally.add_round(len(drafts), accepted, time.perf_counter())
-        self._emit(goal, drafts[:accepted] + [next_token])
-
-    @staticmethod
-    def _record(goal: BatchGoal, accepted: int, accept_seconds: float) -> None:
-        """Tell the goal's controller how its round went: its drafting, its share of the pass, its own work."""
-        run, proposal = goal.run, goal.proposal
-        goal.pass_cost.record_pass(goal.width)
-        confidences = None if proposal is None or proposal.confidences is None else proposal.confidences.tolist()
-        run.controller.record(len(goal.drafts), accepted, goal.draft_seconds, confidences=confidences,
-                              round_seconds=goal.draft_seconds + (goal.pass_cost.last_seconds or 0.0) + accept_seconds)
+        new_tokens = rounds.accept(run, goal.proposal, own_pass, verdict)
+        if run.controller is not None:  # its drafting, its share of the pass, its own work
+            goal.pass_cost.record_pass(goal.width)
+            rounds.record(run, goal.proposal, verdict[0], goal.draft_seconds, goal.draft_seconds + (
+                goal.pass_cost.last_seconds or 0.0) + time.perf_counter() - accept_started)
+        self._emit(goal, new_tokens)
 
     def _emit(self, goal: BatchGoal, new_tokens: list[int]) -> None:
         """Stream the goal's new tokens; end it when they finish it or it was cancelled."""
-        engine, run = self._engine, goal.run
-        engine._emit(run, new_tokens, goal.on_delta)
-        if not run.finish and goal.cancel is not None and goal.cancel.cancelled:
-            engine._end_cancelled(run, goal.on_delta)
-        if run.finish:
+        if self._rounds.emit(goal.run, new_tokens, goal.on_delta, goal.cancel):
             self._end(goal)
 
     def _end(self, goal: BatchGoal, error: BaseException | None = None) -> None:
@@ -381,7 +352,7 @@ class BatchScheduler:
                 self._slots[goal.slot] = None
         try:
             if error is None:
-                goal.result = self._engine._result(goal.run, goal.started, goal.steps_before)
+                goal.result = self._rounds.result(goal.run, goal.started, goal.steps_before, self.rows.mode)
         except Exception as exc:  # noqa: BLE001 (its caller gets it, never a wait without end)
             error = exc
         if goal.idle_controllers is not None and goal.run.controller is not None:  # not after a drafter failure
@@ -390,7 +361,8 @@ class BatchScheduler:
         goal.done.set()
 
 
-def start_batching(engine, target_lm, drafters: dict[str, Drafter]) -> BatchScheduler | None:
+def start_batching(rounds: Rounds, target_lm, drafters: dict[str, Drafter], round_lock: threading.Lock,
+                   adopt_built_graphs) -> BatchScheduler | None:
     """
     Set up an engine's continuous batching: None with engine.max_batch 1, or unless the target runs the fast path.
 
@@ -398,7 +370,7 @@ def start_batching(engine, target_lm, drafters: dict[str, Drafter]) -> BatchSche
     holds) and the drafters that join; their graphs, the target's first, then the default drafter's, then the
     others'. ValueError when the budget holds fewer than 2 slots.
     """
-    config, context_limit = engine.config, engine._context_limit
+    config, context_limit = rounds.config, rounds.context_limit
     if config.max_batch == 1 or not isinstance(target_lm, FastCausalLM):
         return None
     slots = config.max_batch or requests.slots_within_budget(
@@ -408,4 +380,4 @@ def start_batching(engine, target_lm, drafters: dict[str, Drafter]) -> BatchSche
     joined = {name: jobs for name, jobs in joined.items() if jobs is not None}
     jobs = rows.graph_jobs('target batch') + joined.get(config.drafter, []) + [
         job for name, drafter_jobs in joined.items() if name != config.drafter for job in drafter_jobs]
-    return BatchScheduler(engine, rows, engine._lock, set(joined), jobs)
+    return BatchScheduler(rounds, rows, round_lock, set(joined), jobs, adopt_built_graphs)

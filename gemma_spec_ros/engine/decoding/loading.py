@@ -1,8 +1,8 @@
 """
 Loading an Engine from an EngineConfig: the target, its tokenizer, every drafter whose model is set, and the warm-up.
 
-Engine.from_config calls load_engine. It sets up the warm-up the config asks for on the engine it built (blocking:
-done here; background: a Warmup, started here unless start_warmup is False) and calibrates the verify costs.
+Engine.from_config calls load_engine. The engine it builds warms up as the config asks (Engine.warm_up: blocking,
+done here; background, a Warmup started here unless start_warmup is False) and calibrates its verify costs.
 """
 
 import torch
@@ -12,11 +12,9 @@ from ..drafters import drafter_class
 from ..drafters.base import LoadContext
 from ..runtime import causal_lm, models
 from ..runtime.quantize import Quantizer
-from ..runtime.warmup import Warmup, warm_up_blocking
 from ..stats import mib
 from ..types import REGISTRY, DisabledDrafter, EngineConfig
 from . import compile_worker
-from .calibration import calibrate
 from .engine import Engine
 
 
@@ -54,22 +52,13 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
             errors[name] = DisabledDrafter(name, spec.role, getattr(config, spec.path_field), str(exc))
             progress(errors[name].describe())
     engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, errors)
-    background = config.warmup == 'background' and engine._graph_jobs
-    if config.warmup == 'blocking' or (config.warmup == 'background' and not background):
-        engine._warmup_state = warm_up_blocking(target_lm, drafters, progress,
-                                                None if engine._batch is None else engine._batch.rows)
-    if background:
-        engine._warmup = Warmup(engine._graph_jobs, progress, on_compiled=lambda: calibrate(engine, progress),
-                                default_path=engine._default_path_jobs,
-                                compile_process=(config, compile_worker.__name__))
-    if config.warmup != 'off':  # timing every pass size would compile each graph now, not on first use
-        calibrate(engine, progress)
+    engine.warm_up(progress, compile_worker.__name__)
+    status = engine.status()
     progress('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
-        '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, engine.status().warmup.serving,
-                             'in the background ({} graphs)'.format(len(engine._graph_jobs)) if background else
-                             '{:.1f} s'.format(engine._warmup_state.seconds),
-                             mib(engine._weights_bytes), mib(engine._kv_cache_bytes),
-                             engine._context_limit))
-    if engine._warmup is not None and start_warmup:
-        engine._warmup.start()
+        '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, status.warmup.serving,
+                             'in the background ({} graphs)'.format(len(engine.graph_jobs)) if engine.warmup else
+                             '{:.1f} s'.format(status.warmup.seconds),
+                             mib(status.weights_bytes), mib(status.kv_cache_bytes), engine.context_limit))
+    if engine.warmup is not None and start_warmup:
+        engine.warmup.start()
     return engine

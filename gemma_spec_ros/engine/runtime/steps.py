@@ -167,6 +167,10 @@ class _Steps:
         """Variants with a graph called without dynamo at the current thread count."""
         return sum(direct.records > 0 for direct in self._direct.values())
 
+    def forget_direct_graphs(self) -> None:
+        """Drop the graphs recorded for direct calls (every call then enters through dynamo)."""
+        self._direct.clear()
+
     def key_lengths(self) -> list[int]:
         """List the full-attention key lengths that get their own variant ([0]: one for all)."""
         return [0] if self.mode == 'eager' or self.dynamic else _buckets(self.context_limit)
