@@ -15,14 +15,17 @@ every batch.
 
 import functools
 import time
+from collections.abc import Sequence
 
 import torch
 
 from .assistant import FastAssistant
 from .cache import SlottedKvCache
 from .model import LeanGemma4, StepOutput
+from .prefix_cache import ImageKey, PrefixCache
 from .runner import GraphJob, _Shadowed, _stage_shadow_graphs
 from .steps import _Steps, query_variant_ends
+from .vision import SoftTokens
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -85,6 +88,21 @@ class FastRows(_Shadowed):
         cache = self.cache.slots[slot]
         cache.reset()
         return self.lean.prefill(input_ids, cache, 0, 1)
+
+    @torch.inference_mode()
+    def prefill_prompt(self, slot: int, input_ids: torch.Tensor, prefix_cache: PrefixCache | None = None,
+                       soft: SoftTokens | None = None,
+                       image_keys: Sequence[ImageKey] | None = None) -> tuple[StepOutput, int]:
+        """
+        Put a goal's prompt input_ids [1, n] into a slot; return the last position's output and the tokens reused.
+
+        With a prefix_cache (the target's): through it, as FastCausalLM.prefill_prompt. Without: as prefill.
+        """
+        cache = self.cache.slots[slot]
+        if prefix_cache is None:
+            cache.reset()
+            return self.lean.prefill(input_ids, cache, 0, 1, soft), 0
+        return prefix_cache.prefill(self.lean, cache, input_ids, 1, soft, image_keys)
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, starts: list[int]) -> StepOutput:

@@ -32,16 +32,17 @@ torch_internals.py every use of torch's private APIs.
 import copy
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..logits.verify import verify
 from .cache import StaticKvCache
-from .compile_cache import release_compile_garbage as _release_compile_garbage  # also bench.fast_measure's
+from .compile_cache import release_compile_garbage
 from .layers import ROW_PRODUCT_MAX_ROWS
 from .model import LeanGemma4, StepOutput
+from .prefix_cache import ImageKey, PrefixCache
 from .quantize import Quantizer
 from .steps import _Steps, query_variant_ends, resolve_compile_mode, stores_blocked
 from .torch_internals import mark_static_address
@@ -122,7 +123,7 @@ class _Shadowed:
     def release_shadow(self) -> None:
         """Free the shadow's cache and compiled wrappers (its graphs now serve this runner)."""
         self._shadow = None
-        _release_compile_garbage()
+        release_compile_garbage()
 
 
 class FastCausalLM(_Shadowed):
@@ -166,6 +167,10 @@ class FastCausalLM(_Shadowed):
         """Start a new request (the cache forgets every token)."""
         self.cache.reset()
 
+    def forget_direct_graphs(self) -> None:
+        """Drop the graphs recorded for direct calls: every step enters through dynamo (a benchmark's row)."""
+        self._steps.forget_direct_graphs()
+
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back: drop the last -tokens_to_remove tokens (DynamicCache.crop convention; nothing is copied)."""
         self.cache.crop(tokens_to_remove)
@@ -180,6 +185,21 @@ class FastCausalLM(_Shadowed):
         interface). soft: an image goal's image embeddings (vision.py), read at their token's positions.
         """
         return self.lean.prefill(input_ids, self.cache, self.cache.length, logits_to_keep, soft)
+
+    @torch.inference_mode()
+    def prefill_prompt(self, input_ids: torch.Tensor, prefix_cache: PrefixCache | None = None, logits_to_keep: int = 1,
+                       want_states: bool = False, soft: SoftTokens | None = None,
+                       image_keys: Sequence[ImageKey] | None = None) -> tuple[StepOutput, int]:
+        """
+        Start a request with its prompt input_ids [1, n]; return prefill's output and the prompt tokens reused.
+
+        With a prefix_cache (of this model): restore its longest cached prefix, prefill the rest in chunks and keep
+        the new blocks (PrefixCache.prefill; image goals name their images in image_keys). Without: reset, prefill.
+        """
+        if prefix_cache is None:
+            self.reset()
+            return self.prefill(input_ids, logits_to_keep, want_states, soft), 0
+        return prefix_cache.prefill(self.lean, self.cache, input_ids, logits_to_keep, soft, image_keys)
 
     def append(self, input_ids: torch.Tensor, logits_to_keep: int = 0, want_states: bool = False) -> StepOutput:
         """Append input_ids [1, n]: through the step for n when n <= max_query, else through prefill."""
