@@ -178,6 +178,7 @@ class RoundTally:
     by_draft_length: list[int] = field(default_factory=lambda: [0])  # [K + 1] rounds that drafted k tokens
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) from the first token on
     image_seconds: float = 0.0      # the vision tower on the goal's images, before the target's prefill
+    cached_prompt_tokens: int = 0   # prompt tokens the prefix cache held (not prefilled)
 
     def add_prefill(self, first_token_time: float) -> None:
         self.target_passes += 1
@@ -218,7 +219,7 @@ def generation_stats(tally: RoundTally, prompt_tokens: int, new_tokens: int, sta
         inter_token_latency_p50=percentile(gaps, 50), inter_token_latency_p95=percentile(gaps, 95),
         tokens_per_second=decode_tokens_per_second(tally.arrivals, new_tokens),
         wall_time=finished - started, process_peak_rss_bytes=process_peak_rss_bytes(),
-        image_prefill_ms=tally.image_seconds * 1000.0)
+        image_prefill_ms=tally.image_seconds * 1000.0, cached_prompt_tokens=tally.cached_prompt_tokens)
 
 
 def format_stats(stats) -> str:

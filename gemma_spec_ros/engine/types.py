@@ -110,9 +110,18 @@ class EngineConfig:
     batch_kv_budget_mb: float = config_field(0.0, "MiB of the target's KV cache for the batch's slots, with "
                                              'engine.max_batch 0: the slots follow from it and engine.context_limit; '
                                              '0 = unset', limits=(0.0, 1048576.0))
+    prefix_cache_mb: float = config_field(256.0, 'MiB of prompt-prefix K/V kept across goals (a long fixed system '
+                                          'prompt is prefilled once; least recently used blocks go first), for the '
+                                          'target and the draft model together; 0 = off (local fast path)',
+                                          limits=(0.0, 1048576.0))
     context_limit: int = config_field(4096, 'most tokens (prompt + generated) of one request; the static KV cache is '
                                     "preallocated for it (at most the model's max_position_embeddings)",
                                     limits=(16, INT32_MAX))
+    json_integer_digits: int = config_field(15, 'most digits before the decimal point of a number in json_schema '
+                                          'output (and of an integer); 0 = unbounded', limits=(0, 64))
+    json_fraction_digits: int = config_field(6, 'most digits after the decimal point of a number in json_schema '
+                                           'output (a model may otherwise write -1.0000... until its budget ends); '
+                                           '0 = unbounded', limits=(0, 64))
     backend: str = config_field('local', 'local: this process runs the models; vllm: the vLLM server at vllm.url '
                               'serves every goal (engine.drafter and the model paths are then ignored)',
                               choices=BACKENDS)
@@ -160,6 +169,8 @@ class GenerationRequest:
     grammar: str = ''                                  # EBNF grammar (xgrammar syntax, rule root); at most one set
     json_free_whitespace: bool = False                 # json_schema output may hold whitespace between elements
                                                        # (bounded); False = compact JSON
+    json_schema_unenforced: str = ''                   # a json_schema keyword the grammar cannot enforce: refuse
+                                                       # ('' = refuse) or check (generate, validate at the end)
     images: tuple[ImageInput, ...] = ()                # camera frames the messages show (a target with a vision
                                                        # tower reads them at prefill)
     tools: str = ''                                    # JSON list of tools {name, description, parameters}; '' = none
@@ -222,6 +233,7 @@ class GenerationStats:
     cuda_peak_allocated_bytes: int = 0  # peak CUDA memory allocated during this generation (0 on CPU)
     cuda_peak_reserved_bytes: int = 0   # peak CUDA memory reserved during this generation (0 on CPU)
     decode_path: str = ''              # what ran the decode steps: the compile mode, eager, or both while warming up
+    cached_prompt_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache (not prefilled)
     image_prefill_ms: float = 0.0      # the vision tower and embedder on the goal's images, before the target's
                                        # prefill (part of time_to_first_token); 0 without images
 
@@ -234,6 +246,8 @@ class WarningKind(enum.Enum):
     DROPPED_TOOL_CALL = 'dropped_tool_call'        # a call the request did not allow was left out of tool_calls
     SERVER_WIDE_FIGURES = 'server_wide_figures'    # vLLM: tau and acceptance include other requests' rounds
     CONFIGURATION = 'configuration'                # a setting the backend serves otherwise than asked (at open)
+    UNENFORCED_KEYWORD = 'unenforced_keyword'      # json_schema_unenforced check: a keyword left to the final check
+    SCHEMA_VIOLATION = 'schema_violation'          # the output completed the grammar but fails its json_schema
 
 
 class GenerationWarning(str):
@@ -263,7 +277,7 @@ class GenerationResult:
     stats: GenerationStats
     warnings: list[GenerationWarning] = field(default_factory=list)  # e.g. the drafter failed: plain decoding ran
     structure_complete: bool = False   # the output completed the request's json_schema / grammar / tool calls
-                                       # (False without)
+                                       # (False without); a json_schema output validates against it
     reasoning: str = ''                # the thoughts, apart from text (thinking on)
     tool_calls: list[ToolCall] = field(default_factory=list)  # with finish_reason tool_calls: run them, send results
 
@@ -335,6 +349,22 @@ class BatchGoalStatus:
 
 
 @dataclass
+class PrefixCacheStatus:
+    """The prefix cache of the target (the draft model keeps one of its own), as /diagnostics shows it."""
+
+    lookups: int = 0                   # goals prefilled through it
+    hits: int = 0                      # ... that reused at least one block
+    tokens_reused: int = 0             # prompt tokens not prefilled, over all goals
+    nbytes: int = 0                    # K/V held now (target and draft model)
+    budget_bytes: int = 0              # engine.prefix_cache_mb
+    evictions: int = 0                 # blocks dropped for room
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else math.nan
+
+
+@dataclass
 class EngineStatus:
     """A snapshot of the engine for diagnostics; safe to read from another thread."""
 
@@ -349,6 +379,7 @@ class EngineStatus:
     weights_bytes: int = 0             # parameters of every loaded model
     kv_cache_bytes: int = 0            # static KV caches (preallocated for engine.context_limit; 0 when off)
     kv_cache_slot_bytes: int = 0       # the target's KV cache per batch slot (engine.max_batch > 1; else 0)
+    prefix_cache: PrefixCacheStatus | None = None  # the target's prefix cache (None: off, or another backend)
     batch_slots: int = 0               # the batch's KV-cache slots (engine.max_batch, or what its budget holds)
     batch_goals: list[BatchGoalStatus] = field(default_factory=list)  # the goals in the batch now, by slot
     num_draft_tokens: int = 0          # K the adaptive controller would use now

@@ -245,6 +245,11 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
         stat.add('batch slots', str(status.batch_slots))
         stat.add('KV cache MiB of the batch slots (target)', '{:.1f}'.format(
             mib(status.batch_slots * status.kv_cache_slot_bytes)))
+    prefix = getattr(status, 'prefix_cache', None)  # the vLLM backend's status has none
+    if prefix is not None:
+        stat.add('prefix cache hit rate', _figure(prefix.hit_rate))
+        stat.add('prefix cache tokens reused', str(prefix.tokens_reused))
+        stat.add('prefix cache MiB', '{:.1f} of {:.1f}'.format(mib(prefix.nbytes), mib(prefix.budget_bytes)))
     for goal in status.batch_goals:
         stat.add('batch slot {}'.format(goal.slot), describe_batch_goal(goal))
     for drafter in disabled.values():

@@ -70,13 +70,15 @@ class BatchScheduler:
     """Runs the rounds of up to rows.cache.num_slots goals at once, in a thread of its own (started on first use)."""
 
     def __init__(self, rounds: Rounds, rows: FastRows, round_lock: threading.Lock, drafters: set[str],
-                 graph_jobs: list[GraphJob], adopt_built_graphs):
+                 graph_jobs: list[GraphJob], adopt_built_graphs, prefix_cache=None):
         """
         Schedule goals on rows, each round's steps taken from rounds (which the single-goal path runs too).
 
         drafters: the names of the drafters that joined the batch (Drafter.join_batch); graph_jobs: its graphs;
-        adopt_built_graphs: lets graphs a background warm-up built take over, between rounds.
+        adopt_built_graphs: lets graphs a background warm-up built take over, between rounds; prefix_cache: the
+        target's runtime.PrefixCache, which the single-goal path shares (None: every prompt prefilled).
         """
+        self._prefix = prefix_cache
         self._rounds = rounds
         self._adopt_built_graphs = adopt_built_graphs
         self.rows = rows
@@ -236,7 +238,8 @@ class BatchScheduler:
         """Put the goal's prompt into its slot and pick (and stream) its first token."""
         run = goal.run
         self._rounds.start(run)
-        out = self.rows.prefill(goal.slot, torch.tensor([run.tokens], device=self._rounds.device))
+        out, run.tally.cached_prompt_tokens = self.rows.prefill_prompt(
+            goal.slot, torch.tensor([run.tokens], device=self._rounds.device), self._prefix)
         self._emit(goal, self._rounds.first_token(run, out))
 
     def _run_round(self, goals: list[BatchGoal]) -> None:
@@ -362,7 +365,7 @@ class BatchScheduler:
 
 
 def start_batching(rounds: Rounds, target_lm, drafters: dict[str, Drafter], round_lock: threading.Lock,
-                   adopt_built_graphs) -> BatchScheduler | None:
+                   adopt_built_graphs, prefix_cache=None) -> BatchScheduler | None:
     """
     Set up an engine's continuous batching: None with engine.max_batch 1, or unless the target runs the fast path.
 
@@ -380,4 +383,4 @@ def start_batching(rounds: Rounds, target_lm, drafters: dict[str, Drafter], roun
     joined = {name: jobs for name, jobs in joined.items() if jobs is not None}
     jobs = rows.graph_jobs('target batch') + joined.get(config.drafter, []) + [
         job for name, drafter_jobs in joined.items() if name != config.drafter for job in drafter_jobs]
-    return BatchScheduler(rounds, rows, round_lock, set(joined), jobs, adopt_built_graphs)
+    return BatchScheduler(rounds, rows, round_lock, set(joined), jobs, adopt_built_graphs, prefix_cache)

@@ -15,6 +15,7 @@ from ..logits.grammar import ConstraintCompiler
 from ..logits.reply import ReplyConstraint
 from ..requests import RequestPlan
 from ..runtime import causal_lm, models, vision
+from ..runtime.prefix_cache import PrefixCache
 from ..runtime.warmup import STOP_WAIT_SECONDS, Warmup, order_jobs, step_calls, warm_up_blocking
 from ..types import (
     REGISTRY,
@@ -26,6 +27,7 @@ from ..types import (
     GenerationRequest,
     GenerationResult,
     GenerationWarning,
+    PrefixCacheStatus,
     WarmupState,
     WarningKind,
 )
@@ -39,11 +41,14 @@ class Engine(Backend):
     """The local backend: a loaded target plus drafters serving many generate calls, one at a time (thread-safe)."""
 
     def __init__(self, config: EngineConfig, target_lm, tokenizer, drafters: dict[str, Drafter], device, dtype,
-                 drafter_errors: dict[str, DisabledDrafter] | None = None, warmup: WarmupState | None = None):
+                 drafter_errors: dict[str, DisabledDrafter] | None = None, warmup: WarmupState | None = None,
+                 prefix_caches: list[PrefixCache] = ()):
         """
         target_lm: the target with its KV cache (causal_lm.build_causal_lm), its drafters already loaded.
 
         warmup: how the decode steps were warmed up before (blocking, off); from_config starts a background one.
+
+        prefix_caches: the target's (first) and its drafters' (loading.prefix_caches); none: every prompt prefilled.
         """
         self.config = config
         self._target = target_lm
@@ -64,7 +69,10 @@ class Engine(Backend):
         self._rounds = Rounds(config, device, self._context_limit, self._eos_ids,
                               self._constraints.conversation.response_open, drafters['none'])
         # None with engine.max_batch 1 (or off the fast path)
-        self._batch = start_batching(self._rounds, target_lm, drafters, self._lock, self.adopt_built_graphs)
+        self._prefix_caches = list(prefix_caches)
+        self._prefix = self._prefix_caches[0] if prefix_caches else None  # the target's
+        self._batch = start_batching(self._rounds, target_lm, drafters, self._lock, self.adopt_built_graphs,
+                                     self._prefix)
         self._graph_jobs, self._default_path_jobs = order_jobs(
             target_lm.graph_jobs('target'), {name: drafter.graph_jobs() for name, drafter in drafters.items()},
             config.drafter)
@@ -211,7 +219,7 @@ class Engine(Backend):
             weights_bytes=self._weights_bytes, kv_cache_bytes=self._kv_cache_bytes,
             **({} if self._batch is None else self._batch.status_fields()),
             tau_lifetime=tau_lifetime, acceptance_rate_lifetime=acceptance_lifetime,
-            disabled_drafters=list(self.drafter_errors.values()))
+            disabled_drafters=list(self.drafter_errors.values()), prefix_cache=self._prefix_status())
         with self._rounds.measure_lock:
             controller = self._controllers.get(name)
             if controller is not None:
@@ -221,6 +229,21 @@ class Engine(Backend):
                 status.break_even_tau = controller.break_even_tau(k)
                 status.speculating = self._default_k > 0 or controller.speculating
         return status
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (the target's and the drafters'), freeing their memory."""
+        with self._lock:
+            for cache in self._prefix_caches:
+                cache.clear()
+
+    def _prefix_status(self) -> PrefixCacheStatus | None:
+        if self._prefix is None:
+            return None
+        with self._lock:  # the caches change inside a goal's prefill
+            target = self._prefix.stats()
+            held = sum(cache.stats().nbytes for cache in self._prefix_caches)
+        return PrefixCacheStatus(target.lookups, target.hits, target.tokens_reused, held,
+                                 int(self.config.prefix_cache_mb * 2 ** 20), target.evictions)
 
     def validate(self, request: GenerationRequest) -> RequestPlan:
         """Check a request and tokenize its prompt (no model work): the plan, or ValueError naming the field."""
@@ -328,8 +351,10 @@ class Engine(Backend):
             run.finish = 'cancelled'
         else:
             self._rounds.start(run)
-            out = self._target.prefill(torch.tensor([run.tokens], device=self._device), 1,
-                                       run.drafter.needs_target_states, images.soft_tokens(self._vision, run))
+            soft = images.soft_tokens(self._vision, run)
+            out, run.tally.cached_prompt_tokens = self._target.prefill_prompt(
+                torch.tensor([run.tokens], device=self._device), self._prefix, 1, run.drafter.needs_target_states,
+                soft, images.image_keys(run, soft))
             new_tokens = self._rounds.first_token(run, out)
             while not self._rounds.emit(run, new_tokens, on_delta, cancel):
                 new_tokens = self._round(run)

@@ -10,7 +10,8 @@ import torch
 from .. import requests
 from ..drafters import drafter_class
 from ..drafters.base import LoadContext
-from ..runtime import causal_lm, models
+from ..runtime import FastCausalLM, causal_lm, models
+from ..runtime.prefix_cache import PrefixCache
 from ..runtime.quantize import Quantizer
 from ..stats import mib
 from ..types import REGISTRY, DisabledDrafter, EngineConfig
@@ -51,7 +52,8 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
                 raise
             errors[name] = DisabledDrafter(name, spec.role, getattr(config, spec.path_field), str(exc))
             progress(errors[name].describe())
-    engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, errors)
+    engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, errors,
+                    prefix_caches=prefix_caches(config, target_lm, drafters))
     engine.warm_up(progress, compile_worker.__name__)
     status = engine.status()
     progress('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
@@ -62,3 +64,24 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
     if engine.warmup is not None and start_warmup:
         engine.warmup.start()
     return engine
+
+
+def prefix_caches(config: EngineConfig, target_lm, drafters: dict) -> list[PrefixCache]:
+    """
+    Return the prefix caches within engine.prefix_cache_mb: the target's first, then its drafters' own models'.
+
+    The budget is shared by K/V bytes per prompt token, so that each model keeps about as many tokens. None (an
+    empty list) when it is 0, or off the fast path (transformers' forward has no static cache to restore into).
+    """
+    budget = config.prefix_cache_mb * 2 ** 20
+    if budget <= 0 or not isinstance(target_lm, FastCausalLM):
+        return []
+    per_token = {name: drafter.prompt_kv_bytes_per_token for name, drafter in drafters.items()}
+    target_per_token = target_lm.cache.nbytes / target_lm.cache.context_limit
+    total = target_per_token + sum(per_token.values())
+    caches = [PrefixCache(int(budget * target_per_token / total))]
+    for name, drafter in drafters.items():
+        if per_token[name]:
+            caches.append(PrefixCache(int(budget * per_token[name] / total)))
+            drafter.keep_prefixes(caches[-1])
+    return caches

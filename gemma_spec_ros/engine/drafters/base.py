@@ -92,6 +92,14 @@ class Drafter(ABC):
     def start(self, prompt_ids: list[int]) -> None:  # noqa: B027 (optional hook)
         """Begin a request (forget the previous one); called before the target's prefill."""
 
+    @property
+    def prompt_kv_bytes_per_token(self) -> float:
+        """K/V bytes its own model keeps per prompt token (0: none, or none a prefix cache can hold)."""
+        return 0.0
+
+    def keep_prefixes(self, prefix_cache) -> None:  # noqa: B027 (optional hook)
+        """Prefill its own model's prompts through prefix_cache (a runtime.PrefixCache for that model)."""
+
     @abstractmethod
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         """Up to k tokens that continue context.tokens, or None for a plain round."""

@@ -35,6 +35,7 @@ class DraftModelDrafter(Drafter):
         self.kv_cache_bytes = draft_lm.nbytes
         self._proposed = 0  # drafts proposed in the round being verified
         self._batch_rows: DraftModelRows | None = None  # drafting for a batch's goals (join_batch)
+        self._prefix = None  # runtime.PrefixCache of the draft model (keep_prefixes)
 
     @classmethod
     def load(cls, context: LoadContext) -> 'DraftModelDrafter':
@@ -59,6 +60,7 @@ class DraftModelDrafter(Drafter):
         runner = FastRows(self._lm.lean, self._lm.mode, target_rows.cache.num_slots, target_rows.cache.context_limit,
                           self._lm.max_query)
         self._batch_rows = DraftModelRows(runner)
+        self._batch_rows.prefix = self._prefix
         self.kv_cache_bytes += runner.nbytes
         return runner.graph_jobs('draft batch')
 
@@ -68,13 +70,25 @@ class DraftModelDrafter(Drafter):
     def graph_jobs(self) -> list:
         return self._lm.graph_jobs(self.name, logits_to_keep=1)
 
+    @property
+    def prompt_kv_bytes_per_token(self) -> float:
+        if not isinstance(self._lm, FastCausalLM):
+            return 0.0
+        return self._lm.cache.nbytes / self._lm.cache.context_limit
+
+    def keep_prefixes(self, prefix_cache) -> None:
+        self._prefix = prefix_cache
+        if self._batch_rows is not None:
+            self._batch_rows.prefix = prefix_cache
+
     def start(self, prompt_ids: list[int]) -> None:
-        # prefill here, so that the first round's drafting cost is a normal step
-        self._lm.reset()
+        # prefill here, so that the first round's drafting cost is a normal step; the target's image placeholders
+        # are pad, whatever the images are: the draft model's K/V does not depend on them
         if self._placeholders:
             pad = models.text_config(self._lm.model).pad_token_id
             prompt_ids = [pad if token in self._placeholders else token for token in prompt_ids]
-        self._lm.prefill(torch.tensor([prompt_ids], device=self._lm.model.device), logits_to_keep=1)
+        self._lm.prefill_prompt(torch.tensor([prompt_ids], device=self._lm.model.device), self._prefix,
+                                logits_to_keep=1)
         self._proposed = 0
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
@@ -114,7 +128,8 @@ class DraftModelGoalDrafter(Drafter):
         return self.rows.runner.cache.slots[self.slot]
 
     def start(self, prompt_ids: list[int]) -> None:
-        self.rows.runner.prefill(self.slot, torch.tensor([prompt_ids], device=self.rows.runner.lean.device))
+        self.rows.runner.prefill_prompt(self.slot, torch.tensor([prompt_ids], device=self.rows.runner.lean.device),
+                                        self.rows.prefix)
         self.proposed = 0
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
@@ -138,6 +153,7 @@ class DraftModelRows(DraftRows):
 
     def __init__(self, runner: FastRows):
         self.runner = runner
+        self.prefix = None  # the draft model's runtime.PrefixCache, shared with the single-goal drafter
 
     def propose_rows(self, requests: list[RowRequest], batch: int) -> list[Proposal | None]:
         runner, device = self.runner, self.runner.lean.device

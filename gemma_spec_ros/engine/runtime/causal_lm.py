@@ -50,6 +50,13 @@ class DynamicCausalLM:
         self._cache.activate_past_recording()  # sliding layers keep rolled-back K/V until the next crop
         self.length = 0
 
+    def prefill_prompt(self, input_ids: torch.Tensor, prefix_cache=None, logits_to_keep: int = 1,
+                       want_states: bool = False, soft: SoftTokens | None = None, image_keys=None
+                       ) -> tuple[StepOutput, int]:
+        """Start a request with its prompt (runner.FastCausalLM.prefill_prompt's call); no prefix cache here."""
+        self.reset()
+        return self.prefill(input_ids, logits_to_keep, want_states, soft), 0
+
     def prefill(self, input_ids: torch.Tensor, logits_to_keep: int = 1, want_states: bool = False,
                 soft: SoftTokens | None = None) -> StepOutput:
         """
