@@ -17,7 +17,7 @@ import pytest
 from gemma_spec_ros.engine.backend import Backend
 from gemma_spec_ros.engine.conversation.tools import check_tool_choice, parse_tools
 from gemma_spec_ros.engine.stats import acceptance_rate, tau
-from gemma_spec_ros.engine.types import CancelToken, GenerationRequest
+from gemma_spec_ros.engine.types import CancelToken, GenerationRequest, WarningKind
 
 PROMPT = 'The robot picked up the red cube and'
 SCHEMA = {'type': 'object', 'properties': {'ok': {'type': 'boolean'}, 'step': {'enum': ['grasp', 'place']}},
@@ -61,6 +61,8 @@ INVALID_FIELDS = [
     ('json_schema', '{"type": "object", "not": {}}'),
     ('grammar', 'root ::= ('),
     ('json_free_whitespace', True),  # without a json_schema
+    ('json_schema_unenforced', 'check'),  # without a json_schema
+    ('json_schema_unenforced', 'ignore'),
 ]
 
 
@@ -156,6 +158,17 @@ class BackendConformance:
             jsonschema.validate(json.loads(result.text), SCHEMA)
             if not free_whitespace:
                 assert ' ' not in result.text and '\n' not in result.text, result.text
+
+    def test_an_unenforced_keyword_is_refused_or_checked(self, conforming):
+        schema = json.dumps(dict(SCHEMA, properties=dict(SCHEMA['properties'], tags={
+            'type': 'array', 'items': {'type': 'string', 'maxLength': 4}, 'maxItems': 2, 'uniqueItems': True})))
+        with pytest.raises(ValueError, match=r"^json_schema: 'uniqueItems' at \$\.properties\.tags is not enforced"):
+            conforming.validate(GenerationRequest(prompt=PROMPT, json_schema=schema))
+        result = conforming.generate(GenerationRequest(prompt='Answer in JSON. ' + PROMPT, max_new_tokens=120,
+                                                       json_schema=schema, json_schema_unenforced='check'))
+        assert result.warnings[0].kind is WarningKind.UNENFORCED_KEYWORD, result.warnings
+        tags = json.loads(result.text).get('tags', []) if result.finish_reason == 'stop' else None
+        assert result.structure_complete == (tags is not None and len(set(tags)) == len(tags)), result.text
 
     def test_grammar_output_is_in_the_language(self, conforming):
         result = conforming.generate(GenerationRequest(prompt='Yes or no? ' + PROMPT, max_new_tokens=8,

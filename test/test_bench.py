@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,10 @@ from gemma_spec_ros.benchmarks.prompts import load_prompts, take_per_category
 from gemma_spec_ros.benchmarks.systems import System
 from gemma_spec_ros.engine.stats import iid_expected_tokens as expected_tokens
 
+REPO = Path(__file__).resolve().parents[1]
+# corpus schemas for the quick run: a function call, an API object, a planner plan, one with uniqueItems (refused)
+HANDFUL = ('bfcl-calculate_density.json', 'openai-api-CreateModerationRequest.json',
+           'project-test-grammar-json-plan.json', 'cloudformation-aws-logs-loggroup.json')
 EXPECTED_SYSTEMS = {'ours/none', 'ours/ngram/K2', 'ours/ngram/adaptive', 'ours/draft/K2', 'ours/draft/adaptive',
                     'ours/mtp/K2', 'ours/mtp/adaptive', 'hf/none', 'hf/ngram/default', 'hf/ngram/K2',
                     'hf/draft/default', 'hf/draft/K2', 'hf/mtp/default', 'hf/mtp/K2'}
@@ -94,6 +99,41 @@ def test_planner_category_on_tiny_models(tiny_models, tmp_path, capsys):
         assert system['tau'] >= 1.0 and system['tokens_per_second'] > 0
     assert document['systems']['none']['speedup'] == 1.0
     assert '| mtp |' in capsys.readouterr().out
+
+
+def test_schema_corpus_on_a_handful_of_schemas(tiny_models, tmp_path, capsys):
+    corpus = tmp_path / 'corpus'
+    corpus.mkdir()
+    manifest = json.loads((REPO / 'test' / 'data' / 'schemas' / 'manifest.json').read_text())
+    picked = [entry for entry in manifest['schemas'] if entry['file'] in HANDFUL]
+    for entry in picked:
+        (corpus / entry['file']).write_text((REPO / 'test' / 'data' / 'schemas' / entry['file']).read_text())
+    (corpus / 'manifest.json').write_text(json.dumps(dict(manifest, schemas=picked)))
+    out = tmp_path / 'schemas'
+    assert main(['--schemas', str(corpus), '--target', tiny_models.target, '--assistant', tiny_models.assistant,
+                 '--drafters', 'mtp', '--max-new-tokens', '48', '--compile', 'eager', '--threads', '1',
+                 '--out', str(out)]) == 0
+    document = json.loads((out / 'results.json').read_text())
+    assert document['format'] == 'gemma_spec_ros.bench.schemas/1' and document['json_schema_unenforced'] == 'refuse'
+    summary = document['summary']
+    for drafter in ('none', 'mtp'):
+        row = summary['drafters'][drafter]
+        assert row['schemas'] == len(HANDFUL) and row['refused'] == 1 and row['accepted'] == len(HANDFUL) - 1
+        assert row['complete_valid'] + row['incomplete'] + row['caught'] + row['complete_invalid'] == row['accepted']
+        assert row['complete_invalid'] == 0 and row['identical_to_plain'] == row['accepted']
+    assert summary['refused_keywords'] == {'uniqueItems': 1}
+    assert '| mtp |' in (out / 'results.md').read_text() and 'uniqueItems 1' in capsys.readouterr().out
+
+
+def test_the_committed_schema_corpus_has_provenance():
+    directory = REPO / 'test' / 'data' / 'schemas'
+    manifest = json.loads((directory / 'manifest.json').read_text())
+    files = {path.name for path in directory.glob('*.json')} - {'manifest.json'}
+    assert len(manifest['schemas']) >= 100 and {entry['file'] for entry in manifest['schemas']} == files
+    for entry in manifest['schemas']:
+        assert entry['repository'] and entry['path'] and entry['licence'], entry
+        assert entry['source'] == 'project' or len(entry['commit']) == 40, entry
+        assert (directory / entry['file']).stat().st_size <= 30000, entry
 
 
 def test_constrained_category_measures_one_compile_mode(capsys, tiny_models):

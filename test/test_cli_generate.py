@@ -89,6 +89,7 @@ def test_json_schema_and_grammar_files(tiny_models, tmp_path, capsys):
     (['--grammar', 'test/data'], '--grammar: cannot read test/data'),
     (['--json-schema', 'test/data/../../package.xml'], 'json_schema: not valid JSON'),
     (['--json-free-whitespace'], 'json_free_whitespace applies to json_schema only'),
+    (['--json-schema-unenforced', 'check'], 'json_schema_unenforced applies to json_schema only'),
 ])
 def test_bad_input_exits_2_with_message(tiny_models, capsys, extra, message):
     argv = ['--target', tiny_models.target, '--drafter', 'none', '--max-new-tokens', '2']

@@ -9,6 +9,8 @@ from conftest import ON_TEST_DEVICE
 
 from gemma_spec_ros.engine import CancelToken, Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.logits.grammar import GrammarConstraint
+from gemma_spec_ros.engine.logits.schema import output_check
+from gemma_spec_ros.engine.types import WarningKind
 
 PROMPT = 'Plan for the robot: '
 MAX_NEW = 400  # random weights write long numbers and strings but close in time
@@ -132,6 +134,36 @@ def test_a_plan_runs_twice_from_the_start_of_its_grammar(tiny_engine):
     assert second.token_ids == first.token_ids and second.structure_complete
 
 
+@pytest.mark.parametrize('drafter', ['none', 'mtp'])
+def test_structure_is_complete_only_when_the_output_validates(tiny_engine, drafter):
+    # a grammar that misses something: the plan's grammar is the pose schema's, its final check the plan schema's
+    plan = tiny_engine.validate(constrained(SCHEMAS['pose'], drafter=drafter))
+    assert plan.output_check is not None
+    plan.output_check = output_check(json.dumps(SCHEMAS['plan']))
+    result = tiny_engine.generate(plan)
+    assert result.finish_reason == 'stop' and not result.structure_complete, result.text
+    assert [w.kind for w in result.warnings] == [WarningKind.SCHEMA_VIOLATION]
+    assert result.warnings[0].startswith("schema violation: the output completed the grammar but $ fails 'required' "
+                                         'at $.required')
+    assert not tiny_engine.validate(constrained(grammar=SKILLS)).output_check   # free grammars are not checked
+
+
+@pytest.mark.parametrize('drafter', ['none', 'mtp'])
+def test_an_unenforced_keyword_is_checked_with_a_warning(tiny_engine, drafter):
+    schema = {'type': 'object', 'properties': {'rooms': {'type': 'array', 'items': NAME, 'minItems': 1,
+                                                         'maxItems': 3, 'uniqueItems': True}}, 'required': ['rooms']}
+    with pytest.raises(ValueError, match=r"^json_schema: 'uniqueItems' at \$\.properties\.rooms is not enforced"):
+        tiny_engine.validate(constrained(schema))
+    result = tiny_engine.generate(constrained(schema, drafter=drafter, json_schema_unenforced='check'))
+    assert result.warnings[0].kind is WarningKind.UNENFORCED_KEYWORD
+    assert "'uniqueItems' at $.properties.rooms is not enforced by the grammar engine; the output was validated " \
+           'at the end' in result.warnings[0]
+    rooms = json.loads(result.text)['rooms'] if result.finish_reason == 'stop' else None
+    assert result.structure_complete == (rooms is not None and len(set(rooms)) == len(rooms)), result.text
+    assert result.structure_complete or result.warnings[-1].kind in (WarningKind.SCHEMA_VIOLATION,
+                                                                     WarningKind.STRUCTURE_INCOMPLETE)
+
+
 def test_length_before_the_structure_completes_warns(tiny_engine):
     result = tiny_engine.generate(constrained(SCHEMAS['plan'], max_new_tokens=6, drafter='ngram'))
     assert result.finish_reason == 'length' and not result.structure_complete
@@ -177,8 +209,12 @@ def test_unconstrained_requests_report_no_structure(tiny_engine):
     (dict(json_schema='{"type": "object",'), r'^json_schema: not valid JSON: '),
     (dict(json_schema='{"type": "object", "properties": {"x": {"type": "vector"}}}'),
      r'^json_schema: .* at \$\.properties\.x\.type$'),
-    (dict(json_schema='{"type": "string", "pattern": "^a+$", "maxLength": 3}'),
-     r"^json_schema: 'maxLength' beside 'pattern' at \$ is not enforced by the grammar engine; remove it$"),
+    (dict(json_schema='{"type": "string", "pattern": "^(ab)+$", "minLength": 3}'),
+     r"^json_schema: 'minLength' at \$ \(beside a pattern it cannot be folded into\) is not enforced by the grammar "
+     r"engine; remove it, or set json_schema_unenforced to 'check'"),
+    (dict(json_schema='{"type": "integer"}', json_schema_unenforced='ignore'),
+     r"^json_schema_unenforced must be one of refuse\|check \(\'\' = refuse\), got 'ignore'$"),
+    (dict(grammar='root ::= "1"', json_schema_unenforced='check'), r'^json_schema_unenforced applies to json_schema'),
     (dict(grammar='root ::= "a" | b'), r'^grammar: EBNF parser error at line 1, column 16: Rule "b" is not defined$'),
     (dict(json_schema='{"type": "integer"}', grammar='root ::= "1"'), r'^set at most one of json_schema and grammar$'),
     (dict(json_schema={'type': 'integer'}), r'^json_schema must be a string \(the document as text\), got dict$'),

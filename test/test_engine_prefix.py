@@ -22,7 +22,7 @@ def batch_engine(tiny_engine_config):
 
 
 def fixed_prefix(engine, seed: int, tokens: int = 150) -> list[int]:
-    """A planner's fixed system prompt stand-in: word ids the tokenizer knows, the same for every goal of a test."""
+    """Return a stand-in for a planner's fixed system prompt: the same known words for every goal of a test."""
     words = random.Random(seed).choices(['robot', 'cup', 'table', 'pick', 'place', 'the', 'sink', 'door', 'red'],
                                         k=tokens)
     return engine.tokenizer(' '.join(words)).input_ids[:tokens]

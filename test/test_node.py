@@ -125,6 +125,11 @@ BAD_GOALS = [
      'set at most one of json_schema and grammar'),
     (dict(prompt='x', grammar='root ::= "1"', json_free_whitespace=True),
      'json_free_whitespace applies to json_schema only'),
+    (dict(prompt='x', json_schema='{"type": "array", "items": {"type": "string"}, "uniqueItems": true}'),
+     "json_schema: 'uniqueItems' at $ is not enforced by the grammar engine; remove it, or set "
+     "json_schema_unenforced to 'check'"),
+    (dict(prompt='x', json_schema='{"type": "integer"}', json_schema_unenforced='ignore'),
+     "json_schema_unenforced must be one of refuse|check"),
 ]
 
 
@@ -152,6 +157,19 @@ def test_structured_output_goal(served):
     assert any(w.startswith('structure incomplete') for w in short.result.warnings)
     plain = client.send(make_goal('Plan: ', max_new_tokens=4))
     assert plain.status == 'succeeded' and not plain.result.structure_complete and not plain.result.warnings
+
+
+def test_a_goal_may_leave_an_unenforced_keyword_to_the_final_check(served):
+    node, client = served
+    schema = {'type': 'array', 'items': {'type': 'string', 'pattern': '^[a-z]{1,8}$'}, 'minItems': 1, 'maxItems': 3,
+              'uniqueItems': True}
+    outcome = client.send(make_goal('Rooms: ', max_new_tokens=200, json_schema=json.dumps(schema),
+                                    json_schema_unenforced='check'))
+    assert outcome.status == 'succeeded', outcome.result.error
+    result = outcome.result
+    assert "'uniqueItems' at $ is not enforced by the grammar engine" in result.warnings[0]
+    items = json.loads(result.text) if result.finish_reason == 'stop' else None
+    assert result.structure_complete == (items is not None and len(set(items)) == len(items)), result.text
 
 
 def test_bad_goal_does_not_wait_behind_a_running_goal(served):

@@ -158,7 +158,7 @@ def test_engine_modules_stay_small():
 
 
 def _private_names(tree: ast.Module) -> set[str]:
-    """The private names a module defines: functions, classes, self./cls. attributes, assignments, imports as."""
+    """Return the private names a module defines: functions, classes, self. attributes, assignments, imports."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

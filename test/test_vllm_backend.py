@@ -63,6 +63,9 @@ def test_metrics_give_tau_and_acceptance_of_the_window():
     assert window.acceptance_rate == pytest.approx(20 / 40)
     assert window.per_position_acceptance == pytest.approx([0.8, 0.5])
     assert window.mean_num_draft_tokens == pytest.approx(4.0)
+    prefixes = parse_metrics('vllm:prefix_cache_queries_total{model_name="target"} 400.0\n'
+                             'vllm:prefix_cache_hits_total{model_name="target"} 256.0\n', 'target')
+    assert (prefixes.prefix_cache_queries, prefixes.prefix_cache_hits) == (400, 256)
     plain = parse_metrics('vllm:generation_tokens_total{model_name="target"} 9.0\n', 'target')
     assert plain.drafts is None and speculation_stats(None, plain).tau == 1.0
 
@@ -111,9 +114,19 @@ def test_request_fields_map_to_the_openai_api():
     assert path == '/v1/chat/completions' and body['messages'] == [{'role': 'user', 'content': 'hi'}]
     assert 'structured_outputs' not in body
     # json_schema and grammar reach the server as the EBNF the local engine enforces (compact JSON by default)
-    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
-    _, body = backend.request_body(backend.validate(GenerationRequest(prompt='hi', json_schema=schema)))
-    assert str(constraint_grammar(JSON_SCHEMA, schema)) == body['structured_outputs']['grammar']
+    # (with the engine's bound on numbers' digits); the plan keeps the schema's validator for the final check
+    schema = json.dumps({'type': 'object', 'properties': {'ok': {'type': 'boolean'}, 'x': {'type': 'number'}},
+                         'required': ['ok']})
+    plan = backend.validate(GenerationRequest(prompt='hi', json_schema=schema))
+    _, body = backend.request_body(plan)
+    assert str(constraint_grammar(JSON_SCHEMA, schema, number_digits=(15, 6))) == body['structured_outputs']['grammar']
+    assert plan.output_check is not None and plan.output_check.violation('{"ok": 1}')
+    assert not backend.validate(GenerationRequest(prompt='hi', grammar='root ::= "a"')).output_check
+    unique = '{"type": "array", "items": {"type": "string"}, "uniqueItems": true}'
+    with pytest.raises(ValueError, match=r"^json_schema: 'uniqueItems' at \$ is not enforced"):
+        backend.validate(GenerationRequest(prompt='hi', json_schema=unique))
+    plan = backend.validate(GenerationRequest(prompt='hi', json_schema=unique, json_schema_unenforced='check'))
+    assert [gap.keyword for gap in plan.output_check.gaps] == ['uniqueItems']
     _, body = backend.request_body(backend.validate(GenerationRequest(prompt='hi', grammar='root ::= "a" | "b"')))
     assert 'root ::=' in body['structured_outputs']['grammar']
 
@@ -261,6 +274,17 @@ def test_a_goal_streams_and_succeeds(backend):
     assert stats.inter_token_latency_p50 <= stats.inter_token_latency_p95
     assert math.isnan(stats.draft_cost_ratio) and stats.paused_rounds == -1   # unknown, not zero
     assert result.request_id.startswith('cmpl-')
+
+
+def test_a_fixed_system_prompt_hits_the_servers_prefix_cache(backend):
+    # the planner's shape: the same long system turn, another state each call; the second call's prompt hits
+    system = {'role': 'system', 'content': CODE_PROMPT * 6}
+    calls = [backend.generate(GenerationRequest(messages=[system, {'role': 'user', 'content': state}],
+                                                max_new_tokens=4)) for state in ('Scene: a red cup.', 'Scene: a mug.')]
+    assert 64 <= calls[1].stats.cached_prompt_tokens < calls[1].stats.prompt_tokens
+    status = backend.status()
+    assert status.prefix_cache_tokens_reused >= calls[1].stats.cached_prompt_tokens
+    assert 0 < status.prefix_cache_hit_rate <= 1
 
 
 def test_greedy_output_equals_the_local_engine(backend, engine):

@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gemma_spec_ros.benchmarks import constrained, planner, plots, vllm_peers
+from gemma_spec_ros.benchmarks import constrained, planner, plots, schemas, vllm_peers
 from gemma_spec_ros.benchmarks.analysis import summarize
 from gemma_spec_ros.benchmarks.harness import (
     Bench,
@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help='measure the planner category instead: N held-out robot-task conversations (default 40) '
                              'run as planner loops with tools, per drafter: exact call sequences, valid calls, tau '
                              'and speedup; output in --out (default bench/results/planner)')
+    parser.add_argument('--schemas', nargs='?', const='test/data/schemas', metavar='DIR',
+                        help='measure a JSON Schema corpus instead (DIR/manifest.json, default test/data/schemas): '
+                             'each schema as a json_schema goal, greedy, plain and --drafters: accepted, complete and '
+                             'valid, incomplete, refused (with the keyword), complete but invalid, parity with plain '
+                             '(default 256 new tokens; output in --out, default bench/results/DATE-schemas)')
+    parser.add_argument('--json-schema-unenforced', default='', choices=('', 'refuse', 'check'),
+                        help="with --schemas: what a keyword the grammar cannot enforce does ('' = refuse)")
     parser.add_argument('--json-free-whitespace', action='store_true',
                         help='with --constrained: let the output put whitespace between JSON elements (default: '
                              'compact JSON)')
@@ -142,6 +149,14 @@ def run(args, argv: list[str]) -> Path:
                             progress=lambda message: print(message, file=sys.stderr), on_step=lambda name: bar.update(),
                             json_free_whitespace=args.json_free_whitespace)
         return out
+    if args.schemas is not None:
+        settings.max_new_tokens = args.max_new_tokens or 256
+        out = Path(args.out or 'bench/results/{}-schemas'.format(datetime.now(UTC).strftime('%Y-%m-%d')))
+        schemas.run(settings, Path(args.schemas), out, 'python -m gemma_spec_ros bench ' + shlex.join(argv),
+                    args.json_schema_unenforced, progress=lambda message: print(message, file=sys.stderr))
+        return out
+    if args.json_schema_unenforced:
+        raise ValueError('--json-schema-unenforced applies to --schemas only')
     if args.planner is not None:
         if args.planner < 1:
             raise ValueError('--planner needs N >= 1 conversations, got {}'.format(args.planner))
@@ -280,5 +295,6 @@ def main(argv: list[str] | None = None) -> int:
         print('bench: {}'.format(error), file=sys.stderr)
         return 2
     print((out / 'results.md').read_text())
-    print('wrote {}/results.json, results.md{}'.format(out, '' if args.constrained or args.planner else ' and plots'))
+    print('wrote {}/results.json, results.md{}'.format(
+        out, '' if args.constrained or args.planner or args.schemas else ' and plots'))
     return 0

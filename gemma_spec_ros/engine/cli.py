@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                         'most one of --json-schema and --grammar')
     parser.add_argument('--json-free-whitespace', action='store_true',
                         help='allow up to 16 whitespace characters between JSON elements (default: compact JSON)')
+    parser.add_argument('--json-schema-unenforced', default='', choices=('', 'refuse', 'check'),
+                        help='a --json-schema keyword the grammar cannot enforce: refuse (default) or check '
+                             '(generate without it, validate the output at the end)')
     parser.add_argument('--tools', metavar='FILE', help='JSON file with the tools the model may call (a list of '
                         '{name, description, parameters}); needs --messages-json')
     parser.add_argument('--tool-choice', default='', help='auto (default with tools), none, required or a tool name')
@@ -94,7 +97,8 @@ def _request(args, sample: int, constraint: dict[str, str]) -> GenerationRequest
     request = GenerationRequest(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, stop=list(args.stop),
                                 seed=args.seed + sample if args.seed >= 0 else -1,
-                                json_free_whitespace=args.json_free_whitespace, tool_choice=args.tool_choice,
+                                json_free_whitespace=args.json_free_whitespace,
+                                json_schema_unenforced=args.json_schema_unenforced, tool_choice=args.tool_choice,
                                 thinking=args.thinking, max_thinking_tokens=args.max_thinking_tokens, **constraint)
     if args.tools:
         try:

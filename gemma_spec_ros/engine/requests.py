@@ -54,6 +54,7 @@ class RequestPlan:
     reply: ReplyRules = ReplyRules()        # thinking and tool calls
     tools: tuple[tool_rules.ToolSpec, ...] = ()
     compiled_calls: object | None = None    # the compiled grammar of one call's body (tools on)
+    output_check: object | None = None      # a json_schema's final check (logits.schema.OutputCheck); None without
 
 
 def check_config(config: EngineConfig) -> None:
@@ -470,7 +471,14 @@ def plan_request(request: GenerationRequest, tokenizer, vocab_size: int, context
         # seed reproduces the same output
         pinned = max(1, config.max_draft_tokens // 2)
     compiled = constraints.compile_request(request.json_schema, request.grammar,  # cached per text
-                                           request.json_free_whitespace)
+                                           request.json_free_whitespace, request.json_schema_unenforced,
+                                           number_digits(config))
     calls = constraints.compile_calls(tools, reply.forced_tool) if reply.calls else None
     return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned, compiled,
-                       shown_images(request.images, request.messages), reply, tools, calls)
+                       shown_images(request.images, request.messages), reply, tools, calls,
+                       constraints.output_check(request.json_schema, request.json_schema_unenforced))
+
+
+def number_digits(config: EngineConfig) -> tuple[int, int]:
+    """Return the most digits of a JSON number's integer part and fraction in json_schema output (0: unbounded)."""
+    return config.json_integer_digits, config.json_fraction_digits

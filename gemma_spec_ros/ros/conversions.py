@@ -59,6 +59,7 @@ def goal_to_request(goal, limits: ImageLimits) -> GenerationRequest:
         temperature=float(goal.temperature), top_p=float(goal.top_p), top_k=int(goal.top_k), stop=list(goal.stop),
         seed=int(goal.seed), drafter=goal.drafter, num_draft_tokens=int(goal.num_draft_tokens),
         json_schema=goal.json_schema, grammar=goal.grammar, json_free_whitespace=bool(goal.json_free_whitespace),
+        json_schema_unenforced=goal.json_schema_unenforced,
         images=goal_images(goal.images, goal.compressed_images, limits), tools=goal.tools,
         tool_choice=goal.tool_choice, parallel_tool_calls=bool(goal.parallel_tool_calls), thinking=bool(goal.thinking),
         max_thinking_tokens=int(goal.max_thinking_tokens))

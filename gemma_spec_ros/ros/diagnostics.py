@@ -167,6 +167,8 @@ def fill_server_status(stat, status, figures):
             ('speculation', 'on' if status.speculating else 'off'), ('K', status.num_draft_tokens),
             ('requests running', status.requests_running), ('requests waiting', status.requests_waiting),
             ('KV-cache usage', _figure(status.kv_cache_usage)),
+            ('prefix cache hit rate (prompt tokens)', _figure(status.prefix_cache_hit_rate)),
+            ('prefix cache tokens reused', status.prefix_cache_tokens_reused),
             ('requests in flight (this node)', status.requests_in_flight),
             ('tau (window)', _figure(figures['tau'])),
             ('tau (lifetime)', _figure(status.tau_lifetime)),

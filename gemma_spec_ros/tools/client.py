@@ -94,7 +94,8 @@ class Outcome:
 def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0.0, top_k=0, stop=(),
               seed=-1, drafter='', num_draft_tokens=0, client_id='', json_schema='', grammar='',
               json_free_whitespace=False, images=(), compressed_images=(), tools='', tool_choice='',
-              parallel_tool_calls=True, thinking=False, max_thinking_tokens=0) -> Generate.Goal:
+              parallel_tool_calls=True, thinking=False, max_thinking_tokens=0,
+              json_schema_unenforced='') -> Generate.Goal:
     """
     Build a Generate goal; json_schema and grammar are text.
 
@@ -112,7 +113,8 @@ def make_goal(prompt='', messages=(), max_new_tokens=0, temperature=0.0, top_p=0
                          grammar=grammar, json_free_whitespace=bool(json_free_whitespace), images=list(images),
                          compressed_images=list(compressed_images), tools=tools_text(tools),
                          tool_choice=tool_choice, parallel_tool_calls=bool(parallel_tool_calls),
-                         thinking=bool(thinking), max_thinking_tokens=int(max_thinking_tokens))
+                         thinking=bool(thinking), max_thinking_tokens=int(max_thinking_tokens),
+                         json_schema_unenforced=json_schema_unenforced)
 
 
 def tools_text(tools) -> str:
@@ -569,6 +571,9 @@ def build_parser():
     parser.add_argument('--grammar', metavar='FILE', help='EBNF grammar file (xgrammar syntax, rule root)')
     parser.add_argument('--json-free-whitespace', action='store_true',
                         help='allow up to 16 whitespace characters between JSON elements (default: compact JSON)')
+    parser.add_argument('--json-schema-unenforced', default='', choices=('', 'refuse', 'check'),
+                        help='a json_schema keyword the grammar cannot enforce: refuse the goal (default) or check '
+                             '(generate without it, validate the output at the end)')
     parser.add_argument('--tools', metavar='FILE',
                         help='JSON file with a list of tools the reply may call (e.g. config/robot_tools.json)')
     parser.add_argument('--tool-choice', default='', metavar='CHOICE',
@@ -604,7 +609,8 @@ def main(argv=None) -> int:
         return 2
     goal = make_goal(args.prompt, messages, args.max_new_tokens, args.temperature, args.top_p, args.top_k,
                      args.stop, args.seed, args.drafter, args.num_draft_tokens,
-                     json_free_whitespace=args.json_free_whitespace, images=images,
+                     json_free_whitespace=args.json_free_whitespace,
+                     json_schema_unenforced=args.json_schema_unenforced, images=images,
                      compressed_images=compressed_images, tools=tools, tool_choice=args.tool_choice,
                      parallel_tool_calls=not args.one_call, thinking=args.thinking,
                      max_thinking_tokens=args.max_thinking_tokens, **constraint)

@@ -2,8 +2,9 @@
 A vLLM server as a second backend: the Backend interface over vLLM's OpenAI-compatible streaming API.
 
 Stdlib only (http.client, JSON, server-sent events; PIL for a goal's images); no vLLM import, and torch only for a
-goal with json_schema or grammar (its grammar is built as the local engine builds it; the server's structured
-outputs enforce it). A request goes to ``/v1/completions`` (prompt text or prompt token ids) or
+goal with json_schema or grammar (its grammar is built as the local engine builds it, vllm_grammar.py; the
+server's structured outputs enforce it, and a json_schema goal's text gets the local engine's final check). A
+request goes to ``/v1/completions`` (prompt text or prompt token ids) or
 ``/v1/chat/completions`` (messages, rendered with the server's chat template), with ``stream: true``; every chunk
 becomes one StreamDelta. A goal's images go to the chat API as PNG data URLs in its messages' content, when
 vllm.images says the served model reads them (a multimodal Gemma 4); else validate refuses them (the bundled vLLM
@@ -24,7 +25,6 @@ prompt) comes back from it as a ValueError.
 """
 
 import base64
-import functools
 import io
 import json
 import threading
@@ -36,6 +36,7 @@ from PIL import Image as PilImage
 
 from ..backend import Backend, Capabilities
 from ..conversation.reply import ReplyRules
+from ..logits.schema import OutputCheck
 from ..requests import check_fields, check_images, check_max_new_tokens, check_messages, check_prompt_size
 from ..stats import decode_tokens_per_second, percentile, token_gaps
 from ..types import (
@@ -49,6 +50,7 @@ from ..types import (
     GenerationStats,
     config_field,
 )
+from .vllm_grammar import final_check, output_grammar, structure_complete
 from .vllm_metrics import (
     SERVER_WIDE_WARNING,
     UNKNOWN_FLOAT,
@@ -74,29 +76,6 @@ from .vllm_stream import Collected, ServerClient, ServerUnavailable
 
 SERVER_DRAFTER = 'server'    # drafter label when the server speculates with a method not named in the config
 COUNTER_LAG_SECONDS = 3.0    # longest wait after a goal's stream for the server's counters to cover its tokens
-
-
-def _output_grammar(request: GenerationRequest) -> str:
-    """
-    Return the EBNF of a request's json_schema or grammar, as the local engine enforces it ('' if unconstrained).
-
-    The server gets the grammar text rather than the schema: its whitespace rule is one per server, while a goal
-    chooses compact or free whitespace, and the same conversion refuses the same schema keywords on both backends.
-    Loads xgrammar (and torch) on the first constrained request.
-    """
-    if not (request.json_schema or request.grammar or request.json_free_whitespace):
-        return ''
-    from ..logits.grammar import constraint_kind
-
-    kind = constraint_kind(request.json_schema, request.grammar, request.json_free_whitespace)
-    return _grammar_text(kind, request.json_schema or request.grammar, request.json_free_whitespace)
-
-
-@functools.lru_cache(maxsize=64)
-def _grammar_text(kind: str, text: str, json_free_whitespace: bool) -> str:
-    from ..logits.grammar import constraint_grammar
-
-    return str(constraint_grammar(kind, text, json_free_whitespace))
 
 
 def _chat_content(message: dict, images) -> str | list[dict]:
@@ -147,6 +126,7 @@ class VllmPlan:
     grammar: str = ''    # EBNF the server's structured outputs enforce (from json_schema or grammar); '' = none
     tools: tuple = ()                 # the request's tools (conversation.tools.ToolSpec)
     reply: ReplyRules | None = None   # thinking and tool calls; None: neither (the reply is not shaped)
+    output_check: OutputCheck | None = None   # a json_schema's validator, run on the answer at the end
 
 
 @dataclass
@@ -171,6 +151,8 @@ class VllmStatus(EngineStatus):
     requests_running: int = UNKNOWN_INT
     requests_waiting: int = UNKNOWN_INT
     kv_cache_usage: float = UNKNOWN_FLOAT           # 0..1
+    prefix_cache_hit_rate: float = UNKNOWN_FLOAT    # prompt tokens found in the server's prefix cache / looked up
+    prefix_cache_tokens_reused: int = UNKNOWN_INT   # ... found, since the server started
     requests_in_flight: int = 0                     # this backend's own open streams
 
 
@@ -281,7 +263,7 @@ class VllmBackend(Backend):
         if not sampling.greedy and not self.vllm.speculative_sampling and self._server_speculates():
             raise ValueError('temperature must be 0 (greedy) with this vllm backend: the server at {} speculates '
                              'and vllm.speculative_sampling is off, got {}'.format(self.url, request.temperature))
-        return VllmPlan(request, max_new, _output_grammar(request), tools, reply)
+        return VllmPlan(request, max_new, output_grammar(request, self.config), tools, reply, final_check(request))
 
     def server_tokens(self) -> ServerTokens:
         """Return the served model's ids of Gemma 4's control and special tokens (asked once); ServerUnavailable."""
@@ -379,6 +361,7 @@ class VllmBackend(Backend):
         # the server's structured outputs allow EOS only where the grammar is complete: an EOS stop completed it
         result.structure_complete = bool(calls) or (bool(plan.grammar) and finish_reason == 'stop' and
                                                     not collected.stop_string)
+        result.structure_complete = structure_complete(plan.output_check, result, result.structure_complete)
         result.warnings += cut_off_warnings(finish_reason, plan.reply, plan.max_new_tokens)
         if after is not None or self.drafter == 'none':
             result.server_wide = fill_speculation(result.stats, before, after, new_tokens,
@@ -391,6 +374,7 @@ class VllmBackend(Backend):
     def _stats(self, collected: Collected, new_tokens: int, started: float, finished: float) -> GenerationStats:
         stats = unknown_stats()
         stats.prompt_tokens = collected.prompt_tokens
+        stats.cached_prompt_tokens = collected.cached_prompt_tokens
         stats.new_tokens = new_tokens
         stats.drafter = self.drafter or SERVER_DRAFTER
         stats.wall_time = finished - started
@@ -487,4 +471,7 @@ class VllmBackend(Backend):
         status.requests_running = int(counters.requests_running)
         status.requests_waiting = int(counters.requests_waiting)
         status.kv_cache_usage = counters.kv_cache_usage
+        status.prefix_cache_tokens_reused = int(counters.prefix_cache_hits)
+        if counters.prefix_cache_queries:
+            status.prefix_cache_hit_rate = counters.prefix_cache_hits / counters.prefix_cache_queries
         return status

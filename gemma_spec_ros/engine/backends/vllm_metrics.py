@@ -40,6 +40,8 @@ class ServerCounters:
     requests_running: float = 0.0               # gauge
     requests_waiting: float = 0.0               # gauge
     kv_cache_usage: float = UNKNOWN_FLOAT       # gauge, 0..1
+    prefix_cache_queries: float = 0.0           # prompt tokens looked up in the server's prefix cache
+    prefix_cache_hits: float = 0.0              # ... and found there
 
     @property
     def busy(self) -> bool:
@@ -140,6 +142,10 @@ def parse_metrics(text: str, model: str = '') -> ServerCounters:
             counters.requests_running += value
         elif name == 'num_requests_waiting':
             counters.requests_waiting += value
+        elif name == 'prefix_cache_queries_total':
+            counters.prefix_cache_queries += value
+        elif name == 'prefix_cache_hits_total':
+            counters.prefix_cache_hits += value
         elif name in ('kv_cache_usage_perc', 'gpu_cache_usage_perc'):
             kv_usage.append(value)
     counters.accepted_per_position = [per_position[p] for p in sorted(per_position)]

@@ -126,6 +126,8 @@ class VllmServer:
             command += ['--speculative-config', json.dumps(config.speculative_config)]
         if self.parsers:
             command += list(GEMMA4_PARSER_ARGS)
+        # prefix caching (a planner's fixed system prompt); each reply's usage says how many prompt tokens hit
+        command += ['--enable-prefix-caching', '--enable-prompt-tokens-details']
         return command + list(config.extra_args)
 
     def environment(self) -> dict[str, str]:

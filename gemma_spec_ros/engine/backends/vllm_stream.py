@@ -37,6 +37,7 @@ class Collected:
     token_ids: list[int] = field(default_factory=list)
     arrivals: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens) per chunk with tokens
     prompt_tokens: int = UNKNOWN_INT
+    cached_prompt_tokens: int = 0    # usage.prompt_tokens_details.cached_tokens: the server's prefix-cache hit
     completion_tokens: int = UNKNOWN_INT
     finish_reason: str = ''
     server_reason: str = ''          # vLLM's finish_reason when it is not one of ours
@@ -195,6 +196,7 @@ class ServerClient:
         usage = chunk.get('usage') or {}
         if 'completion_tokens' in usage:
             collected.prompt_tokens = int(usage.get('prompt_tokens', UNKNOWN_INT))
+            collected.cached_prompt_tokens = int((usage.get('prompt_tokens_details') or {}).get('cached_tokens') or 0)
             collected.completion_tokens = int(usage['completion_tokens'])
         for choice in chunk.get('choices') or []:
             delta = choice.get('delta') or {}

@@ -9,6 +9,7 @@ from ..conversation.format import ConversationTokens
 from ..drafters.base import Drafter
 from ..logits.grammar import GrammarConstraint
 from ..logits.reply import ReplyConstraint
+from ..logits.schema import check_output
 from ..requests import RequestPlan
 from ..stats import RoundTally, tau
 from ..types import (
@@ -50,6 +51,8 @@ class Run:
     def result(self, stats: GenerationStats) -> GenerationResult:
         """Return the generation's result: text, thoughts, tool calls, and whether its structure completed."""
         complete = self.constraint is not None and self.constraint.completed and not self.stops.stopped
+        if self.finish != 'tool_calls':   # a json_schema answer validates, or it is not complete
+            complete = check_output(self.plan.output_check, ''.join(self.pieces), complete, self.warnings)
         structured = self.constraint is not None and getattr(self.constraint, 'structured', True)
         if structured and self.finish == 'length' and not complete:
             self.warnings.append(structure_incomplete(self.plan.max_new_tokens))

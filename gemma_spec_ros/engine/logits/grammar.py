@@ -7,42 +7,33 @@ the unchanged `verify()`, a forbidden draft token has target probability 0 and i
 stays lossless. EOS ids are the grammar's stop tokens: allowed exactly where the grammar accepts termination.
 
 JSON Schemas compile to compact JSON (separators ',' and ':', no whitespace between elements) unless a request
-sets `json_free_whitespace`. One `ConstraintCompiler` per tokenizer compiles and caches grammars by (kind, text,
-free whitespace); each request gets its own `GrammarConstraint` (an xgrammar matcher that advances along accepted
-tokens and rolls back drafts).
+sets `json_free_whitespace`; schema.py reads them first (rewritten for xgrammar, unenforced keywords refused or
+left to the final check) and bounds their numbers' digits. One `ConstraintCompiler` per tokenizer compiles and
+caches grammars by (kind, text, free whitespace, policy, digit bounds); each request gets its own
+`GrammarConstraint` (an xgrammar matcher that advances along accepted tokens and rolls back drafts).
 """
 
 import functools
-import json
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-import jsonschema
 import torch
 import xgrammar
 
 from ..conversation import tools as tool_rules
 from ..conversation.format import ConversationTokens
+from . import schema as schemas
 
-JSON_SCHEMA = 'json_schema'
+JSON_SCHEMA = schemas.JSON_SCHEMA
 GRAMMAR = 'grammar'
 JSON_FREE_WHITESPACE = 'json_free_whitespace'
 CACHE_SIZE = 64            # compiled grammars kept (least recently used dropped)
 MAX_JSON_WHITESPACE = 16   # with json_free_whitespace, characters allowed between JSON elements: room for
                            # indentation, no endless runs
 COMPACT_SEPARATORS = (',', ':')
-# JSON Schema keywords xgrammar 0.2.8 would silently ignore (measured): refused, so that every output validates.
-# oneOf is compiled as anyOf: output matching several alternatives is possible, so keep alternatives disjoint
-_IGNORED_KEYWORDS = ('not', 'if', 'then', 'else', 'dependencies', 'dependentRequired', 'dependentSchemas',
-                     'contains', 'minContains', 'maxContains')
-_SUBSCHEMA_KEYWORDS = ('items', 'additionalItems', 'additionalProperties', 'unevaluatedItems',
-                       'unevaluatedProperties', 'propertyNames')
-_SUBSCHEMA_LIST_KEYWORDS = ('anyOf', 'oneOf', 'allOf', 'prefixItems', 'items')
-_SUBSCHEMA_MAP_KEYWORDS = ('properties', 'patternProperties', '$defs', 'definitions')
-_LENGTH_KEYWORDS = {'minLength', 'maxLength'}  # xgrammar 0.2.8 ignores them beside 'pattern' or 'format'
 _LENGTH_STRING_CHARACTERS = r'[^\"\\\r\n]'       # as xgrammar prints them: see _json_schema_grammar
 _JSON_STRING_CHARACTERS = r'[^\0-\x1f\"\\\r\n]'
 # xgrammar 0.2.8 separates the items of untyped values ({} or no "items") with ', ' whatever the separators: the
@@ -104,7 +95,7 @@ class ConstraintCompiler:
         special, named = _special_ids(tokenizer), set(tokenizer.get_vocab().values())
         # the tokens no free text holds: special and control tokens, and rows past the tokenizer's vocabulary
         self.special_ids = tuple(sorted(index for index in range(vocab_size) if index in special or index not in named))
-        self._cache: OrderedDict[tuple[str, str, bool], xgrammar.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
@@ -113,19 +104,30 @@ class ConstraintCompiler:
         """The tokens that end an answer (its grammar's stop tokens): a turn's end, EOS."""
         return tuple(self._stop_ids)
 
-    def constraint(self, json_schema: str = '', grammar: str = '',
-                   json_free_whitespace: bool = False) -> 'GrammarConstraint | None':
+    def constraint(self, json_schema: str = '', grammar: str = '', json_free_whitespace: bool = False,
+                   unenforced: str = '', number_digits: tuple[int, int] = (0, 0)) -> 'GrammarConstraint | None':
         """Return a fresh per-request constraint, or None when both are empty; ValueError names the bad field."""
-        compiled = self.compile_request(json_schema, grammar, json_free_whitespace)
+        compiled = self.compile_request(json_schema, grammar, json_free_whitespace, unenforced, number_digits)
         return None if compiled is None else self.matcher(compiled)
 
-    def compile_request(self, json_schema: str = '', grammar: str = '',
-                        json_free_whitespace: bool = False) -> xgrammar.CompiledGrammar | None:
-        """Compile a request's constraint fields (json_schema or grammar), or None when both are empty; cached."""
-        kind = constraint_kind(json_schema, grammar, json_free_whitespace)
+    def compile_request(self, json_schema: str = '', grammar: str = '', json_free_whitespace: bool = False,
+                        unenforced: str = '', number_digits: tuple[int, int] = (0, 0)
+                        ) -> xgrammar.CompiledGrammar | None:
+        """
+        Compile a request's constraint fields (json_schema or grammar), or None when both are empty; cached.
+
+        unenforced: json_schema_unenforced (schema.POLICIES); number_digits: the most digits of a JSON number's
+        integer part and fraction (0 = unbounded), see schema.bound_numbers.
+        """
+        kind = constraint_kind(json_schema, grammar, json_free_whitespace, unenforced)
         if kind is None:
             return None
-        return self.compile(kind, json_schema or grammar, json_free_whitespace)
+        return self.compile(kind, json_schema or grammar, json_free_whitespace, unenforced, number_digits)
+
+    @staticmethod
+    def output_check(json_schema: str, unenforced: str = '') -> 'schemas.OutputCheck | None':
+        """Return the final check of a json_schema request (validator and gaps), or None without a json_schema."""
+        return schemas.output_check(json_schema, unenforced)
 
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> 'GrammarConstraint':
         """Return a fresh per-request constraint at the start of a compiled grammar."""
@@ -161,42 +163,50 @@ class ConstraintCompiler:
         """Return a fresh constraint at the start of a call's body; <tool_call|> ends it."""
         return GrammarConstraint(compiled, self.vocab_size, [self.conversation.call_close])
 
-    def compile(self, kind: str, text: str, json_free_whitespace: bool = False) -> xgrammar.CompiledGrammar:
+    def compile(self, kind: str, text: str, json_free_whitespace: bool = False, unenforced: str = '',
+                number_digits: tuple[int, int] = (0, 0)) -> xgrammar.CompiledGrammar:
         """
         Return the compiled grammar for kind 'json_schema' or 'grammar' (EBNF, root rule `root`); cached.
 
         A JSON Schema compiles to compact JSON, or with json_free_whitespace to JSON with up to
-        MAX_JSON_WHITESPACE whitespace characters between elements.
+        MAX_JSON_WHITESPACE whitespace characters between elements; see constraint_grammar.
         """
         if json_free_whitespace and kind != JSON_SCHEMA:
             raise ValueError('{} applies to json_schema only'.format(JSON_FREE_WHITESPACE))
-        key = (kind, text, json_free_whitespace)
+        if kind == JSON_SCHEMA:
+            schemas.prepare(text, unenforced)   # refusals first: a grammar cached for 'check' serves no 'refuse'
+        else:
+            unenforced, number_digits = '', (0, 0)
+        key = (kind, text, json_free_whitespace, schemas.check_policy(unenforced), tuple(number_digits))
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         # outside the lock: a slow schema does not block cached ones
-        compiled = self._compile(kind, text, json_free_whitespace)
+        compiled = self._compile(kind, text, json_free_whitespace, unenforced, number_digits)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, kind: str, text: str, json_free_whitespace: bool) -> xgrammar.CompiledGrammar:
-        grammar = constraint_grammar(kind, text, json_free_whitespace)
+    def _compile(self, kind: str, text: str, json_free_whitespace: bool, unenforced: str,
+                 number_digits: tuple[int, int]) -> xgrammar.CompiledGrammar:
+        grammar = constraint_grammar(kind, text, json_free_whitespace, unenforced, number_digits)
         try:
             return self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as exc:
             raise ValueError('{}: {}'.format(kind, _library_message(exc))) from exc
 
 
-def constraint_kind(json_schema: str = '', grammar: str = '', json_free_whitespace: bool = False) -> str | None:
+def constraint_kind(json_schema: str = '', grammar: str = '', json_free_whitespace: bool = False,
+                    unenforced: str = '') -> str | None:
     """
     Return the kind of a request's constraint (JSON_SCHEMA, GRAMMAR, or None); ValueError names a bad field.
 
-    json_free_whitespace without a json_schema is refused: a grammar spells out its own whitespace and
-    unconstrained output has no limit, so the planner would not get what it asked for.
+    json_free_whitespace or json_schema_unenforced without a json_schema is refused: a grammar spells out its own
+    whitespace and is enforced whole, and unconstrained output has no limit, so the planner would not get what it
+    asked for.
     """
     for name, value in ((JSON_SCHEMA, json_schema), (GRAMMAR, grammar)):
         if not isinstance(value, str):
@@ -208,23 +218,28 @@ def constraint_kind(json_schema: str = '', grammar: str = '', json_free_whitespa
     if json_free_whitespace and not json_schema:
         raise ValueError('{} applies to json_schema only (a grammar spells out its own whitespace); set a '
                          'json_schema or leave it false'.format(JSON_FREE_WHITESPACE))
+    if schemas.check_policy(unenforced) != schemas.REFUSE and not json_schema:
+        raise ValueError("{} applies to json_schema only; set a json_schema or leave it ''".format(
+            schemas.UNENFORCED_FIELD))
     if json_schema:
         return JSON_SCHEMA
     return GRAMMAR if grammar else None
 
 
-def constraint_grammar(kind: str, text: str, json_free_whitespace: bool = False) -> xgrammar.Grammar:
+def constraint_grammar(kind: str, text: str, json_free_whitespace: bool = False, unenforced: str = '',
+                       number_digits: tuple[int, int] = (0, 0)) -> xgrammar.Grammar:
     """
     Return the EBNF grammar (xgrammar) of a json_schema or grammar field; ValueError names the field.
 
     Both backends enforce this grammar: the local engine compiles it into token masks, the vLLM backend sends its
-    text to the server's structured outputs, so a schema means the same output on either.
+    text to the server's structured outputs, so a schema means the same output on either. A json_schema is read by
+    schema.prepare (refused keywords, the rewrite for xgrammar) and its numbers bounded by number_digits.
     """
     if json_free_whitespace and kind != JSON_SCHEMA:
         raise ValueError('{} applies to json_schema only'.format(JSON_FREE_WHITESPACE))
     if kind == JSON_SCHEMA:
-        _check_json_schema(text)
-        build = lambda: _json_schema_grammar(text, json_free_whitespace)  # noqa: E731
+        prepared = schemas.prepare(text, unenforced)
+        build = lambda: _json_schema_grammar(prepared.grammar_text, json_free_whitespace, number_digits)  # noqa: E731
     elif kind == GRAMMAR:
         build = lambda: xgrammar.Grammar.from_ebnf(text)  # noqa: E731
     else:
@@ -409,47 +424,12 @@ def _call_tokenizer_info(tokenizer, vocab_size: int, conversation: ConversationT
     return info
 
 
-def _check_json_schema(text: str) -> None:
-    """ValueError naming the field when text is not JSON or not a valid JSON Schema (with the schema path)."""
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError('{}: not valid JSON: {}'.format(JSON_SCHEMA, exc)) from exc
-    if not isinstance(schema, dict):   # true/false are schemas too, but say nothing a grammar can hold to
-        raise ValueError('{}: a JSON Schema must be a JSON object, got {} (use {{}} for any JSON value)'.format(
-            JSON_SCHEMA, json.dumps(schema)[:40]))
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        path = ''.join('[{}]'.format(part) if isinstance(part, int) else '.{}'.format(part)
-                       for part in exc.absolute_path)
-        raise ValueError('{}: {} at ${}'.format(JSON_SCHEMA, exc.message, path)) from exc
-    unsupported = _unsupported_keyword(schema, '$')
-    if unsupported:
-        raise ValueError('{}: {} is not enforced by the grammar engine; remove it'.format(JSON_SCHEMA, unsupported))
-
-
-def _subschemas(schema, path: str) -> Iterator[tuple[str, dict]]:
-    """Yield (path, schema) for schema and every subschema under the keywords that xgrammar reads."""
-    if not isinstance(schema, dict):
-        return
-    yield path, schema
-    for key in _SUBSCHEMA_KEYWORDS:
-        if key in schema:
-            yield from _subschemas(schema[key], '{}.{}'.format(path, key))
-    for key in _SUBSCHEMA_LIST_KEYWORDS:
-        if isinstance(schema.get(key), list):
-            for index, child in enumerate(schema[key]):
-                yield from _subschemas(child, '{}.{}[{}]'.format(path, key, index))
-    for key in _SUBSCHEMA_MAP_KEYWORDS:
-        if isinstance(schema.get(key), dict):
-            for name, child in schema[key].items():
-                yield from _subschemas(child, '{}.{}.{}'.format(path, key, name))
-
-
-def _json_schema_grammar(text: str, free_whitespace: bool) -> xgrammar.Grammar:
+def _json_schema_grammar(text: str, free_whitespace: bool, number_digits: tuple[int, int] = (0, 0)
+                         ) -> xgrammar.Grammar:
     """
     Return xgrammar's grammar of a JSON Schema: compact JSON, or free whitespace (bounded) between elements.
+
+    number_digits: the most digits of a number's integer part and fraction (0 = unbounded; schema.bound_numbers).
 
     xgrammar 0.2.8 writes the characters of a minLength / maxLength string as a class that admits raw control
     characters, which JSON forbids in strings (mlc-ai/xgrammar#800); they are swapped for the class of its other
@@ -466,24 +446,8 @@ def _json_schema_grammar(text: str, free_whitespace: bool) -> xgrammar.Grammar:
     if not free_whitespace:
         for rule, compact_rule in _UNTYPED_SEPARATOR_RULES.items():
             ebnf = ebnf.replace(rule, compact_rule)
-    ebnf = ebnf.replace(_LENGTH_STRING_CHARACTERS, _JSON_STRING_CHARACTERS)
+    ebnf = schemas.bound_numbers(ebnf.replace(_LENGTH_STRING_CHARACTERS, _JSON_STRING_CHARACTERS), *number_digits)
     return grammar if ebnf == original else xgrammar.Grammar.from_ebnf(ebnf)
-
-
-def _unsupported_keyword(schema, path: str) -> str:
-    """Describe the first keyword xgrammar would ignore ("'not' at $.properties.x"), or return ''."""
-    for node_path, node in _subschemas(schema, path):
-        for keyword in _IGNORED_KEYWORDS:
-            if keyword in node:
-                return '{!r} at {}'.format(keyword, node_path)
-        if node.get('uniqueItems') is True:
-            return "'uniqueItems' at {}".format(node_path)
-        if isinstance(node.get('allOf'), list) and len(node['allOf']) > 1:
-            return "'allOf' with more than one schema at {}".format(node_path)
-        lengths, shapes = sorted(_LENGTH_KEYWORDS & node.keys()), sorted({'pattern', 'format'} & node.keys())
-        if lengths and shapes:
-            return '{!r} beside {!r} at {}'.format(lengths[0], shapes[0], node_path)
-    return ''
 
 
 def _library_message(exc: Exception) -> str:
