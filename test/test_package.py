@@ -186,6 +186,16 @@ def test_no_module_reaches_into_another_modules_private_fields():
     assert reaches == []
 
 
+def test_the_package_imports_have_no_circles():
+    """No module reaches itself through its imports (lazy ones count: grimp reads every import statement)."""
+    grimp = pytest.importorskip('grimp')
+    graph = grimp.build_graph('gemma_spec_ros')
+    circles = sorted({tuple(sorted((module, *chain))) for module in graph.modules
+                      for imported in graph.find_modules_directly_imported_by(module)
+                      if (chain := graph.find_shortest_chain(importer=imported, imported=module))})
+    assert circles == []
+
+
 def test_layers_are_a_checked_contract():
     """The import contracts in setup.cfg: between the packages and between the engine's parts (architecture.md)."""
     lint = subprocess.run([str(Path(sys.executable).parent / 'lint-imports'), '--no-cache', '--config',

@@ -34,6 +34,15 @@ class Stopwatch:
         return start.elapsed_time(end) / 1000.0
 
 
+def check_passes(prompt_ids: list[int], sizes: list[int], max_size: int, context_limit: int) -> None:
+    """Raise ValueError unless passes of sizes (1..max_size tokens) fit after prompt_ids in the context."""
+    if not sizes or min(sizes) < 1 or max(sizes) > max_size:
+        raise ValueError('pass sizes must be 1..{} (max_draft_tokens + 1), got {}'.format(max_size, sizes))
+    if not prompt_ids or len(prompt_ids) + max(sizes) > context_limit:
+        raise ValueError('a {}-token prompt leaves no room for {} tokens in the {}-token context'.format(
+            len(prompt_ids), max(sizes), context_limit))
+
+
 def time_passes(target, device: torch.device, prompt_ids: list[int], sizes: list[int]) -> dict[int, float]:
     """
     Time one verify pass of target over n tokens after prompt_ids, for each n in sizes (seconds).

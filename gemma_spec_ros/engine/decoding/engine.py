@@ -33,8 +33,11 @@ from ..types import (
 )
 from . import calibration, images
 from .batch import BatchScheduler, start_batching
+from .loading import load_parts, ready_message
 from .rounds import Rounds
 from .run import Run, new_run
+
+COMPILE_WORKER = __package__ + '.compile_worker'  # a background warm-up's process (it loads an Engine: no import)
 
 
 class Engine(Backend):
@@ -91,10 +94,18 @@ class Engine(Backend):
     @classmethod
     def from_config(cls, config: EngineConfig, progress=None, tolerate_drafter_errors: bool = False,
                     start_warmup: bool = True) -> 'Engine':
-        """Load the target and the drafters config names, and warm up (loading.load_engine); ValueError if unfit."""
-        from .loading import load_engine
+        """
+        Load the models config names (loading.load_parts), build the engine and warm it up; ValueError if unfit.
 
-        return load_engine(config, progress, tolerate_drafter_errors, start_warmup)
+        start_warmup: False leaves a background warm-up to warmup.start() or its build calls (benchmarks, tests).
+        """
+        progress = progress or (lambda message: None)
+        engine = cls(**vars(load_parts(config, progress, tolerate_drafter_errors)))
+        engine.warm_up(progress, COMPILE_WORKER)
+        progress(ready_message(engine))
+        if engine.warmup is not None and start_warmup:
+            engine.warmup.start()
+        return engine
 
     @property
     def graph_jobs(self) -> tuple:
@@ -269,12 +280,7 @@ class Engine(Backend):
     # ------------------------------------------------------------------------------- verify-cost calibration
     def time_target_passes(self, prompt_ids: list[int], sizes: list[int]) -> dict[int, float]:
         """Seconds of one verify pass over n tokens after prompt_ids, for each n in sizes, between goals."""
-        if not sizes or min(sizes) < 1 or max(sizes) > self.config.max_draft_tokens + 1:
-            raise ValueError('pass sizes must be 1..{} (max_draft_tokens + 1), got {}'.format(
-                self.config.max_draft_tokens + 1, sizes))
-        if not prompt_ids or len(prompt_ids) + max(sizes) > self._context_limit:
-            raise ValueError('a {}-token prompt leaves no room for {} tokens in the {}-token context'.format(
-                len(prompt_ids), max(sizes), self._context_limit))
+        calibration.check_passes(prompt_ids, sizes, self.config.max_draft_tokens + 1, self._context_limit)
         with self._lock, torch.inference_mode():
             self.adopt_built_graphs()  # time the graphs built so far
             return calibration.time_passes(self._target, self._device, prompt_ids, sizes)
@@ -307,12 +313,7 @@ class Engine(Backend):
             calibration.report_curve(progress, curve, batched)
 
     def warm_up(self, progress, compile_module: str) -> None:
-        """
-        Warm the decode steps up as engine.warmup asks, then calibrate the verify costs (at load).
-
-        blocking: every graph now; background: a Warmup (self.warmup, not started yet) that compiles them in
-        compile_module's process and calibrates again once all are built.
-        """
+        """Warm up as engine.warmup asks (background: a Warmup, not started, compiling in compile_module), calibrate."""
         config = self.config
         background = config.warmup == 'background' and self._graph_jobs
         if config.warmup == 'blocking' or (config.warmup == 'background' and not background):

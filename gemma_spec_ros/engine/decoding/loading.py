@@ -1,34 +1,44 @@
 """
-Loading an Engine from an EngineConfig: the target, its tokenizer, every drafter whose model is set, and the warm-up.
+Loading what an Engine is made of, from an EngineConfig: the target, its tokenizer, every drafter whose model is set.
 
-Engine.from_config calls load_engine. The engine it builds warms up as the config asks (Engine.warm_up: blocking,
-done here; background, a Warmup started here unless start_warmup is False) and calibrates its verify costs.
+Engine.from_config builds the engine from these parts in one step (load_parts), then warms it up.
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from .. import requests
 from ..drafters import drafter_class
-from ..drafters.base import LoadContext
+from ..drafters.base import Drafter, LoadContext
 from ..runtime import FastCausalLM, causal_lm, models
 from ..runtime.prefix_cache import PrefixCache
 from ..runtime.quantize import Quantizer
 from ..stats import mib
 from ..types import REGISTRY, DisabledDrafter, EngineConfig
-from . import compile_worker
-from .engine import Engine
 
 
-def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bool = False,
-                start_warmup: bool = True) -> Engine:
+@dataclass
+class EngineParts:
+    """What loading builds: the arguments of the Engine made from them (Engine.from_config)."""
+
+    config: EngineConfig
+    target_lm: object                      # runtime.causal_lm: FastCausalLM or DynamicCausalLM
+    tokenizer: object
+    drafters: dict[str, Drafter]
+    device: torch.device
+    dtype: torch.dtype
+    drafter_errors: dict[str, DisabledDrafter]
+    prefix_caches: list[PrefixCache]
+
+
+def load_parts(config: EngineConfig, progress, tolerate_drafter_errors: bool = False) -> EngineParts:
     """
     Load the target and every drafter whose model path is set; ValueError when something does not fit.
 
     tolerate_drafter_errors: a drafter that fails to load is disabled (see drafter_errors) instead of failing
     the whole engine; requests for it run plain decoding with a warning. The target is always required.
-    start_warmup: False leaves a background warm-up to warmup.start() or its build calls (benchmarks, tests).
     """
-    progress = progress or (lambda message: None)
     requests.check_config(config)
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
@@ -52,18 +62,19 @@ def load_engine(config: EngineConfig, progress=None, tolerate_drafter_errors: bo
                 raise
             errors[name] = DisabledDrafter(name, spec.role, getattr(config, spec.path_field), str(exc))
             progress(errors[name].describe())
-    engine = Engine(config, target_lm, tokenizer, drafters, device, dtype, errors,
-                    prefix_caches=prefix_caches(config, target_lm, drafters))
-    engine.warm_up(progress, compile_worker.__name__)
+    return EngineParts(config, target_lm, tokenizer, drafters, device, dtype, errors,
+                       prefix_caches(config, target_lm, drafters))
+
+
+def ready_message(engine) -> str:
+    """Describe a loaded engine: its drafters, decode steps, warm-up, weights and KV cache."""
     status = engine.status()
-    progress('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
-        '({} tokens)'.format(', '.join(sorted(drafters)), target_lm.mode, status.warmup.serving,
-                             'in the background ({} graphs)'.format(len(engine.graph_jobs)) if engine.warmup else
-                             '{:.1f} s'.format(status.warmup.seconds),
-                             mib(status.weights_bytes), mib(status.kv_cache_bytes), engine.context_limit))
-    if engine.warmup is not None and start_warmup:
-        engine.warmup.start()
-    return engine
+    return ('engine ready: drafters {}; decode steps {} ({}), warm-up {}, weights {:.1f} MiB, KV cache {:.1f} MiB '
+            '({} tokens)').format(', '.join(sorted(engine.capabilities.drafters)), status.compile_mode,
+                                  status.warmup.serving, 'in the background ({} graphs)'.format(
+                                      len(engine.graph_jobs)) if engine.warmup else '{:.1f} s'.format(
+                                      status.warmup.seconds), mib(status.weights_bytes), mib(status.kv_cache_bytes),
+                                  engine.context_limit)
 
 
 def prefix_caches(config: EngineConfig, target_lm, drafters: dict) -> list[PrefixCache]:
