@@ -5,7 +5,7 @@ And a planner loop of calls that share it, end to end, with the cache on and off
 
     python -m gemma_spec_ros.benchmarks.prefix                                   # bundled target, 1 thread
     python -m gemma_spec_ros.benchmarks.prefix --target /tmp/gemma_spec_e2b/target --quantization int8 \\
-        --compile eager --repeats 2                                              # the E2B shape (e2b-write)
+        --compile eager --repeats 1 --calls 2 --no-off --threads 2                 # the E2B shape (e2b-write)
 
 Each call is a chat turn: the system prompt (--system-tokens of held-out text, the same on every call) and a
 user turn of about --state-tokens (a robot state that changes per call). Cold: the cache cleared first; hit: the
@@ -66,7 +66,9 @@ def load(args, prefix_cache_mb: float):
 
 
 def measure(args) -> dict:
-    engines = {'on': load(args, args.prefix_cache_mb), 'off': load(args, 0.0)}
+    engines = {'on': load(args, args.prefix_cache_mb)}
+    if not args.no_off:  # a second engine: too much memory at the E2B shape
+        engines['off'] = load(args, 0.0)
     system = system_prompt(engines['on'].tokenizer, args.system_tokens)
     ttft = {'cold': [], 'hit': [], 'off': []}
     prompt_tokens, reused, same = 0, [], True
@@ -74,10 +76,11 @@ def measure(args) -> dict:
         engines['on'].clear_prefix_cache()
         cold = engines['on'].generate(request(system, 2 * repeat, args, 1))
         hit = engines['on'].generate(request(system, 2 * repeat + 1, args, 1))
-        off = engines['off'].generate(request(system, 2 * repeat + 1, args, 1))
         ttft['cold'].append(cold.stats.time_to_first_token)
         ttft['hit'].append(hit.stats.time_to_first_token)
-        ttft['off'].append(off.stats.time_to_first_token)
+        if 'off' in engines:
+            ttft['off'].append(engines['off'].generate(request(system, 2 * repeat + 1, args, 1)
+                                                       ).stats.time_to_first_token)
         prompt_tokens, reused = hit.stats.prompt_tokens, reused + [hit.stats.cached_prompt_tokens]
         # lossless: a hit's greedy reply is the cold prefill's, for the same prompt
         engines['on'].clear_prefix_cache()
@@ -85,7 +88,7 @@ def measure(args) -> dict:
         again_hit = engines['on'].generate(request(system, 2 * repeat + 1, args, args.new_tokens))
         same &= again_cold.token_ids == again_hit.token_ids and again_hit.stats.cached_prompt_tokens > 0
     loop = {}
-    for name in ('on', 'off') if args.repeats % 2 else ('off', 'on'):
+    for name in sorted(engines, reverse=args.repeats % 2 == 1):
         engines[name].clear_prefix_cache()
         started = time.perf_counter()
         for call in range(args.calls):
@@ -94,7 +97,7 @@ def measure(args) -> dict:
     status = engines['on'].status().prefix_cache
     for engine in engines.values():
         engine.close()
-    median = {name: statistics.median(values) for name, values in ttft.items()}
+    median = {name: statistics.median(values) if values else float('nan') for name, values in ttft.items()}
     return {
         'target': args.target, 'quantization': args.quantization, 'compile': args.compile, 'threads': args.threads,
         'drafter': args.drafter, 'machine': machine_description(args.threads), 'date': datetime.now(UTC).isoformat(),
@@ -105,7 +108,7 @@ def measure(args) -> dict:
         'hit_over_off': round(median['hit'] / median['off'], 3),
         'loop_calls': args.calls, 'loop_new_tokens': args.new_tokens,
         'loop_s': {name: round(v, 2) for name, v in loop.items()},
-        'loop_speedup': round(loop['off'] / loop['on'], 3), 'identical_tokens': same,
+        'loop_speedup': round(loop['off'] / loop['on'], 3) if 'off' in loop else None, 'identical_tokens': same,
         'prefix_cache_mib': round(status.nbytes / 2 ** 20, 1), 'hit_rate': round(status.hit_rate, 3)}
 
 
@@ -127,6 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument('--repeats', type=int, default=5, help='cold / hit / off triples, interleaved')
     parser.add_argument('--calls', type=int, default=10, help='calls of the planner loop')
     parser.add_argument('--new-tokens', type=int, default=32, help='new tokens per loop call')
+    parser.add_argument('--no-off', action='store_true', help='leave out the engine without a prefix cache')
     parser.add_argument('--out', default='', help='write the figures as JSON here')
     args = parser.parse_args(argv)
     if args.drafter != 'draft':
