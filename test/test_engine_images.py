@@ -329,3 +329,25 @@ def test_bundled_vision_model_keeps_plain_decoding_with_every_drafter():
     for drafter in ('ngram', 'draft', 'mtp'):
         assert engine.generate(dataclasses.replace(goal, drafter=drafter, num_draft_tokens=3)).token_ids == \
             plain.token_ids
+
+
+def test_image_goals_hit_the_prefix_cache_by_their_pixels(vision_engine):
+    # a fixed system turn, then the images and a long question: these images' runs of soft tokens outnumber the
+    # sliding ring (window 16), so no block past an image is kept and a hit ends before the first image, whatever
+    # the pixels (test_prefix_cache.py keys blocks past an image by its pixels, with a ring that holds it)
+    system = {'role': 'system', 'content': ' '.join(['the red cube on the table'] * 16)}
+
+    def goal(images):
+        return GenerationRequest(messages=[system, {'role': 'user', 'content': QUESTION * 4, 'images': [1, 0]}],
+                                 images=images, max_new_tokens=NEW_TOKENS)
+
+    others = (picture(24, 16, 5), picture(20, 20, 6))
+    plan = vision_engine.validate(goal(IMAGES))
+    first_image = plan.prompt_ids.index(vision_engine.vision.image_token_id)
+    vision_engine.clear_prefix_cache()
+    cold, hit, other_hit = (vision_engine.generate(goal(images)) for images in (IMAGES, IMAGES, others))
+    vision_engine.clear_prefix_cache()
+    other_cold = vision_engine.generate(goal(others))
+    assert cold.stats.cached_prompt_tokens == 0 == other_cold.stats.cached_prompt_tokens
+    assert 0 < other_hit.stats.cached_prompt_tokens <= first_image and 0 < hit.stats.cached_prompt_tokens <= first_image
+    assert hit.token_ids == cold.token_ids and other_hit.token_ids == other_cold.token_ids

@@ -112,3 +112,13 @@ def test_sampled_goals_that_hit_follow_the_target_distribution(tiny_engine):
         reused += result.stats.cached_prompt_tokens > 0
     assert reused == samples - 1  # every goal but the first hit
     assert chi_squared_p_value(observed, expected) > 1e-3
+
+
+@pytest.mark.parametrize('quantization', ['int8', 'int4'])
+def test_a_hit_decodes_the_tokens_of_a_miss_with_quantized_weights(tiny_engine_config, quantization):
+    engine = Engine.from_config(dataclasses.replace(tiny_engine_config, quantization=quantization))
+    prompt = fixed_prefix(engine, seed=13) + suffix(engine, ' Scene: a mug.')
+    miss = greedy(engine, prompt, 'mtp')
+    hit = greedy(engine, prompt, 'mtp')
+    engine.close()
+    assert miss.stats.cached_prompt_tokens == 0 < hit.stats.cached_prompt_tokens and hit.token_ids == miss.token_ids
