@@ -257,10 +257,47 @@ def build_tiny_models(root: Path) -> TinyModels:
     return TinyModels(**paths)
 
 
+# The test tiers, a marker each (`pytest -m unit`, `-m "engine or unit"`): every test module is in one
+TIERS = {
+    'unit': 'pure functions and package checks: no model loaded, no ROS node',
+    'engine': 'the engine on tiny random Gemma 4 models (and the bundled ones), without ROS',
+    'node': 'the node with real rclpy clients over the real RMW, and bags',
+    'launch': 'launch files under launch_pytest and the ros2 CLI',
+    'vllm': 'the vLLM backend and node against a real vLLM server (make test-vllm)',
+}
+TIER_OF = {
+    **dict.fromkeys(('test_adaptive_traces', 'test_chat_format', 'test_conversation_tools', 'test_goal_queue',
+                     'test_grammar', 'test_grammar_json', 'test_image_conversions', 'test_llamacpp_peers',
+                     'test_metrics', 'test_package', 'test_planner_corpus', 'test_schema_gaps',
+                     'test_torch_internals', 'test_verify'), 'unit'),
+    **dict.fromkeys(('test_adaptive_replay', 'test_backend_conformance', 'test_batching', 'test_bench',
+                     'test_bundled_models', 'test_cli_generate', 'test_cpu_ops', 'test_engine', 'test_engine_adaptive',
+                     'test_engine_fast', 'test_engine_grammar', 'test_engine_images', 'test_engine_prefix',
+                     'test_engine_tools', 'test_engine_validation', 'test_fast_forward', 'test_ordered_head',
+                     'test_prefix_cache', 'test_quantization', 'test_train', 'test_vision_model', 'test_warmup'),
+                    'engine'),
+    **dict.fromkeys(('test_bag', 'test_diagnostics', 'test_interfaces', 'test_lifecycle', 'test_node',
+                     'test_node_concurrency', 'test_node_demo', 'test_node_images', 'test_node_overhead',
+                     'test_node_tools', 'test_reliability'), 'node'),
+    **dict.fromkeys(('test_launch', 'test_launch_config', 'test_launch_faults', 'test_lifecycle_cli',
+                     'test_ros2_cli'), 'launch'),
+    **dict.fromkeys(('test_vllm_backend', 'test_vllm_images', 'test_vllm_node'), 'vllm'),
+}
+
+
 def pytest_configure(config):
     import torch
 
     torch.set_num_threads(TEST_THREADS)
+    for tier, description in TIERS.items():
+        config.addinivalue_line('markers', '{}: {}'.format(tier, description))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        tier = TIER_OF.get(Path(str(item.fspath)).stem)
+        if tier is not None:
+            item.add_marker(tier)
 
 
 @pytest.fixture(scope='session')

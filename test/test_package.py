@@ -196,6 +196,14 @@ def test_the_package_imports_have_no_circles():
     assert circles == []
 
 
+def test_every_test_module_has_a_tier():
+    """conftest.TIER_OF names each test module's tier (its marker), and nothing else."""
+    from conftest import TIER_OF, TIERS
+
+    modules = {path.stem for path in (REPO / 'test').glob('test_*.py')}
+    assert modules == set(TIER_OF) and set(TIER_OF.values()) <= set(TIERS)
+
+
 def test_layers_are_a_checked_contract():
     """The import contracts in setup.cfg: between the packages and between the engine's parts (architecture.md)."""
     lint = subprocess.run([str(Path(sys.executable).parent / 'lint-imports'), '--no-cache', '--config',
