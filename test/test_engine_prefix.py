@@ -122,3 +122,19 @@ def test_a_hit_decodes_the_tokens_of_a_miss_with_quantized_weights(tiny_engine_c
     hit = greedy(engine, prompt, 'mtp')
     engine.close()
     assert miss.stats.cached_prompt_tokens == 0 < hit.stats.cached_prompt_tokens and hit.token_ids == miss.token_ids
+
+
+def test_status_answers_while_a_goal_decodes(tiny_engine):
+    # /diagnostics reads status() once a second: it must not wait for the goal that holds the engine
+    answered, in_time = threading.Event(), []
+
+    def on_delta(delta):
+        if not in_time:  # the first delta: the goal is decoding and holds the engine
+            reader = threading.Thread(target=lambda: (tiny_engine.status(), answered.set()), daemon=True)
+            reader.start()
+            reader.join(10)
+            in_time.append(answered.is_set())
+
+    result = tiny_engine.generate(GenerationRequest(prompt_ids=fixed_prefix(tiny_engine, seed=17), max_new_tokens=8,
+                                                    drafter='none'), on_delta=on_delta)
+    assert in_time == [True] and result.finish_reason == 'length'

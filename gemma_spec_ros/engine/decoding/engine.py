@@ -250,9 +250,9 @@ class Engine(Backend):
     def _prefix_status(self) -> PrefixCacheStatus | None:
         if self._prefix is None:
             return None
-        with self._lock:  # the caches change inside a goal's prefill
-            target = self._prefix.stats()
-            held = sum(cache.stats().nbytes for cache in self._prefix_caches)
+        # counters read without the engine's lock, which a goal holds for all of its decoding (status() must not wait)
+        target = self._prefix.stats()
+        held = sum(cache.stats().nbytes for cache in self._prefix_caches)
         return PrefixCacheStatus(target.lookups, target.hits, target.tokens_reused, held,
                                  int(self.config.prefix_cache_mb * 2 ** 20), target.evictions)
 
