@@ -262,7 +262,7 @@ TIERS = {
     'unit': 'pure functions and package checks: no model loaded, no ROS node',
     'engine': 'the engine on tiny random Gemma 4 models (and the bundled ones), without ROS',
     'node': 'the node with real rclpy clients over the real RMW, and bags',
-    'launch': 'launch files under launch_pytest and the ros2 CLI',
+    'cli': 'launch files under launch_pytest and the ros2 CLI',  # not 'launch': launch_pytest's own marker
     'vllm': 'the vLLM backend and node against a real vLLM server (make test-vllm)',
 }
 TIER_OF = {
@@ -280,7 +280,7 @@ TIER_OF = {
                      'test_node_concurrency', 'test_node_demo', 'test_node_images', 'test_node_overhead',
                      'test_node_tools', 'test_reliability'), 'node'),
     **dict.fromkeys(('test_launch', 'test_launch_config', 'test_launch_faults', 'test_lifecycle_cli',
-                     'test_ros2_cli'), 'launch'),
+                     'test_ros2_cli'), 'cli'),
     **dict.fromkeys(('test_vllm_backend', 'test_vllm_images', 'test_vllm_node'), 'vllm'),
 }
 
