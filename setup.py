@@ -24,7 +24,7 @@ setup(
     name=package_name,
     version='0.1.0',
     packages=find_packages(exclude=['test']),
-    package_data={'gemma_spec_ros.engine.runtime': ['*.cpp', '*.h'],  # runtime/cpu_ops.py's C++ ops, built on use
+    package_data={'gemma_spec_ros.engine.runtime.ops': ['*.cpp', '*.h'],  # cpu_ops.py's C++ ops, built on use
                   'gemma_spec_ros.train': ['*.jinja']},          # Gemma 4's chat template
     data_files=[
         ('share/ament_index/resource_index/packages', ['resource/' + package_name]),

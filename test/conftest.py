@@ -29,7 +29,8 @@ ON_TEST_DEVICE = {'device': TEST_DEVICE, 'dtype': 'float32', 'warmup': 'blocking
 # what the agreeing engine compiles with: inductor on CPU (the compiled path), TEST_COMPILE elsewhere
 AGREEING_COMPILE = 'inductor' if TEST_DEVICE == 'cpu' else TEST_COMPILE
 # compiled CPU steps: a graph per pass length of row products up to 2 (not the CPU's 4 or 9), so that the engines
-# compiled here cover both kinds of graph (fused rows, aten's product) in minutes; set before the engine is imported
+# compiled here cover both kinds of graph (fused rows, aten's product) in minutes: the one place where the tests
+# compile another graph set than production (engine.row_product_max_rows 0 reads it; docs/testing.md)
 os.environ.setdefault('GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS', '2')
 # started in the background (nohup, a job of a script), pytest inherits SIGINT ignored, and so would the ros2 launch,
 # nodes and make run that tests stop with Ctrl-C's signal; a handler is reset to the default in each child

@@ -18,7 +18,7 @@ from gemma_spec_ros.engine.control import SpeculationController, TargetCost, dra
 from gemma_spec_ros.engine.control.estimator import CUSUM_ALARM
 from gemma_spec_ros.engine.control.gate import PROBE_ROUNDS
 from gemma_spec_ros.engine.control.round_cost import COST_DECAY, DraftCost
-from gemma_spec_ros.engine.runtime.assistant import greedy_calls
+from gemma_spec_ros.engine.runtime.steps.assistant import greedy_calls
 
 DATA = json.loads((Path(__file__).parent / 'data' / 'acceptance_traces.json').read_text())
 VERIFY = DATA['verify_cost']  # [9] seconds of a pass over 1..9 tokens

@@ -18,9 +18,9 @@ from gemma_spec_ros.engine import CancelToken, Engine, GenerationRequest
 from gemma_spec_ros.engine.control import GoalPassCost, TargetCost
 from gemma_spec_ros.engine.drafters.base import Drafter, Proposal
 from gemma_spec_ros.engine.requests import check_config
-from gemma_spec_ros.engine.runtime import models
-from gemma_spec_ros.engine.runtime.model import LeanAssistant, LeanGemma4
-from gemma_spec_ros.engine.runtime.rows import row_bucket, row_buckets
+from gemma_spec_ros.engine.runtime.model import checkpoints
+from gemma_spec_ros.engine.runtime.model.forward import LeanAssistant, LeanGemma4
+from gemma_spec_ros.engine.runtime.steps.rows import row_bucket, row_buckets
 
 STORY_PROMPT = 'The robot picked up the red cube and'
 CODE_PROMPT = 'def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n'
@@ -102,7 +102,7 @@ def test_a_goal_pays_its_share_of_a_batched_pass():
 
 def test_batched_step_matches_single_sequence_steps(tiny_models):
     # rows of different lengths, padded, in slots of different lengths, across the sliding window, with rollbacks
-    model = models.load_causal_lm(tiny_models.target, 'target', torch.device('cpu'), torch.float32)
+    model = checkpoints.load_causal_lm(tiny_models.target, 'target', torch.device('cpu'), torch.float32)
     lean = LeanGemma4(model)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (1, length), generator=generator) for length in (3, 25, 11)]
@@ -140,9 +140,9 @@ def test_batched_step_matches_single_sequence_steps(tiny_models):
 @pytest.mark.parametrize('assistant', ['assistant', 'assistant_ordered'])
 def test_batched_mtp_step_matches_single_steps(tiny_models, assistant):
     # each row drafts from its own slot of the target's slotted cache, as the single step does from that slot
-    target = LeanGemma4(models.load_causal_lm(tiny_models.target, 'target', torch.device('cpu'), torch.float32))
-    lean = LeanAssistant(models.load_assistant(getattr(tiny_models, assistant), torch.device('cpu'), torch.float32),
-                         target)
+    target = LeanGemma4(checkpoints.load_causal_lm(tiny_models.target, 'target', torch.device('cpu'), torch.float32))
+    assistant_model = checkpoints.load_assistant(getattr(tiny_models, assistant), torch.device('cpu'), torch.float32)
+    lean = LeanAssistant(assistant_model, target)
     generator = torch.Generator().manual_seed(1)
     slotted = target.new_slotted_cache(4, 256, 5)
     lengths = (7, 3 * SLIDING_WINDOW + 5, 20)

@@ -357,16 +357,16 @@ def test_random_models_for_memory_scaling_load_and_fit_together(tmp_path):
     import torch
 
     from gemma_spec_ros.benchmarks.fast_measure import write_random_models
-    from gemma_spec_ros.engine.runtime import models
+    from gemma_spec_ros.engine.runtime.model import checkpoints
 
     target_path, assistant_path = write_random_models('3x64x256', str(tmp_path))
-    target = models.load_causal_lm(target_path, 'target', torch.device('cpu'), torch.float32)
-    assistant = models.load_assistant(assistant_path, torch.device('cpu'), torch.float32)
-    models.check_assistant_fits(target, assistant, assistant_path)
-    config = models.text_config(target)
+    target = checkpoints.load_causal_lm(target_path, 'target', torch.device('cpu'), torch.float32)
+    assistant = checkpoints.load_assistant(assistant_path, torch.device('cpu'), torch.float32)
+    checkpoints.check_assistant_fits(target, assistant, assistant_path)
+    config = checkpoints.text_config(target)
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (3, 64, 256)
     assert assistant.config.get_text_config().hidden_size == 64
-    assert models.load_tokenizer(target_path)('def f():').input_ids
+    assert checkpoints.load_tokenizer(target_path)('def f():').input_ids
 
 
 def test_gpu_check_keeps_the_figures_of_the_modes_that_run(tmp_path):

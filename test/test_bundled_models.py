@@ -79,9 +79,9 @@ def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
 
 def test_a_loaded_model_keeps_no_view_of_its_checkpoint_file():
     # the assistant's int64 token ordering loads as stored: left a view, it kept the whole file mapped and resident
-    from gemma_spec_ros.engine.runtime import models
+    from gemma_spec_ros.engine.runtime.model import checkpoints
 
-    assistant = models.load_assistant(str(ASSISTANT), torch.device('cpu'), torch.float32)
+    assistant = checkpoints.load_assistant(str(ASSISTANT), torch.device('cpu'), torch.float32)
     ranges = _mapped_ranges(ASSISTANT / 'model.safetensors')
     tensors = [*assistant.parameters(), *assistant.buffers()]
     assert assistant.masked_embedding.token_ordering.dtype == torch.int64

@@ -1,4 +1,4 @@
-"""The C++ CPU ops (runtime/cpu_ops.py): attention against SDPA, int8 products against float64, and the fallback."""
+"""The C++ CPU ops (runtime/ops/cpu_ops.py): attention against SDPA, int8 products against float64, and the fallback."""
 
 import os
 import signal
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemma_spec_ros.engine.runtime import cpu_ops
-from gemma_spec_ros.engine.runtime.quantize import Quantizer, quantized_linear, rounded_activations
+from gemma_spec_ros.engine.runtime.ops import cpu_ops
+from gemma_spec_ros.engine.runtime.quant.quantize import Quantizer, quantized_linear, rounded_activations
 
 
 def _sdpa(query, keys, values, mask):
@@ -73,7 +73,7 @@ def test_a_failed_build_leaves_the_fallbacks_and_says_why(monkeypatch, tmp_path)
 BUILD = """
 import sys, warnings
 from pathlib import Path
-from gemma_spec_ros.engine.runtime import cpu_ops
+from gemma_spec_ros.engine.runtime.ops import cpu_ops
 cpu_ops.SOURCES = (Path(sys.argv[1]),)
 with warnings.catch_warnings(record=True) as said:
     warnings.simplefilter('always')

@@ -24,7 +24,7 @@ from conftest import (
 from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.drafters.base import Proposal
 from gemma_spec_ros.engine.runtime import FastAssistant, FastCausalLM
-from gemma_spec_ros.engine.runtime.causal_lm import DynamicCausalLM
+from gemma_spec_ros.engine.runtime.steps.causal_lm import DynamicCausalLM
 
 STORY_PROMPT = 'The robot picked up the red cube and'
 SAMPLING_PROMPT = 'the the the cube the the'
@@ -164,6 +164,22 @@ def test_context_limit_sizes_the_cache_and_bounds_requests(tiny_engine_config):
         result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=room, drafter=drafter,
                                                    num_draft_tokens=k if drafter != 'none' else 0))
         assert len(result.token_ids) == room or result.finish_reason == 'stop'
+
+
+def test_row_products_are_an_engine_parameter_every_compiled_model_takes(tiny_engine_config):
+    # resolved once at load (not at import), so that a node's parameter sets the graphs its compile process builds
+    config = dataclasses.replace(tiny_engine_config, compile='inductor', warmup='off', row_product_max_rows=3)
+    engine = Engine.from_config(config)
+    assert engine.config.row_product_max_rows == 3
+    assert engine.target_lm.lean.row_product_max_rows == 3
+    longest = config.max_draft_tokens + 1
+    for role in ('target', 'draft'):  # a graph per pass length up to 3, then one for the longer passes
+        passes = {job.name for job in engine.graph_jobs if job.name.startswith(role + ' q=')}
+        assert passes == {role + ' q=1', role + ' q=2', role + ' q=3', '{} q=4..{}'.format(role, longest)}, passes
+    default = Engine.from_config(dataclasses.replace(config, row_product_max_rows=0))
+    assert default.config.row_product_max_rows == 2  # the tests' override (conftest), where the parameter is 0
+    with pytest.raises(ValueError, match='engine.row_product_max_rows'):
+        Engine.from_config(dataclasses.replace(config, row_product_max_rows=-1))
 
 
 def _moe_target(tiny_models, tmp_path) -> str:

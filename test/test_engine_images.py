@@ -16,8 +16,8 @@ from conftest import ON_TEST_DEVICE, TEST_COMPILE, TOKENIZER_DIR, chi_squared_p_
 
 from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
 from gemma_spec_ros.engine.runtime import FastCausalLM
-from gemma_spec_ros.engine.runtime.models import load_causal_lm
-from gemma_spec_ros.engine.runtime.vision import VisionTower
+from gemma_spec_ros.engine.runtime.model.checkpoints import load_causal_lm
+from gemma_spec_ros.engine.runtime.model.vision import VisionTower
 from gemma_spec_ros.engine.types import ImageInput
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from gemma_spec_ros.engine.logits.verify import verify
-from gemma_spec_ros.engine.runtime import model as fast_model
-from gemma_spec_ros.engine.runtime.assistant import GREEDY_STEPS, FastAssistant
-from gemma_spec_ros.engine.runtime.cache import StaticKvCache
-from gemma_spec_ros.engine.runtime.compile_cache import compile_cache_dir
-from gemma_spec_ros.engine.runtime.direct_graph import _DirectGraph
-from gemma_spec_ros.engine.runtime.runner import FastCausalLM
-from gemma_spec_ros.engine.runtime.steps import _Steps, query_variant, resolve_compile_mode, stores_blocked
+from gemma_spec_ros.engine.runtime.model import forward as fast_model
+from gemma_spec_ros.engine.runtime.model import layers, weights
+from gemma_spec_ros.engine.runtime.model.cache import StaticKvCache
+from gemma_spec_ros.engine.runtime.ops import cpu_ops
+from gemma_spec_ros.engine.runtime.ops.compile_cache import compile_cache_dir
+from gemma_spec_ros.engine.runtime.steps.assistant import GREEDY_STEPS, FastAssistant
+from gemma_spec_ros.engine.runtime.steps.direct_graph import _DirectGraph
+from gemma_spec_ros.engine.runtime.steps.runner import FastCausalLM
+from gemma_spec_ros.engine.runtime.steps.tables import _Steps, query_variant, resolve_compile_mode, stores_blocked
 
 WINDOW = 8
 MAX_QUERY = 9          # K_max + 1 with K_max = 8
@@ -516,7 +518,7 @@ def test_greedy_drafts_are_the_argmax_of_each_step(models, mode):
 
 
 def test_exact_half_dtype_keeps_every_value():
-    from gemma_spec_ros.engine.runtime.weights import exact_half_dtype
+    from gemma_spec_ros.engine.runtime.model.weights import exact_half_dtype
 
     bfloat16_values = torch.tensor([1.0, -0.15625, 3.0 * 2 ** -20, 2.0 ** 100])  # 8-bit mantissas, wide range
     float16_values = torch.tensor([1.0 + 2 ** -10, -65504.0])                       # 11-bit mantissas
@@ -533,12 +535,12 @@ def test_compiled_cpu_products_match_aten(max_rows, blocked):
 
     torch.manual_seed(0)
     matrix, bias = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48)  # a 16-bit weight, as store_exact_half
-    weight = fast_model.block_matrix(matrix) if blocked else matrix
+    weight = weights.block_matrix(matrix) if blocked else matrix
     for rows in (1, 3, 5):
         x = torch.randn(rows, 32)
 
         def product(x, weight, bias):  # a fresh function per compile: nothing cached from another case
-            return fast_model._linear(x, weight, bias, max_rows)
+            return layers._linear(x, weight, bias, max_rows)
         out, code = run_and_get_code(torch.compile(product, fullgraph=True, dynamic=False), x, weight, bias)
         code = ''.join(code)
         _close(out, torch.nn.functional.linear(x, matrix.float(), bias))
@@ -546,7 +548,7 @@ def test_compiled_cpu_products_match_aten(max_rows, blocked):
         assert (aten_product in code) == (rows > max_rows)
         if rows <= max_rows:  # one kernel whose loop keeps an accumulator per row: the weight is read once
             assert len(set(re.findall(r'cpp_fused_\w+', code))) == 1 and 'tmp_acc{}'.format(rows - 1) in code
-        _close(fast_model._linear(x, weight, bias, max_rows), torch.nn.functional.linear(x, matrix.float(), bias))
+        _close(layers._linear(x, weight, bias, max_rows), torch.nn.functional.linear(x, matrix.float(), bias))
 
 
 def test_blocked_matrices_stay_shared_with_the_model():
@@ -556,13 +558,13 @@ def test_blocked_matrices_stay_shared_with_the_model():
     model = _build('plain')
     reference = copy.deepcopy(model)
     matrix = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
-    assert torch.equal(fast_model.block_matrix(matrix)[1, :, 3], matrix[fast_model.BLOCK_WIDTH + 3])  # output 19
-    for rows in (fast_model.BLOCKED_BATCH_MAX_ROWS, fast_model.BLOCKED_BATCH_MAX_ROWS + 1):  # block by block, unblocked
+    assert torch.equal(weights.block_matrix(matrix)[1, :, 3], matrix[weights.BLOCK_WIDTH + 3])  # output 19
+    for rows in (layers.BLOCKED_BATCH_MAX_ROWS, layers.BLOCKED_BATCH_MAX_ROWS + 1):  # block by block, unblocked
         x = torch.randn(rows, matrix.shape[1])
-        _close(fast_model._linear(x, fast_model.block_matrix(matrix)), torch.nn.functional.linear(x, matrix))
+        _close(layers._linear(x, weights.block_matrix(matrix)), torch.nn.functional.linear(x, matrix))
     blocked = fast_model.LeanGemma4(model, blocked=True)
     q_proj = model.model.layers[0].self_attn.q_proj.weight
-    assert torch.equal(q_proj, fast_model.block_matrix(matrix)) and _inside(q_proj, blocked.tensors.buffers)
+    assert torch.equal(q_proj, weights.block_matrix(matrix)) and _inside(q_proj, blocked.tensors.buffers)
     assert model.model.embed_tokens.weight.dim() == 2  # only the layers' matrices
     again = fast_model.LeanGemma4(model)  # another lean model on the same parameters keeps them blocked
     assert model.model.layers[0].self_attn.q_proj.weight.dim() == 3
@@ -582,16 +584,19 @@ def test_each_pass_of_row_products_gets_a_static_graph_longer_passes_share_one()
 
 
 def test_the_row_products_reach_as_far_as_the_cpu_makes_them_pay_unless_the_user_sets_it(monkeypatch):
-    monkeypatch.delenv(fast_model.ROW_PRODUCT_MAX_ROWS_ENV)  # the tests' conftest sets it
-    by_cpu = fast_model._row_product_max_rows()
-    assert by_cpu == (1 if fast_model._mkl_runs_tuned_code() else
-                      9 if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 4)
-    monkeypatch.setenv(fast_model.ROW_PRODUCT_MAX_ROWS_ENV, '3')
-    assert fast_model._row_product_max_rows() == 3
+    monkeypatch.delenv(layers.ROW_PRODUCT_MAX_ROWS_ENV)  # the tests' conftest sets it
+    by_cpu = layers.resolve_row_product_max_rows(0)
+    assert by_cpu == layers.cpu_row_product_max_rows() == (
+        1 if 'GenuineIntel' in cpu_ops.cpu_info() and torch.backends.mkl.is_available() else
+        9 if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 4)
+    assert layers.resolve_row_product_max_rows(5) == 5  # engine.row_product_max_rows
+    monkeypatch.setenv(layers.ROW_PRODUCT_MAX_ROWS_ENV, '3')
+    assert layers.resolve_row_product_max_rows(0) == 3
+    assert layers.resolve_row_product_max_rows(6) == 6  # the parameter wins over the tests' override
     for bad in ('0', 'many', '-2', '2.5'):
-        monkeypatch.setenv(fast_model.ROW_PRODUCT_MAX_ROWS_ENV, bad)
+        monkeypatch.setenv(layers.ROW_PRODUCT_MAX_ROWS_ENV, bad)
         with pytest.raises(ValueError, match='GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS must be a whole number of rows >= 1'):
-            fast_model._row_product_max_rows()
+            layers.resolve_row_product_max_rows(0)
 
 
 def test_the_compile_cache_outlives_a_reboot_unless_the_user_chose_one(monkeypatch, tmp_path):

@@ -19,8 +19,8 @@ from rclpy.parameter import Parameter
 from gemma_spec_ros.engine import Engine
 from gemma_spec_ros.engine.drafters.base import Drafter
 from gemma_spec_ros.engine.drafters.none import NoneDrafter
-from gemma_spec_ros.engine.runtime import models as engine_models
-from gemma_spec_ros.engine.runtime.causal_lm import DynamicCausalLM
+from gemma_spec_ros.engine.runtime.model import checkpoints as engine_models
+from gemma_spec_ros.engine.runtime.steps.causal_lm import DynamicCausalLM
 from gemma_spec_ros.tools.client import GenerateClient, make_goal
 
 DOMAIN_ID = 11 + os.getpid() % 80

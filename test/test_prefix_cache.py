@@ -1,5 +1,5 @@
 """
-The KV prefix cache (runtime/prefix_cache.py) on tiny random Gemma 4 models.
+The KV prefix cache (runtime/model/prefix_cache.py) on tiny random Gemma 4 models.
 
 A suffix prefilled after a restore must give the bits of a prefill of the whole prompt (logits, hidden states and
 the greedy tokens after it), into a single cache or a batching slot; the sliding ring must be what a prefill leaves;
@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import SLIDING_WINDOW, _text_config
 
-from gemma_spec_ros.engine.runtime import prefix_cache as prefix_module
-from gemma_spec_ros.engine.runtime.cache import EMPTY_POSITION, SLIDING
-from gemma_spec_ros.engine.runtime.prefix_cache import PrefixCache, image_digest, image_keys_of
-from gemma_spec_ros.engine.runtime.rows import FastRows
-from gemma_spec_ros.engine.runtime.runner import FastCausalLM
-from gemma_spec_ros.engine.runtime.vision import SoftTokens
+from gemma_spec_ros.engine.runtime.model import prefix_cache as prefix_module
+from gemma_spec_ros.engine.runtime.model.cache import EMPTY_POSITION, SLIDING
+from gemma_spec_ros.engine.runtime.model.prefix_cache import PrefixCache, image_digest, image_keys_of
+from gemma_spec_ros.engine.runtime.model.vision import SoftTokens
+from gemma_spec_ros.engine.runtime.steps.rows import FastRows
+from gemma_spec_ros.engine.runtime.steps.runner import FastCausalLM
 from gemma_spec_ros.engine.types import ImageInput
 
 CONTEXT = 384

@@ -14,8 +14,13 @@ from conftest import ON_TEST_DEVICE, chi_squared_p_value, sampling_distribution
 
 from gemma_spec_ros.engine import Engine, GenerationRequest
 from gemma_spec_ros.engine.runtime import FastCausalLM
-from gemma_spec_ros.engine.runtime import models as model_loading
-from gemma_spec_ros.engine.runtime.quantize import QuantizedWeight, Quantizer, quantized_linear, rounded_activations
+from gemma_spec_ros.engine.runtime.model import checkpoints as model_loading
+from gemma_spec_ros.engine.runtime.quant.quantize import (
+    QuantizedWeight,
+    Quantizer,
+    quantized_linear,
+    rounded_activations,
+)
 
 PROMPT = 'The robot picked up the red cube and'
 SAMPLING_PROMPT = 'the the the cube the the'

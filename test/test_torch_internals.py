@@ -1,12 +1,12 @@
-"""The fence around torch's private APIs (engine/runtime/torch_internals.py): one missing, the public path serves."""
+"""The fence around torch's private APIs (runtime/ops/torch_internals.py): one missing, the public path serves."""
 
 import warnings
 
 import pytest
 import torch
 
-from gemma_spec_ros.engine.runtime import torch_internals
-from gemma_spec_ros.engine.runtime.runner import FastCausalLM
+from gemma_spec_ros.engine.runtime.ops import torch_internals
+from gemma_spec_ros.engine.runtime.steps.runner import FastCausalLM
 
 CONTEXT = 64
 MAX_QUERY = 2

@@ -149,7 +149,7 @@ def test_eval_drafter_reports_tau(tiny_target, tiny_corpus, tmp_path):
 def test_ordered_head_command_adds_a_sparse_head_the_engine_loads(tiny_models, tiny_corpus, tmp_path):
     from transformers import Gemma4AssistantForCausalLM
 
-    from gemma_spec_ros.engine.runtime import models
+    from gemma_spec_ros.engine.runtime.model import checkpoints
 
     out = tmp_path / 'ordered'
     assert main(['ordered-head', '--target', tiny_models.target, '--assistant', tiny_models.assistant,
@@ -168,7 +168,7 @@ def test_ordered_head_command_adds_a_sparse_head_the_engine_loads(tiny_models, t
     report = json.loads((out / 'training.json').read_text())['ordered_head']
     assert report['head_rows_read'] == 16 + 4 * config.get_text_config().vocab_size // 16
     assert 0 <= report['held_out_agreement']['code']['same_as_full_head'] <= 1
-    assert models.load_assistant(str(out), torch.device('cpu'), torch.float32).masked_embedding is not None
+    assert checkpoints.load_assistant(str(out), torch.device('cpu'), torch.float32).masked_embedding is not None
     assert (tmp_path / 'greedy.pt').exists()
 
 

@@ -44,11 +44,11 @@ def _load(args):
 
     torch.set_num_threads(args.threads)
     from gemma_spec_ros.benchmarks.prompts import DEFAULT_PROMPTS, load_prompts
-    from gemma_spec_ros.engine.runtime import models
+    from gemma_spec_ros.engine.runtime.model import checkpoints
 
-    device = models.resolve_device(args.device)
-    model = models.load_causal_lm(args.model, 'target', device, models.resolve_dtype(args.dtype, device))
-    tokenizer = models.load_tokenizer(args.model)
+    device = checkpoints.resolve_device(args.device)
+    model = checkpoints.load_causal_lm(args.model, 'target', device, checkpoints.resolve_dtype(args.dtype, device))
+    tokenizer = checkpoints.load_tokenizer(args.model)
     prompt = next(p for p in load_prompts(DEFAULT_PROMPTS) if p.category == 'code')
     return model, tokenizer(prompt.text).input_ids
 
@@ -57,7 +57,7 @@ class _System:
     """One system: the product's runner for its compile mode (causal_lm.build_causal_lm), named as here."""
 
     def __init__(self, name, model, context_limit, progress):
-        from gemma_spec_ros.engine.runtime.causal_lm import build_causal_lm
+        from gemma_spec_ros.engine.runtime.steps.causal_lm import build_causal_lm
 
         self.name = name
         self.lm = build_causal_lm(model, MODES[name], context_limit, 9, 'target', progress)
@@ -306,12 +306,12 @@ def warmup(args) -> dict:
 
 def _compiles(args) -> bool:
     """Whether args.compile runs torch.compile graphs on args.device (inductor, or auto resolving to it)."""
-    from gemma_spec_ros.engine.runtime import models
-    from gemma_spec_ros.engine.runtime.steps import INDUCTOR_MODES, resolve_compile_mode
+    from gemma_spec_ros.engine.runtime.model import checkpoints
+    from gemma_spec_ros.engine.runtime.steps.tables import INDUCTOR_MODES, resolve_compile_mode
 
     if args.compile == 'transformers':
         return False
-    return resolve_compile_mode(args.compile, models.resolve_device(args.device)) in INDUCTOR_MODES
+    return resolve_compile_mode(args.compile, checkpoints.resolve_device(args.device)) in INDUCTOR_MODES
 
 
 def _compile_stack_baseline(args) -> int:
@@ -325,11 +325,11 @@ def _compile_stack_baseline(args) -> int:
     import torch
     from transformers import AutoConfig
 
-    from gemma_spec_ros.engine.runtime import models
-    from gemma_spec_ros.engine.runtime.compile_cache import release_compile_garbage
-    from gemma_spec_ros.engine.runtime.model import inlines_layers
+    from gemma_spec_ros.engine.runtime.model import checkpoints
+    from gemma_spec_ros.engine.runtime.model.forward import inlines_layers
+    from gemma_spec_ros.engine.runtime.ops.compile_cache import release_compile_garbage
 
-    device = models.resolve_device(args.device)
+    device = checkpoints.resolve_device(args.device)
     layers = AutoConfig.from_pretrained(args.model, local_files_only=True).get_text_config().num_hidden_layers
     on_cpu = device.type == 'cpu'
     tiny = torch.compile(lambda x: (x * 2 + 1).sum(), fullgraph=True, dynamic=False,

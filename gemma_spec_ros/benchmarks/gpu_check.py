@@ -75,7 +75,7 @@ def _random_e2b(layers: int, device, dtype):
         Gemma4TextConfig,
     )
 
-    from gemma_spec_ros.engine.runtime.models import decoder_layers
+    from gemma_spec_ros.engine.runtime.model.checkpoints import decoder_layers
 
     config = Gemma4TextConfig()
     if layers:
@@ -105,8 +105,8 @@ def _engine(target, assistant, tokenizer, mode: str, device, dtype):
     from gemma_spec_ros.engine.decoding.engine import Engine
     from gemma_spec_ros.engine.drafters.mtp import MtpDrafter
     from gemma_spec_ros.engine.drafters.none import NoneDrafter
-    from gemma_spec_ros.engine.runtime.causal_lm import build_causal_lm
-    from gemma_spec_ros.engine.runtime.warmup import warm_up_blocking
+    from gemma_spec_ros.engine.runtime.steps.causal_lm import build_causal_lm
+    from gemma_spec_ros.engine.runtime.steps.warmup import warm_up_blocking
 
     config = EngineConfig(target_path='in-memory', assistant_path='in-memory', device=str(device), compile=mode,
                           context_limit=1024, warmup='blocking')
@@ -187,9 +187,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from gemma_spec_ros.engine.runtime import models
+    from gemma_spec_ros.engine.runtime.model import checkpoints
 
-    device = models.resolve_device(args.device)
+    device = checkpoints.resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
     torch.set_num_threads(1)
     bandwidth = copy_bandwidth(device)
@@ -204,10 +204,10 @@ def main(argv=None) -> int:
         (out / 'results.json').write_text(json.dumps(result, indent=1))
         (out / 'results.md').write_text(markdown(result))
 
-    tokenizer = models.load_tokenizer(BUNDLED['target'])
+    tokenizer = checkpoints.load_tokenizer(BUNDLED['target'])
     if 'bundled' in args.models:
-        target = models.load_causal_lm(BUNDLED['target'], 'target', device, dtype)
-        assistant = models.load_assistant(BUNDLED['assistant'], device, dtype)
+        target = checkpoints.load_causal_lm(BUNDLED['target'], 'target', device, dtype)
+        assistant = checkpoints.load_assistant(BUNDLED['assistant'], device, dtype)
         check('bundled', target, assistant, tokenizer, args, device, dtype, bandwidth, result['rows'], save)
         del target, assistant
     if 'e2b' in args.models:

@@ -37,14 +37,14 @@ def _say(message: str) -> None:
 def _runner(path: str, precision: str, mode: str, context_limit: int, max_query: int = 1):
     import torch
 
-    from gemma_spec_ros.engine.runtime import models
-    from gemma_spec_ros.engine.runtime.causal_lm import build_causal_lm
-    from gemma_spec_ros.engine.runtime.quantize import Quantizer
+    from gemma_spec_ros.engine.runtime.model import checkpoints
+    from gemma_spec_ros.engine.runtime.quant.quantize import Quantizer
+    from gemma_spec_ros.engine.runtime.steps.causal_lm import build_causal_lm
 
     dtype, quantization = PRECISIONS[precision]
     started = time.perf_counter()
     quantizer = Quantizer.for_mode(quantization)
-    model = models.load_causal_lm(path, 'target', torch.device('cpu'), models.TORCH_DTYPES[dtype], quantizer)
+    model = checkpoints.load_causal_lm(path, 'target', torch.device('cpu'), checkpoints.TORCH_DTYPES[dtype], quantizer)
     runner = build_causal_lm(model, mode, context_limit, max_query, 'target', _say, quantizer)
     return runner, time.perf_counter() - started
 
@@ -102,7 +102,7 @@ def speed(args) -> dict:
 
 
 def _weights_mib(runner) -> float:
-    from gemma_spec_ros.engine.runtime.causal_lm import weights_bytes
+    from gemma_spec_ros.engine.runtime.steps.causal_lm import weights_bytes
 
     return round(weights_bytes(runner) / 2 ** 20, 1)
 
@@ -112,12 +112,12 @@ def quality(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from gemma_spec_ros.engine.runtime import models
+    from gemma_spec_ros.engine.runtime.model import checkpoints
     from gemma_spec_ros.train import corpus
     from gemma_spec_ros.train.data import TokenStream, fixed_windows
 
     torch.set_num_threads(args.threads)
-    tokenizer = models.load_tokenizer(args.target)
+    tokenizer = checkpoints.load_tokenizer(args.target)
     documents = list(corpus.default_documents('heldout'))
     windows = fixed_windows(TokenStream.from_documents(tokenizer, documents), args.window, args.windows)
     _say('{} held-out windows of {} tokens'.format(len(windows), args.window))
@@ -226,7 +226,7 @@ def _measured_bytes_per_parameter() -> dict:
     """Return (decoder matrices, embedding tables) bytes per parameter per precision, measured by quantizing."""
     import torch
 
-    from gemma_spec_ros.engine.runtime.quantize import Quantizer
+    from gemma_spec_ros.engine.runtime.quant.quantize import Quantizer
 
     measured = {'float32': (4.0, 4.0), 'bfloat16': (2.0, 2.0)}
     matrix, table = torch.nn.Parameter(torch.randn(2048, 1536)), torch.nn.Parameter(torch.randn(4096, 1536))
@@ -243,7 +243,7 @@ def _stored_bytes(weight) -> int:
 
 
 def e2b_write(args) -> dict:
-    """Write a random-weight E2B-shape target and its assistant (gpu_check's shapes) in bfloat16 to --models."""
+    """Write a random-weight E2B-shape target and its assistant (gpu_check's shapes) in bfloat16 to --checkpoints."""
     from pathlib import Path
 
     import torch

@@ -18,7 +18,7 @@ DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 # how decode steps run: the lean forward on a static KV cache, eager, inductor-compiled or captured as CUDA graphs;
 # off: transformers' own forward on a DynamicCache (the reference path, and the one for MoE checkpoints)
 COMPILE_MODES = ('auto', 'inductor', 'inductor-gemm', 'cudagraph', 'eager', 'transformers')
-# when compiled decode steps are built (runtime/warmup.py): background (serve on eager steps at once, swap each graph
+# when compiled decode steps are built (steps/warmup.py): background (serve on eager steps at once, swap each graph
 # in when ready), blocking (all before the first request) or off (each on first use, inside that request)
 WARMUP_POLICIES = ('background', 'blocking', 'off')
 # the engine ends with stop, length, tool_calls (the reply asks for its calls' results) or cancelled; the node adds
@@ -26,7 +26,7 @@ WARMUP_POLICIES = ('background', 'blocking', 'off')
 FINISH_REASONS = ('stop', 'length', 'tool_calls', 'cancelled', 'error', 'busy', 'timeout')
 TOOL_CHOICES = ('auto', 'none', 'required')   # or a tool's name
 INT32_MAX = 2 ** 31 - 1
-# weight-only quantization of the target and the model drafters (runtime/quantize.py)
+# weight-only quantization of the target and the model drafters (runtime/quant/quantize.py)
 QUANTIZATIONS = ('none', 'int8', 'int4', 'float16')
 
 
@@ -114,6 +114,10 @@ class EngineConfig:
                                           'prompt is prefilled once; least recently used blocks go first), for the '
                                           'target and the draft model together; 0 = off (local fast path)',
                                           limits=(0.0, 1048576.0))
+    row_product_max_rows: int = config_field(0, 'CPU inductor steps: the longest verify pass whose weight products are '
+                                           'fused multiply-reduces, with a compiled graph per pass length up to it; '
+                                           '0 = chosen for this CPU (1 on Intel, 4 with AVX2, 9 with AVX-512); lower '
+                                           'means fewer graphs to compile, at some speed', limits=(0, 64))
     context_limit: int = config_field(4096, 'most tokens (prompt + generated) of one request; the static KV cache is '
                                     "preallocated for it (at most the model's max_position_embeddings)",
                                     limits=(16, INT32_MAX))

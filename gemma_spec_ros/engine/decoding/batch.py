@@ -3,7 +3,7 @@ Continuous batching (engine.max_batch > 1): goals decoded together, one target p
 
 A goal's generate() call hands it to the scheduler thread and waits. Between rounds the scheduler admits waiting
 goals (each prompt is prefilled into a free KV-cache slot) and drops finished and cancelled ones; a round then
-drafts per goal, verifies every goal's drafts in one batched target pass (runtime/rows.py: row b in slot b, rows
+drafts per goal, verifies every goal's drafts in one batched target pass (runtime/steps/rows.py: row b in slot b, rows
 padded to the longest), and accepts, rolls back and streams per goal. Nothing waits for the whole batch to end.
 
 Each goal keeps its own sampling parameters and seed (its own generator: a seeded goal gives the same tokens
@@ -33,8 +33,8 @@ from ..control import Decision, GoalPassCost, SpeculationController, TargetCost
 from ..drafters.base import Drafter, Proposal, RowRequest
 from ..logits.verify import verify
 from ..runtime import FastCausalLM, GraphJob
-from ..runtime.model import StepOutput
-from ..runtime.rows import FastRows, row_bucket, row_buckets, slot_nbytes
+from ..runtime.model.forward import StepOutput
+from ..runtime.steps.rows import FastRows, row_bucket, row_buckets, slot_nbytes
 from ..stats import tau
 from ..types import BatchGoalStatus, CancelToken, DeltaCallback, GenerationResult
 from .rounds import Rounds

@@ -1,5 +1,5 @@
 """
-The compile process of a background warm-up (runtime/warmup.py's CompileProcess), run with -m.
+The compile process of a background warm-up (runtime/steps/warmup.py's CompileProcess), run with -m.
 
 ``python -m gemma_spec_ros.engine.decoding.compile_worker``.
 
@@ -37,7 +37,7 @@ def serve_compile_requests(config_json: str) -> None:
     import dataclasses
     import json
 
-    from ..runtime.warmup import BACKGROUND_NICE
+    from ..runtime.steps.warmup import BACKGROUND_NICE
     from ..types import EngineConfig
     from .engine import Engine
 

@@ -14,9 +14,10 @@ from ..drafters.base import Drafter
 from ..logits.grammar import ConstraintCompiler
 from ..logits.reply import ReplyConstraint
 from ..requests import RequestPlan
-from ..runtime import causal_lm, models, vision
-from ..runtime.prefix_cache import PrefixCache
-from ..runtime.warmup import STOP_WAIT_SECONDS, Warmup, order_jobs, step_calls, warm_up_blocking
+from ..runtime.model import checkpoints, vision
+from ..runtime.model.prefix_cache import PrefixCache
+from ..runtime.steps import causal_lm
+from ..runtime.steps.warmup import STOP_WAIT_SECONDS, Warmup, order_jobs, step_calls, warm_up_blocking
 from ..types import (
     REGISTRY,
     CancelToken,
@@ -62,9 +63,9 @@ class Engine(Backend):
         self._lock = threading.Lock()          # one single-goal generation, or one batched round, at a time
         self._default_drafter = config.drafter
         self._default_k = config.num_draft_tokens
-        self._context_limit = models.context_limit(config, target_lm.model)
-        self._vocab_size = models.text_config(target_lm.model).vocab_size
-        self._eos_ids = models.eos_token_ids(target_lm.model, tokenizer)
+        self._context_limit = checkpoints.context_limit(config, target_lm.model)
+        self._vocab_size = checkpoints.text_config(target_lm.model).vocab_size
+        self._eos_ids = checkpoints.eos_token_ids(target_lm.model, tokenizer)
         self._vision = vision.VisionTower.of(target_lm.model, config.target_path)  # None: the target reads text only
         self._warmup_state = warmup or WarmupState(config.warmup)
         self._warmup: Warmup | None = None  # a background warm-up, while and after it runs

@@ -1,7 +1,7 @@
 """A goal's images at its prefill: the target's vision tower makes their soft tokens, timed apart from the text."""
 
-from ..runtime.prefix_cache import ImageKey, image_digest, image_keys_of
-from ..runtime.vision import SoftTokens, VisionTower
+from ..runtime.model.prefix_cache import ImageKey, image_digest, image_keys_of
+from ..runtime.model.vision import SoftTokens, VisionTower
 from .run import Run
 
 

@@ -4,6 +4,7 @@ Loading what an Engine is made of, from an EngineConfig: the target, its tokeniz
 Engine.from_config builds the engine from these parts in one step (load_parts), then warms it up.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +12,11 @@ import torch
 from .. import requests
 from ..drafters import drafter_class
 from ..drafters.base import Drafter, LoadContext
-from ..runtime import FastCausalLM, causal_lm, models
-from ..runtime.prefix_cache import PrefixCache
-from ..runtime.quantize import Quantizer
+from ..runtime import FastCausalLM, resolve_row_product_max_rows
+from ..runtime.model import checkpoints
+from ..runtime.model.prefix_cache import PrefixCache
+from ..runtime.quant.quantize import Quantizer
+from ..runtime.steps import causal_lm
 from ..stats import mib
 from ..types import REGISTRY, DisabledDrafter, EngineConfig
 
@@ -40,16 +43,19 @@ def load_parts(config: EngineConfig, progress, tolerate_drafter_errors: bool = F
     the whole engine; requests for it run plain decoding with a warning. The target is always required.
     """
     requests.check_config(config)
+    # resolved once: every runner, and the background compile process (it loads this config), use the same graphs
+    config = dataclasses.replace(config, row_product_max_rows=resolve_row_product_max_rows(config.row_product_max_rows))
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    device = models.resolve_device(config.device)
-    dtype = models.resolve_dtype(config.dtype, device)
+    device = checkpoints.resolve_device(config.device)
+    dtype = checkpoints.resolve_dtype(config.dtype, device)
     progress('loading target {} on {} ({})'.format(config.target_path, device, str(dtype).replace('torch.', '')))
     quantizer = Quantizer.for_mode(config.quantization)
-    target = models.load_causal_lm(config.target_path, 'target', device, dtype, quantizer)
-    tokenizer = models.load_tokenizer(config.target_path)
-    target_lm = causal_lm.build_causal_lm(target, config.compile, models.context_limit(config, target),
-                                          config.max_draft_tokens + 1, 'target', progress, quantizer)
+    target = checkpoints.load_causal_lm(config.target_path, 'target', device, dtype, quantizer)
+    tokenizer = checkpoints.load_tokenizer(config.target_path)
+    target_lm = causal_lm.build_causal_lm(target, config.compile, checkpoints.context_limit(config, target),
+                                          config.max_draft_tokens + 1, 'target', progress, quantizer,
+                                          config.row_product_max_rows)
     context = LoadContext(config, target_lm, tokenizer, device, dtype, progress)
     drafters, errors = {}, {}
     for name, spec in REGISTRY.items():

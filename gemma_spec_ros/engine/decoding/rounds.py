@@ -17,8 +17,8 @@ from ..drafters.base import DraftContext, Drafter, Proposal
 from ..logits.grammar import mask_logits
 from ..logits.sampling import logits_to_probs, sample
 from ..logits.verify import verify
-from ..runtime.model import StepOutput
-from ..runtime.warmup import decode_path
+from ..runtime.model.forward import StepOutput
+from ..runtime.steps.warmup import decode_path
 from ..stats import acceptance_rate, generation_stats, tau
 from ..types import CancelToken, DeltaCallback, EngineConfig, GenerationResult
 from .run import Run, end_of_output

@@ -10,7 +10,7 @@ import torch
 from ..logits.grammar import GrammarConstraint, Lookahead, mask_logits
 from ..logits.sampling import greedy_pick, logits_to_probs, sample
 from ..requests import SamplingParams
-from ..runtime import models
+from ..runtime.model import checkpoints
 from ..types import one_call_per_draft
 
 
@@ -56,7 +56,7 @@ class LoadContext:
     @property
     def context_limit(self) -> int:
         """Most tokens of one request (sizes a drafter's own static cache)."""
-        return models.context_limit(self.config, self.target)
+        return checkpoints.context_limit(self.config, self.target)
 
 
 class Drafter(ABC):

@@ -2,9 +2,11 @@
 
 import torch
 
-from ..runtime import FastCausalLM, causal_lm, models
-from ..runtime.quantize import Quantizer
-from ..runtime.rows import FastRows, row_bucket
+from ..runtime import FastCausalLM
+from ..runtime.model import checkpoints
+from ..runtime.quant.quantize import Quantizer
+from ..runtime.steps import causal_lm
+from ..runtime.steps.rows import FastRows, row_bucket
 from .base import (
     DraftContext,
     Drafter,
@@ -42,13 +44,13 @@ class DraftModelDrafter(Drafter):
         path = context.config.draft_model_path
         context.progress('loading draft model {}'.format(path))
         quantizer = Quantizer.for_mode(context.config.quantization)
-        model = models.load_causal_lm(path, 'draft model', context.device, context.dtype, quantizer)
-        models.check_same_vocab(context.target, context.tokenizer, model, path, 'draft model')
+        model = checkpoints.load_causal_lm(path, 'draft model', context.device, context.dtype, quantizer)
+        checkpoints.check_same_vocab(context.target, context.tokenizer, model, path, 'draft model')
         # steps of up to K_max + 1 tokens: a round's rollback of up to K_max - 1 drafts must fit the sliding slack
         draft_lm = causal_lm.build_causal_lm(model, context.config.compile, context.context_limit,
                                              context.config.max_draft_tokens + 1, 'draft model', context.progress,
-                                             quantizer)
-        return cls(draft_lm, models.placeholder_ids(context.target))
+                                             quantizer, context.config.row_product_max_rows)
+        return cls(draft_lm, checkpoints.placeholder_ids(context.target))
 
     def warmup(self, progress) -> int:
         batched = 0 if self._batch_rows is None else self._batch_rows.runner.warmup(progress)
@@ -85,7 +87,7 @@ class DraftModelDrafter(Drafter):
         # prefill here, so that the first round's drafting cost is a normal step; the target's image placeholders
         # are pad, whatever the images are: the draft model's K/V does not depend on them
         if self._placeholders:
-            pad = models.text_config(self._lm.model).pad_token_id
+            pad = checkpoints.text_config(self._lm.model).pad_token_id
             prompt_ids = [pad if token in self._placeholders else token for token in prompt_ids]
         self._lm.prefill_prompt(torch.tensor([prompt_ids], device=self._lm.model.device), self._prefix,
                                 logits_to_keep=1)

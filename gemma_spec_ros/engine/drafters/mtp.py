@@ -6,10 +6,12 @@ from contextlib import contextmanager
 import torch
 
 from ..requests import SamplingParams
-from ..runtime import FastAssistant, FastCausalLM, causal_lm, models
-from ..runtime.assistant import greedy_calls
-from ..runtime.quantize import Quantizer
-from ..runtime.rows import AssistantRows
+from ..runtime import FastAssistant, FastCausalLM
+from ..runtime.model import checkpoints
+from ..runtime.quant.quantize import Quantizer
+from ..runtime.steps import causal_lm
+from ..runtime.steps.assistant import greedy_calls
+from ..runtime.steps.rows import AssistantRows
 from ..types import one_call_per_draft
 from .base import (
     DraftContext,
@@ -56,9 +58,9 @@ class MtpDrafter(Drafter):
         path = context.config.assistant_path
         context.progress('loading MTP assistant {}'.format(path))
         quantizer = Quantizer.for_mode(context.config.quantization)
-        assistant = models.load_assistant(path, context.device, context.dtype, quantizer)
-        models.check_same_vocab(context.target, context.tokenizer, assistant, path, 'MTP assistant')
-        models.check_assistant_fits(context.target, assistant, path)
+        assistant = checkpoints.load_assistant(path, context.device, context.dtype, quantizer)
+        checkpoints.check_same_vocab(context.target, context.tokenizer, assistant, path, 'MTP assistant')
+        checkpoints.check_assistant_fits(context.target, assistant, path)
         drafter = cls(assistant, context.target_lm, quantizer)
         if quantizer is not None:
             context.progress(quantizer.report.describe('MTP assistant'))

@@ -2,7 +2,7 @@
 
 import torch
 
-from ..runtime import models
+from ..runtime.model import checkpoints
 from .base import DraftContext, Drafter, LoadContext, Proposal
 
 
@@ -37,7 +37,7 @@ class NgramDrafter(Drafter):
     @classmethod
     def load(cls, context: LoadContext) -> 'NgramDrafter':
         return cls(context.config.ngram_min, context.config.ngram_max, context.device,
-                   models.placeholder_ids(context.target))
+                   checkpoints.placeholder_ids(context.target))
 
     def start(self, prompt_ids: list[int]) -> None:
         self._continuation.clear()

@@ -30,10 +30,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..types import EngineConfig, WarmupState
-from .compile_cache import compile_cache_dir
+from ...types import EngineConfig, WarmupState
+from ..ops.compile_cache import compile_cache_dir
 from .runner import GraphJob
-from .steps import INDUCTOR_MODES
+from .tables import INDUCTOR_MODES
 
 BACKGROUND_NICE = 10  # the compile process's and the worker's scheduling priority below the serving thread's
 # How long stopping waits for the graph being built: a graph built from the compile cache takes seconds, one compiled

@@ -13,16 +13,15 @@ attention_k_eq_v, final logit softcapping, Gemma4ForConditionalGeneration's text
 (Gemma4AssistantForCausalLM, including its ordered-embedding head). Not covered: MoE blocks (ValueError).
 
 This module holds the lean models (LeanGemma4, LeanAssistant) and the pass that runs their layers (_Decoder);
-layers.py the arithmetic of one layer, weights.py the loading of the weights into flat buffers. The names imported
-as themselves (``import x as x``) are re-exported: test_fast_forward reads them here, where they were defined.
+layers.py the arithmetic of one layer, weights.py the loading of the weights into flat buffers.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from ..quant.quantize import Quantizer, embedding
 from .cache import EMPTY_POSITION, FULL, SLIDING, KvLayerSpec, SlottedKvCache, StaticKvCache
-from .layers import BLOCKED_BATCH_MAX_ROWS as BLOCKED_BATCH_MAX_ROWS
 from .layers import (
     ROW_PRODUCT_MAX_ROWS,
     _attend,
@@ -34,14 +33,8 @@ from .layers import (
     _step_layer,
     _step_layer_rows,
 )
-from .layers import ROW_PRODUCT_MAX_ROWS_ENV as ROW_PRODUCT_MAX_ROWS_ENV
-from .layers import _mkl_runs_tuned_code as _mkl_runs_tuned_code
-from .layers import _row_product_max_rows as _row_product_max_rows
-from .quantize import Quantizer, embedding
 from .vision import SoftTokens, image_blocks
-from .weights import BLOCK_WIDTH as BLOCK_WIDTH
 from .weights import FlatTensors, _Layer, _layer_parts, _stored, _text_parts
-from .weights import block_matrix as block_matrix
 
 
 @dataclass
@@ -388,8 +381,9 @@ class LeanAssistant(_Decoder):
     centroids = _stored('centroids')              # [num_centroids, hidden]
     token_ordering = _stored('token_ordering')    # [vocab]
 
-    def __init__(self, assistant, target: LeanGemma4, quantizer: Quantizer | None = None):
-        """quantizer: quantize its layers' matrices and its LM head (quantize.py); its projections stay float."""
+    def __init__(self, assistant, target: LeanGemma4, quantizer: Quantizer | None = None,
+                 row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS):
+        """quantizer: its layers' matrices and LM head (projections stay float); row products: the engine's."""
         text_model = assistant.model
         config = assistant.config.get_text_config()
         _check_activation(config)
@@ -403,6 +397,7 @@ class LeanAssistant(_Decoder):
         self.sliding_window = config.sliding_window
         self.target = target
         producers = {spec.layer_type: index for index, spec in enumerate(target.kv_specs)}  # last one of each type
+        self.row_product_max_rows = rows = row_product_max_rows
         self.tensors = tensors = FlatTensors()
         self.layers = []
         for index, layer in enumerate(text_model.layers[:config.num_hidden_layers]):
@@ -411,7 +406,7 @@ class LeanAssistant(_Decoder):
                 raise ValueError('MTP assistant layer {} reads {} K/V, which the target does not produce'.format(
                     index, attn.layer_type))
             parts = _layer_parts(layer, producers[attn.layer_type], config.num_attention_heads, self.eps, tensors,
-                                 quantizer=quantizer)
+                                 rows, quantizer=quantizer)
             spec = target.kv_specs[parts.kv_index]
             if (parts.shape.head_dim, parts.shape.num_kv_heads) != (spec.head_dim, spec.num_kv_heads):
                 raise ValueError('MTP assistant layer {} ({}) expects head_dim {} and {} KV heads but the target '
@@ -446,15 +441,15 @@ class LeanAssistant(_Decoder):
         [1, 1, backbone] to feed the next step. kv_len > position bounds the full-layer keys read.
         """
         inputs = torch.cat((self.target.embed_tokens(token_ids[0]), hidden[0]), dim=-1)  # [1, 2 * backbone]
-        x = _linear(inputs, self.pre_projection)
+        x = self._product(inputs, self.pre_projection)
         before = position[:, None] - 1
         ring = cache.ring_positions[None, :]
         masks = {FULL: cache.key_positions[None, :kv_len] <= before,
                  SLIDING: (ring <= before) & (ring >= before - self.sliding_window)}
         x = self._layers(x, _Pass(cache, position, self.rope.at(position), masks, kv_len), None)
         x = _rms_norm(x, self.final_norm, self.eps)
-        logits = self._ordered_logits(x) if self.ordered else _linear(x, self.lm_head)
-        return StepOutput(logits.unsqueeze(0), _linear(x, self.post_projection).unsqueeze(0))
+        logits = self._ordered_logits(x) if self.ordered else self._product(x, self.lm_head)
+        return StepOutput(logits.unsqueeze(0), self._product(x, self.post_projection).unsqueeze(0))
 
     def step_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                   cache: SlottedKvCache, kv_len: int) -> StepOutput:
@@ -465,19 +460,19 @@ class LeanAssistant(_Decoder):
         [B, 1, vocab] and the projected hidden [B, 1, backbone]. kv_len > every position bounds the keys read.
         """
         inputs = torch.cat((self.target.embed_tokens(token_ids[:, 0]), hidden[:, 0]), dim=-1)  # [B, 2 * backbone]
-        x = _linear(inputs, self.pre_projection)
+        x = self._product(inputs, self.pre_projection)
         before = positions[:, :, None] - 1                                                     # [B, 1, 1]
         ring = cache.ring_view(token_ids.shape[0])[:, None, :]                                 # [B, 1, ring]
         masks = {FULL: cache.key_positions[None, None, :kv_len] <= before,
                  SLIDING: (ring <= before) & (ring >= before - self.sliding_window)}
         x = self._layers_rows(x, cache, positions, self.rope.at(positions.flatten()), masks, None)
         x = _rms_norm(x, self.final_norm, self.eps)
-        logits = self._ordered_logits_rows(x) if self.ordered else _linear(x, self.lm_head)
-        return StepOutput(logits[:, None], _linear(x, self.post_projection)[:, None])
+        logits = self._ordered_logits_rows(x) if self.ordered else self._product(x, self.lm_head)
+        return StepOutput(logits[:, None], self._product(x, self.post_projection)[:, None])
 
     def _ordered_logits_rows(self, x: torch.Tensor) -> torch.Tensor:
         """_ordered_logits for each row of x [B, hidden] -> [B, vocab]."""
-        top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices               # [B, top_k]
+        top = torch.topk(self._product(x, self.centroids), k=self.top_k, dim=-1).indices               # [B, top_k]
         clusters = self.token_ordering.long().view(self.num_centroids, -1)
         selected = clusters[top].flatten(1)                                                      # [B, top_k * per]
         selected_logits = torch.bmm(self._head_rows(selected, x.dtype).to(x.dtype), x[:, :, None])[:, :, 0]
@@ -486,12 +481,16 @@ class LeanAssistant(_Decoder):
 
     def _ordered_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [1, vocab] from x [1, hidden]: exact for the tokens of the top centroids, the rest below their min."""
-        top = torch.topk(_linear(x, self.centroids), k=self.top_k, dim=-1).indices                # [1, top_k]
+        top = torch.topk(self._product(x, self.centroids), k=self.top_k, dim=-1).indices                # [1, top_k]
         clusters = self.token_ordering.long().view(self.num_centroids, -1)
         selected = clusters[top].reshape(1, -1)                                                  # [1, top_k * per]
-        selected_logits = _linear(x, self._head_rows(selected[0], x.dtype))                      # [1, top_k * per]
+        selected_logits = self._product(x, self._head_rows(selected[0], x.dtype))  # [1, top_k * per]
         floor = selected_logits.min() - 1.0
         return floor.expand(1, self.vocab_size).clone().scatter_(-1, selected, selected_logits)
+
+    def _product(self, x: torch.Tensor, weight) -> torch.Tensor:
+        """Return x times weight transposed, with the engine's row products (_linear)."""
+        return _linear(x, weight, None, self.row_product_max_rows)
 
     def _head_rows(self, selected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Return the LM head's rows of the selected tokens in dtype (an int8 head's: its rows times their scales)."""

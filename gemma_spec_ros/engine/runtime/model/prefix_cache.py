@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..types import ImageInput
+from ...types import ImageInput
 from .cache import SLIDING, KvSlot, StaticKvCache
-from .model import LeanGemma4, StepOutput
+from .forward import LeanGemma4, StepOutput
 from .vision import SoftTokens
 
 DEFAULT_BLOCK_TOKENS = 64  # a Gemma 4 window (512, 1024) holds 8 or more; smaller windows prefill in smaller chunks

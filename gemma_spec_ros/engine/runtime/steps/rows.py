@@ -19,13 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ..model.cache import SlottedKvCache
+from ..model.forward import LeanGemma4, StepOutput
+from ..model.prefix_cache import ImageKey, PrefixCache
+from ..model.vision import SoftTokens
 from .assistant import FastAssistant
-from .cache import SlottedKvCache
-from .model import LeanGemma4, StepOutput
-from .prefix_cache import ImageKey, PrefixCache
 from .runner import GraphJob, _Shadowed, _stage_shadow_graphs
-from .steps import _Steps, query_variant_ends
-from .vision import SoftTokens
+from .tables import _Steps, query_variant_ends
 
 
 def row_buckets(max_rows: int) -> list[int]:

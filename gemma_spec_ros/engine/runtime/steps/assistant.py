@@ -11,12 +11,12 @@ from contextlib import contextmanager
 
 import torch
 
-from ..logits.sampling import greedy_pick
-from .model import LeanAssistant, StepOutput
-from .quantize import Quantizer
+from ...logits.sampling import greedy_pick
+from ..model.forward import LeanAssistant, StepOutput
+from ..model.weights import store_exact_half
+from ..quant.quantize import Quantizer
 from .runner import FastCausalLM, GraphJob, Progress, WarmupReport, _Shadowed, _stage_shadow_graphs
-from .steps import INDUCTOR_MODES, _Steps, resolve_compile_mode
-from .weights import store_exact_half
+from .tables import INDUCTOR_MODES, _Steps, resolve_compile_mode
 
 GREEDY_STEPS = (1, 2, 4, 8)  # MTP draft steps per call of a greedy round's step functions (FastAssistant.greedy_drafts)
 
@@ -51,12 +51,13 @@ class FastAssistant(_Shadowed):
         compiled_for_cpu = self.mode in INDUCTOR_MODES and target.lean.device.type == 'cpu'
         self.weights_dtype = store_exact_half(assistant) if compiled_for_cpu and quantizer is None else None
         # after the dtype change: it packs the weights as they are
-        self.lean = LeanAssistant(assistant, target.lean, quantizer)
+        self.lean = LeanAssistant(assistant, target.lean, quantizer, target.row_product_max_rows)
         self.quantization = None if quantizer is None else quantizer.report
         self._steps = self._new_steps()
 
     def _new_steps(self) -> _Steps:
-        return _Steps(self.mode, self.target.lean.device, self.target.cache.context_limit, self.lean.inlines_layers)
+        return _Steps(self.mode, self.target.lean.device, self.target.cache.context_limit, self.lean.inlines_layers,
+                      self.lean.row_product_max_rows)
 
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position: int) -> StepOutput:
         """

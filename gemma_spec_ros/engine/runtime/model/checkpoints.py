@@ -5,10 +5,10 @@ from pathlib import Path
 
 import torch
 
-from ..conversation.format import RESPONSE_OPEN, TURN_CLOSE
-from ..types import DEVICES, DTYPES
-from .quantize import Quantizer
-from .quantized_loading import load_quantized
+from ...conversation.format import RESPONSE_OPEN, TURN_CLOSE
+from ...types import DEVICES, DTYPES
+from ..quant.loading import load_quantized
+from ..quant.quantize import Quantizer
 
 TARGET_TYPES = ('gemma4_text', 'gemma4')  # text-only Gemma4ForCausalLM, multimodal Gemma4ForConditionalGeneration
 ASSISTANT_TYPE = 'gemma4_assistant'

@@ -10,7 +10,7 @@ import linecache
 import os
 from pathlib import Path
 
-from ..backend import return_freed_memory
+from ...backend import return_freed_memory
 from . import torch_internals
 
 

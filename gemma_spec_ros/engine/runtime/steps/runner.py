@@ -37,16 +37,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..logits.verify import verify
-from .cache import StaticKvCache
-from .compile_cache import release_compile_garbage
-from .layers import ROW_PRODUCT_MAX_ROWS
-from .model import LeanGemma4, StepOutput
-from .prefix_cache import ImageKey, PrefixCache
-from .quantize import Quantizer
-from .steps import _Steps, query_variant_ends, resolve_compile_mode, stores_blocked
-from .torch_internals import mark_static_address
-from .vision import SoftTokens
+from ...logits.verify import verify
+from ..model.cache import StaticKvCache
+from ..model.forward import LeanGemma4, StepOutput
+from ..model.layers import ROW_PRODUCT_MAX_ROWS
+from ..model.prefix_cache import ImageKey, PrefixCache
+from ..model.vision import SoftTokens
+from ..ops.compile_cache import release_compile_garbage
+from ..ops.torch_internals import mark_static_address
+from ..quant.quantize import Quantizer
+from .tables import _Steps, query_variant_ends, resolve_compile_mode, stores_blocked
 
 Progress = Callable[[str], None]
 
@@ -135,12 +135,13 @@ class FastCausalLM(_Shadowed):
     """
 
     def __init__(self, model, context_limit: int, max_query: int, compile_mode: str = 'auto',
-                 quantizer: Quantizer | None = None):
+                 quantizer: Quantizer | None = None, row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS):
         self.model = model
         self.mode = resolve_compile_mode(compile_mode, model.device)
+        self.row_product_max_rows = row_product_max_rows  # the engine's (an MTP assistant's steps take it too)
         # inductor-gemm: passes of 2 tokens or more keep aten's products, which the GEMM template generates
-        self.lean = LeanGemma4(model, 1 if self.mode == 'inductor-gemm' else ROW_PRODUCT_MAX_ROWS,
-                               blocked=stores_blocked(self.mode, max_query), quantizer=quantizer)
+        self.lean = LeanGemma4(model, 1 if self.mode == 'inductor-gemm' else row_product_max_rows,
+                               blocked=stores_blocked(self.mode, max_query, row_product_max_rows), quantizer=quantizer)
         self.quantization = None if quantizer is None else quantizer.report
         if self.mode == 'inductor-gemm':  # weights that freezing may treat as constants
             for weights in self.lean.tensors.buffers:

@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..backend import return_freed_memory
+from ...backend import return_freed_memory
+from ..quant.quantize import QUANTIZED_MATRICES, QuantizedWeight, Quantizer
 from .layers import ROW_PRODUCT_MAX_ROWS, _Shape, _Weights
-from .quantize import QUANTIZED_MATRICES, QuantizedWeight, Quantizer
 
 # Outputs per block of a blocked matrix: one AVX-512 vector of float32.
 BLOCK_WIDTH = 16

@@ -18,10 +18,10 @@ from contextlib import nullcontext
 
 import torch
 
-from . import cpu_ops, torch_internals
-from .compile_cache import compile_cache_dir, release_compile_garbage
+from ..model.layers import ROW_PRODUCT_MAX_ROWS
+from ..ops import cpu_ops, torch_internals
+from ..ops.compile_cache import compile_cache_dir, release_compile_garbage
 from .direct_graph import _DirectGraph, _DirectRecord
-from .layers import ROW_PRODUCT_MAX_ROWS
 
 STEP_MODES = ('eager', 'inductor', 'inductor-gemm', 'cudagraph')
 INDUCTOR_MODES = ('inductor', 'inductor-gemm')

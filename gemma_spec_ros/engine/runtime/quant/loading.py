@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from ..backend import return_freed_memory
+from ...backend import return_freed_memory
 from .quantize import QuantizedWeight, Quantizer, quantized_kind
 
 LOAD_ROWS = 4096  # rows read per block of a large matrix (one block: 4096 x 9 k bfloat16 = 72 MiB for E2B's PLE)

@@ -13,9 +13,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import cpu_ops
+from ..ops import cpu_ops
+from ..quant.quantize import QuantizedWeight, int8_feed_forward_together, int8_together, quantized_linear
 from .cache import FULL
-from .quantize import QuantizedWeight, int8_feed_forward_together, int8_together, quantized_linear
 
 
 class _Weights(NamedTuple):
@@ -130,34 +130,42 @@ def _mkl_runs_tuned_code() -> bool:
     return 'GenuineIntel' in cpu_ops.cpu_info()
 
 
-# A lower value than the CPU's shortens the first compile (a graph per pass length up to it), at some speed cost.
+# The test suite's override of engine.row_product_max_rows (fewer graphs to compile on a cold cache: test/conftest.py).
 ROW_PRODUCT_MAX_ROWS_ENV = 'GEMMA_SPEC_ROW_PRODUCT_MAX_ROWS'
 
 
-def _row_product_max_rows() -> int:
+def cpu_row_product_max_rows() -> int:
     """
-    Return the longest pass whose products a compiled CPU step computes as multiply-reduces (_linear).
+    Return the longest pass whose products a compiled CPU step computes as multiply-reduces (_linear), for this CPU.
 
-    ROW_PRODUCT_MAX_ROWS_ENV sets it where set. Otherwise up to there each is faster than aten's product, as
-    measured on the bundled target (compiled passes, 1 thread). On an Intel Xeon, where MKL runs its tuned code, the
-    multiply-reduce made a one-row step 1.16x faster than aten's matrix-vector product, but aten's product of 2 rows
-    cost about what one row did. Where MKL runs its generic code, inductor's vectorised loops win: with AVX2 (AMD
-    EPYC) through 4 rows (passes of 2-4 tokens took 8-20 % less time; equal at 5, slower from 6), with AVX-512 (AMD
-    EPYC) through 9 (passes of 5 and 9 tokens took 38 and 26 % less; equal at 12, slower at 17).
+    Up to there each is faster than aten's product, as measured on the bundled target (compiled passes, 1 thread).
+    On an Intel Xeon, where MKL runs its tuned code, the multiply-reduce made a one-row step 1.16x faster than aten's
+    matrix-vector product, but aten's product of 2 rows cost about what one row did. Where MKL runs its generic code,
+    inductor's vectorised loops win: with AVX2 (AMD EPYC) through 4 rows (passes of 2-4 tokens took 8-20 % less time;
+    equal at 5, slower from 6), with AVX-512 (AMD EPYC) through 9 (passes of 5 and 9 tokens took 38 and 26 % less;
+    equal at 12, slower at 17).
     """
+    if _mkl_runs_tuned_code():
+        return 1
+    return 9 if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 4
+
+
+def resolve_row_product_max_rows(configured: int) -> int:
+    """engine.row_product_max_rows where set (> 0), else ROW_PRODUCT_MAX_ROWS_ENV where set, else this CPU's."""
+    if configured > 0:
+        return configured
     override = os.environ.get(ROW_PRODUCT_MAX_ROWS_ENV, '')
     if override:
         if not override.isdigit() or int(override) < 1:
             raise ValueError('{} must be a whole number of rows >= 1, got {!r}'.format(ROW_PRODUCT_MAX_ROWS_ENV,
                                                                                       override))
         return int(override)
-    if _mkl_runs_tuned_code():
-        return 1
-    return 9 if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 4
+    return cpu_row_product_max_rows()
 
 
-# Read before any step is traced: dynamo sees a constant.
-ROW_PRODUCT_MAX_ROWS = _row_product_max_rows()
+# The default of the functions below; a runner passes the engine's resolved value. Read before any step is traced:
+# dynamo sees a constant.
+ROW_PRODUCT_MAX_ROWS = cpu_row_product_max_rows()
 
 
 # Longest eager pass (prefill) whose products with a blocked matrix run block by block, which beats one product on an

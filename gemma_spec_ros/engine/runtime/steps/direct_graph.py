@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import torch_internals
+from ..ops import torch_internals
 
 
 def _release_traced_module(graph: Callable) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..types import ImageInput
+from ...types import ImageInput
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ import torch
 from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .model import StepOutput
-from .quantize import Quantizer
+from ..model.forward import StepOutput
+from ..model.layers import ROW_PRODUCT_MAX_ROWS
+from ..model.vision import SoftTokens
+from ..quant.quantize import Quantizer
 from .runner import FastCausalLM, WarmupReport
-from .vision import SoftTokens
 
 NO_MASKS = {'full_attention': None, 'sliding_attention': None}
 
@@ -108,20 +109,20 @@ class DynamicCausalLM:
 
 
 def build_causal_lm(model, compile_mode: str, context_limit: int, max_query: int, role: str,
-                    progress: Callable[[str], None], quantizer: Quantizer | None = None
-                    ) -> 'FastCausalLM | DynamicCausalLM':
+                    progress: Callable[[str], None], quantizer: Quantizer | None = None,
+                    row_product_max_rows: int = ROW_PRODUCT_MAX_ROWS) -> 'FastCausalLM | DynamicCausalLM':
     """
     Build the runner engine.compile asks for: transformers' forward for 'transformers', else the fast path.
 
     With auto, a model the lean forward does not cover (it raises ValueError saying why) runs transformers' forward,
     and progress says so; with an explicit mode, or with a quantizer (only the lean forward reads quantized
     weights), that is an error. quantizer: the model's (quantize.py; the load may have quantized part already),
-    logged.
+    logged. row_product_max_rows: engine.row_product_max_rows, resolved (FastCausalLM).
     """
     if compile_mode == 'transformers':
         return DynamicCausalLM(model)
     try:
-        runner = FastCausalLM(model, context_limit, max_query, compile_mode, quantizer)
+        runner = FastCausalLM(model, context_limit, max_query, compile_mode, quantizer, row_product_max_rows)
     except ValueError as exc:
         if compile_mode != 'auto' or quantizer is not None:
             quantized = '' if quantizer is None else ' (engine.quantization={})'.format(quantizer.mode)

@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..types import QUANTIZATIONS
-from . import cpu_ops
+from ...types import QUANTIZATIONS
+from ..ops import cpu_ops
 
 INT8_LEVELS = 127
 ACTIVATION_LEVELS = 32767.0  # int16 levels of a block's largest activation (int8 products on CPU)
