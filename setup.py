@@ -18,20 +18,21 @@ def model_data_files():
     return entries
 
 
-commands = ['generate', 'client', 'diag', 'record', 'replay', 'train', 'bench']
+commands = ['generate', 'client', 'diag', 'record', 'replay']
+# The lab (benchmarks and training) stays in the source checkout, where `python -m gemma_spec_ros bench|train` runs
+# it: a robot's install holds only what serves the node (test_package checks the built tree).
+LAB = ['gemma_spec_ros.benchmarks', 'gemma_spec_ros.benchmarks.*', 'gemma_spec_ros.train', 'gemma_spec_ros.train.*']
 
 setup(
     name=package_name,
     version='0.1.0',
-    packages=find_packages(exclude=['test']),
-    package_data={'gemma_spec_ros.engine.runtime.ops': ['*.cpp', '*.h'],  # cpu_ops.py's C++ ops, built on use
-                  'gemma_spec_ros.train': ['*.jinja']},          # Gemma 4's chat template
+    packages=find_packages(exclude=['test', 'test.*'] + LAB),
+    package_data={'gemma_spec_ros.engine.runtime.ops': ['*.cpp', '*.h']},  # cpu_ops.py's C++ ops, built on use
     data_files=[
         ('share/ament_index/resource_index/packages', ['resource/' + package_name]),
         (share, ['package.xml']),
         (os.path.join(share, 'launch'), glob('launch/*.launch.py')),
         (os.path.join(share, 'config'), glob('config/*.yaml') + glob('config/*.xml') + glob('config/*.json')),
-        (os.path.join(share, 'bench'), ['bench/prompts.jsonl', 'bench/constrained.json']),
     ] + model_data_files(),
     install_requires=['setuptools'],
     zip_safe=True,

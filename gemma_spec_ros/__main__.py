@@ -12,8 +12,8 @@ COMMANDS = {
     'diag': ('gemma_spec_ros.tools.diag_monitor', "show the node's /diagnostics live"),
     'record': ('gemma_spec_ros.tools.bag', 'record planner requests and responses to a rosbag2 bag'),
     'replay': ('gemma_spec_ros.tools.bag', 'replay a recorded bag against the node and compare'),
-    'train': ('gemma_spec_ros.train.cli', 'train the tokenizer, target, draft model or MTP assistant'),
-    'bench': ('gemma_spec_ros.benchmarks', 'benchmark against transformers generate / assisted generation'),
+    'train': ('gemma_spec_ros.train.cli', 'train the tokenizer, target, drafters (source checkout)'),
+    'bench': ('gemma_spec_ros.benchmarks', 'benchmarks, peers and studies (source checkout; bench --help lists them)'),
     'demo': ('gemma_spec_ros.tools.demo', 'start the node and stream a planner-style goal (make run)'),
     'stress': ('gemma_spec_ros.tools.stress', 'load and soak the node with concurrent planners and cancels'),
 }
@@ -31,9 +31,20 @@ def usage() -> str:
     return '\n'.join(lines)
 
 
+# The lab's commands: a robot's install leaves their packages out (setup.py), a source checkout has them.
+LAB_COMMANDS = ('train', 'bench')
+
+
 def run_command(name: str, argv: list) -> int:
     module_name, _ = COMMANDS[name]
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if name not in LAB_COMMANDS or not module_name.startswith(str(error.name)):
+            raise
+        print("'{}' runs from a source checkout of gemma_spec_ros (scripts/setup.sh): the robot install leaves the "
+              'benchmarks and training out'.format(name), file=sys.stderr)
+        return 2
     entry = getattr(module, name + '_main', None) or module.main
     return entry(argv) or 0
 
@@ -72,8 +83,6 @@ client_main = _console('client')
 diag_main = _console('diag')
 record_main = _console('record')
 replay_main = _console('replay')
-train_main = _console('train')
-bench_main = _console('bench')
 
 if __name__ == '__main__':
     args = sys.argv[1:]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared check for a lent CUDA machine (one run, under 10 minutes): benchmarks.gpu_check on the bundled
+# The prepared check for a lent CUDA machine (one run, under 10 minutes): bench gpu-check on the bundled
 # models and on a random model of Gemma-4-E2B's shape, then the engine's tests on CUDA with captured steps, and the
 # quantized targets' (int8 and int4 on CUDA: never run yet).
 #
@@ -41,9 +41,9 @@ from importlib.metadata import version
 print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__,
       "xgrammar", version("xgrammar"), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")
 from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM'
-stage bundled 130 python3 -m gemma_spec_ros.benchmarks.gpu_check --models bundled --modes "$modes" \
+stage bundled 130 python3 -m gemma_spec_ros bench gpu-check --models bundled --modes "$modes" \
   --out "$out/bundled"
-stage e2b 200 python3 -m gemma_spec_ros.benchmarks.gpu_check --models e2b --modes "$modes" --repeats 2 \
+stage e2b 200 python3 -m gemma_spec_ros bench gpu-check --models e2b --modes "$modes" --repeats 2 \
   --out "$out/e2b"
 stage tests 220 env GEMMA_SPEC_TEST_DEVICE=cuda GEMMA_SPEC_TEST_COMPILE=cudagraph python3 -m pytest -q \
   -p no:cacheprovider --durations=15 --junitxml="$out/tests.xml" test/test_engine_fast.py test/test_engine.py \

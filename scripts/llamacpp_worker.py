@@ -2,7 +2,7 @@
 The llama.cpp side of the llama.cpp bench: greedy generation with llama-cpp-python, driven over stdin/stdout.
 
 Runs inside .venv-llamacpp (scripts/setup_llamacpp.sh) on the GGUFs of scripts/export_gguf.py; imports only the
-standard library, numpy and llama_cpp. gemma_spec_ros/benchmarks/llamacpp_peers.py starts it and sends one JSON
+standard library, numpy and llama_cpp. gemma_spec_ros/benchmarks/peers/llamacpp.py starts it and sends one JSON
 request per line: {"system": name, "prompt_ids": [...], "max_new_tokens": n}; it answers one JSON line with the
 tokens and the times it measured in-process (so the pipe costs nothing), or {"error": text}.
 

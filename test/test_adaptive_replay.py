@@ -1,7 +1,7 @@
 """
 Adaptive K against every fixed K, replayed exactly over a recorded acceptance map of the bundled models.
 
-test/data/acceptance_map.json was recorded with ``python -m gemma_spec_ros.benchmarks.acceptance_map`` (see its
+test/data/acceptance_map.json was recorded with ``python -m gemma_spec_ros bench acceptance-map`` (see its
 ``made_by``): for every prompt of bench/prompts.jsonl and drafter, the drafts a round accepts at each position of
 the greedy output, the drafter's confidences, and the measured cost curve. The replay runs the bench's interleaved
 order (plain, fixed K = 1..8 and adaptive share one controller per drafter, as in the engine) with noisy timings.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.benchmarks.acceptance_map import measure_costs, record_map
-from gemma_spec_ros.benchmarks.adaptive_replay import (
+from gemma_spec_ros.benchmarks.decode.acceptance_map import measure_costs, record_map
+from gemma_spec_ros.benchmarks.decode.adaptive_replay import (
     ADAPTIVE,
     Costs,
     Simulation,

@@ -3,11 +3,12 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.benchmarks import main, vllm_peers
+from gemma_spec_ros.benchmarks import main
 from gemma_spec_ros.benchmarks.analysis import fit_alpha, predict_speedup, summarize
 from gemma_spec_ros.benchmarks.cli import build_parser
+from gemma_spec_ros.benchmarks.decode.probe import CostProbe
 from gemma_spec_ros.benchmarks.harness import Measurement, check_compile_modes, first_mismatch
-from gemma_spec_ros.benchmarks.probe import CostProbe
+from gemma_spec_ros.benchmarks.peers import vllm as vllm_peers
 from gemma_spec_ros.benchmarks.prompts import load_prompts, take_per_category
 from gemma_spec_ros.benchmarks.systems import System
 from gemma_spec_ros.engine.stats import iid_expected_tokens as expected_tokens
@@ -139,6 +140,18 @@ def test_the_committed_schema_corpus_has_provenance():
 def test_constrained_category_measures_one_compile_mode(capsys, tiny_models):
     assert main(['--constrained', '--quick', '--compile', 'eager,auto', '--target', tiny_models.target]) == 2
     assert '--constrained measures one compile mode, got eager,auto' in capsys.readouterr().err
+
+
+def test_every_study_runs_from_the_one_bench_entry_point(capsys):
+    from gemma_spec_ros.benchmarks.cli import STUDIES
+
+    for study in STUDIES:
+        with pytest.raises(SystemExit) as ended:
+            main([study, '--help'])
+        assert ended.value.code == 0, study
+        assert 'python -m gemma_spec_ros bench ' + study in capsys.readouterr().out, study
+    main_help = build_parser().format_help()
+    assert all(study in main_help for study in STUDIES)  # bench --help lists them
 
 
 def test_free_whitespace_needs_the_constrained_category(capsys):
@@ -356,7 +369,7 @@ def test_adaptive_rows_give_the_ratio_within_each_repeat():
 def test_random_models_for_memory_scaling_load_and_fit_together(tmp_path):
     import torch
 
-    from gemma_spec_ros.benchmarks.fast_measure import write_random_models
+    from gemma_spec_ros.benchmarks.decode.fast_measure import write_random_models
     from gemma_spec_ros.engine.runtime.model import checkpoints
 
     target_path, assistant_path = write_random_models('3x64x256', str(tmp_path))
@@ -370,7 +383,7 @@ def test_random_models_for_memory_scaling_load_and_fit_together(tmp_path):
 
 
 def test_gpu_check_keeps_the_figures_of_the_modes_that_run(tmp_path):
-    from gemma_spec_ros.benchmarks import gpu_check
+    from gemma_spec_ros.benchmarks.decode import gpu_check
 
     code = gpu_check.main(['--device', 'cpu', '--models', 'bundled', '--modes', 'eager,cudagraph', '--new-tokens', '4',
                            '--repeats', '1', '--out', str(tmp_path)])
@@ -386,7 +399,7 @@ def test_gpu_check_keeps_the_figures_of_the_modes_that_run(tmp_path):
 def test_batching_bench_reports_every_engine_level_and_drafter(tiny_models, tmp_path):
     import json
 
-    from gemma_spec_ros.benchmarks import batching
+    from gemma_spec_ros.benchmarks.decode import batching
 
     out = tmp_path / 'batching.json'
     assert batching.main(['--target', tiny_models.target, '--assistant', tiny_models.assistant, '--compile', 'eager',

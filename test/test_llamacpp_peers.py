@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from gemma_spec_ros.benchmarks import llamacpp_peers
 from gemma_spec_ros.benchmarks.harness import Measurement, Skipped
+from gemma_spec_ros.benchmarks.peers import llamacpp as llamacpp_peers
 from gemma_spec_ros.benchmarks.prompts import Prompt
 from gemma_spec_ros.benchmarks.systems import Outcome
 

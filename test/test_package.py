@@ -149,6 +149,28 @@ def test_robot_build_command_finds_both_packages(tmp_path):
     assert sorted(listed) == ['gemma_spec_msgs', 'gemma_spec_ros']
 
 
+def test_the_robot_install_holds_no_benchmarks_or_training(tmp_path):
+    """setup.py builds the robot's package without the lab; the C++ ops of the CPU fast path come along."""
+    subprocess.run([sys.executable, 'setup.py', '-q', 'build', '--build-base', str(tmp_path)], cwd=REPO, check=True,
+                   capture_output=True, timeout=300)
+    built = tmp_path / 'lib' / 'gemma_spec_ros'
+    assert sorted(path.name for path in built.iterdir() if path.is_dir()) == ['engine', 'ros', 'tools']
+    assert {path.name for path in (built / 'engine' / 'runtime' / 'ops').iterdir()} >= {
+        'cpu_ops.py', 'cpu_attention.cpp', 'int8_linear.cpp', 'lane_totals.h'}
+    assert not [path for path in built.rglob('*') if 'bench' in path.name or 'train' in path.name]
+
+
+def test_no_package_folder_holds_more_than_twelve_modules():
+    """Each folder is a room that says what it holds (its __init__.py), not a hall of files."""
+    crowded = {}
+    for init in (REPO / 'gemma_spec_ros').rglob('__init__.py'):
+        modules = [path for path in init.parent.glob('*.py') if path.name != '__init__.py']
+        if len(modules) > 12:
+            crowded[init.parent.relative_to(REPO).as_posix()] = len(modules)
+        assert ast.get_docstring(ast.parse(init.read_text())), '{} says nothing of its folder'.format(init)
+    assert crowded == {}
+
+
 def test_engine_modules_stay_small():
     """No engine module over 500 lines, and the decode loop (decoding/engine.py) at most 400."""
     engine = REPO / 'gemma_spec_ros' / 'engine'

@@ -1,4 +1,4 @@
-"""The synthetic robot-task corpus (train/planner.py): chat-template rendering, held-out split, tool schemas."""
+"""The synthetic robot-task corpus (train/corpora/planner.py): chat-template rendering, held-out split, tool schemas."""
 
 import json
 import random
@@ -8,9 +8,9 @@ import jsonschema
 import pytest
 import torch
 
-from gemma_spec_ros.train import corpus, planner
 from gemma_spec_ros.train.cli import main
-from gemma_spec_ros.train.data import TokenStream, random_windows
+from gemma_spec_ros.train.corpora import corpus, planner
+from gemma_spec_ros.train.corpora.data import TokenStream, random_windows
 
 CONTROL = ('<|turn>', '<turn|>', '<|tool>', '<tool|>', '<|tool_call>', '<tool_call|>', '<|tool_response>',
            '<tool_response|>', '<|"|>', '<|channel>', '<channel|>', '<|think>')

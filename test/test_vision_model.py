@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemma_spec_ros.train import scenes, vision
+from gemma_spec_ros.train import vision
+from gemma_spec_ros.train.corpora import scenes
 
 MODELS = Path(__file__).resolve().parent.parent / 'models'
 VISION_DIR = MODELS / 'gemma4-spec-vision'

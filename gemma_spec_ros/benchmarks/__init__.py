@@ -1,9 +1,10 @@
 """
-Benchmark of the engine against transformers generate and assisted generation.
+The lab's measurements: development only, not installed on a robot (setup.py leaves benchmarks and train out).
 
-Run with ``python -m gemma_spec_ros bench [--quick]``; docs/benchmark.md#outputs-in---out describes the outputs.
-The measuring scripts beside it run with ``python -m gemma_spec_ros.benchmarks.<name>``; the prompt sets and the
-results live in the repository's top-level bench/ folder.
+``python -m gemma_spec_ros bench [--quick]`` runs the main benchmark against transformers' generate and assisted
+generation (docs/benchmark.md#outputs-in---out); ``python -m gemma_spec_ros bench STUDY`` runs one of the studies
+in decode/, output/ and peers/ (``bench --help`` lists them). The prompt sets and the results live in the
+repository's top-level bench/ folder.
 """
 
 from gemma_spec_ros.benchmarks.cli import main

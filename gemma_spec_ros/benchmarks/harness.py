@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gemma_spec_ros.benchmarks.probe import CostSampler
+from gemma_spec_ros.benchmarks.decode.probe import CostSampler
 from gemma_spec_ros.benchmarks.prompts import Prompt
 from gemma_spec_ros.benchmarks.systems import (
     EngineRunner,

@@ -47,7 +47,7 @@ ROS2_CLI_HINTS = ('  ros2 action send_goal /gemma_spec/generate gemma_spec_msgs/
                   '  ros2 topic echo --once /diagnostics\n' + TOOL_HINTS)
 
 
-# a held-out scene (never trained on) that train/scenes.py rendered, and its question with the right answer
+# a held-out scene (never trained on) that train/corpora/scenes.py rendered, and its question with the right answer
 DEMO_SCENE = os.path.join('models', 'gemma4-spec-vision', 'demo_scene')
 
 

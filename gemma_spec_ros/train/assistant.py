@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from gemma_spec_ros.train.data import TokenStream, random_windows
+from gemma_spec_ros.train.corpora.data import TokenStream, random_windows
 from gemma_spec_ros.train.lm import BatchSettings
 
 

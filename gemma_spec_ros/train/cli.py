@@ -3,7 +3,7 @@
 
 Also eval-continuations (do greedy continuations of code, prose and tool-less chat loop).
 
-Also planner-corpus and eval-planner (the robot-task conversations of train/planner.py).
+Also planner-corpus and eval-planner (the robot-task conversations of train/corpora/planner.py).
 
 Training commands share: --seed, a tqdm bar with loss and tokens/s, safetensors checkpoints in --run-dir
 every --checkpoint-every steps, --resume, --max-minutes, and a from_pretrained-loadable --out directory
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from gemma_spec_ros.train import corpus
-from gemma_spec_ros.train.data import TokenStream
+from gemma_spec_ros.train.corpora import corpus
+from gemma_spec_ros.train.corpora.data import TokenStream
 from gemma_spec_ros.train.export import save_model, storage_dtype
 from gemma_spec_ros.train.lm import BatchSettings, distill_step, init_for_scratch_training, lm_step, perplexity
 from gemma_spec_ros.train.loop import LoopResult, LoopSettings, train_loop
@@ -408,7 +408,7 @@ def vision_command(args: argparse.Namespace) -> int:
 
 
 def planner_corpus_command(args: argparse.Namespace) -> int:
-    from gemma_spec_ros.train import planner
+    from gemma_spec_ros.train.corpora import planner
 
     start = time.time()
     tokenizer = load_tokenizer(args.tokenizer)
@@ -420,7 +420,7 @@ def planner_corpus_command(args: argparse.Namespace) -> int:
 
 
 def eval_planner_command(args: argparse.Namespace) -> int:
-    from gemma_spec_ros.train import planner
+    from gemma_spec_ros.train.corpora import planner
 
     torch.manual_seed(args.seed)
     if args.threads:

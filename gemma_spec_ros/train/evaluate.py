@@ -7,7 +7,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from gemma_spec_ros.engine.stats import acceptance_rate, format_figure, tau, tokens_per_second
-from gemma_spec_ros.train import corpus
+from gemma_spec_ros.train.corpora import corpus
 
 CATEGORIES = ('code', 'docstring', 'extraction', 'free_text')
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Gemma4ForCausalLM
 
-from gemma_spec_ros.train.data import TokenStream, fixed_windows, random_windows
+from gemma_spec_ros.train.corpora.data import TokenStream, fixed_windows, random_windows
 
 
 @dataclass

@@ -34,7 +34,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from gemma_spec_ros.train.scenes import (
+from gemma_spec_ros.train.corpora.scenes import (
     QUESTION_KINDS,
     Question,
     Scene,
