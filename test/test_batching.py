@@ -15,9 +15,9 @@ import torch
 from conftest import SLIDING_WINDOW, chi_squared_p_value, target_distribution
 
 from gemma_spec_ros.engine import CancelToken, Engine, GenerationRequest
+from gemma_spec_ros.engine.config_checks import check_config
 from gemma_spec_ros.engine.control import GoalPassCost, TargetCost
 from gemma_spec_ros.engine.drafters.base import Drafter, Proposal
-from gemma_spec_ros.engine.requests import check_config
 from gemma_spec_ros.engine.runtime.model import checkpoints
 from gemma_spec_ros.engine.runtime.model.forward import LeanAssistant, LeanGemma4
 from gemma_spec_ros.engine.runtime.steps.rows import row_bucket, row_buckets

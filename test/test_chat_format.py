@@ -6,9 +6,9 @@ import pytest
 from conftest import REPO_ROOT, TOKENIZER_DIR
 
 from gemma_spec_ros.engine.conversation.format import CONTROL_TOKENS, ConversationTokens
+from gemma_spec_ros.engine.conversation.prompt import encode_messages
 from gemma_spec_ros.engine.conversation.reply import CALL, TEXT, THOUGHT, ReplySplitter
 from gemma_spec_ros.engine.conversation.tools import parse_tools
-from gemma_spec_ros.engine.requests import encode_messages
 
 PICK = {'type': 'function', 'function': {
     'name': 'pick', 'description': 'Pick up an object.',

@@ -2,7 +2,7 @@
 Typed config, requests, results and statistics of the engine: its public contract. Imports no torch.
 
 EngineConfig fields carry their parameter metadata (description, limits or choices, run-time changeable, parameter
-group); the node declares its ROS parameters from it and requests.check_config enforces it.
+group); the node declares its ROS parameters from it and config_checks.check_config enforces it.
 """
 
 import enum

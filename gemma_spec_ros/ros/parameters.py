@@ -11,8 +11,8 @@ import dataclasses
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 
 from gemma_spec_ros.engine.backends.vllm import VllmConfig
+from gemma_spec_ros.engine.config_checks import check_parameter
 from gemma_spec_ros.engine.config_file import MODEL_PATH_FIELDS, resolve_model_path
-from gemma_spec_ros.engine.requests import check_parameter
 from gemma_spec_ros.engine.types import INT32_MAX, EngineConfig, parameter_name
 
 QUEUE_MAX_LENGTH_LIMIT = 16

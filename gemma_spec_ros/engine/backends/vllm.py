@@ -35,9 +35,11 @@ from urllib.parse import urlsplit
 from PIL import Image as PilImage
 
 from ..backend import Backend, Capabilities
+from ..config_checks import check_max_new_tokens
+from ..conversation.prompt import check_messages
 from ..conversation.reply import ReplyRules
 from ..logits.schema import OutputCheck
-from ..requests import check_fields, check_images, check_max_new_tokens, check_messages, check_prompt_size
+from ..requests import check_fields, check_images, check_prompt_size
 from ..stats import decode_tokens_per_second, percentile, token_gaps
 from ..types import (
     DRAFTERS,

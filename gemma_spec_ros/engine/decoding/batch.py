@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import requests
+from .. import config_checks
 from ..control import Decision, GoalPassCost, SpeculationController, TargetCost
 from ..drafters.base import Drafter, Proposal, RowRequest
 from ..logits.verify import verify
@@ -376,7 +376,7 @@ def start_batching(rounds: Rounds, target_lm, drafters: dict[str, Drafter], roun
     config, context_limit = rounds.config, rounds.context_limit
     if config.max_batch == 1 or not isinstance(target_lm, FastCausalLM):
         return None
-    slots = config.max_batch or requests.slots_within_budget(
+    slots = config.max_batch or config_checks.slots_within_budget(
         config, slot_nbytes(target_lm.lean, context_limit, target_lm.max_query), context_limit)
     rows = FastRows(target_lm.lean, target_lm.mode, slots, context_limit, target_lm.max_query)
     joined = {name: drafter.join_batch(rows) for name, drafter in drafters.items()}

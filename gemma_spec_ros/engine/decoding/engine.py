@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .. import requests
+from .. import config_checks, requests
 from ..backend import Backend, Capabilities
 from ..control import SpeculationController, TargetCost
 from ..drafters.base import Drafter
@@ -184,12 +184,12 @@ class Engine(Backend):
 
     def set_default_drafter(self, name: str) -> None:
         """Drafter used by requests that leave drafter empty."""
-        requests.check_drafter(name, self._usable_drafters())
+        config_checks.check_drafter(name, self._usable_drafters())
         self._default_drafter = name
 
     def set_default_num_draft_tokens(self, k: int) -> None:
         """K used by requests that leave num_draft_tokens 0; 0 = adaptive."""
-        requests.check_num_draft_tokens(k, self.config)
+        config_checks.check_num_draft_tokens(k, self.config)
         self._default_k = k
 
     @property
@@ -259,9 +259,9 @@ class Engine(Backend):
 
     def validate(self, request: GenerationRequest) -> RequestPlan:
         """Check a request and tokenize its prompt (no model work): the plan, or ValueError naming the field."""
-        return requests.plan_request(request, self._tokenizer, self._vocab_size, self._context_limit, self.config,
-                                     self._usable_drafters(), self._default_drafter, self._default_k,
-                                     self._constraints, self._vision)
+        return requests.plan_request(request, requests.PlanContext(
+            self._tokenizer, self._vocab_size, self._context_limit, self.config, tuple(self._usable_drafters()),
+            self._default_drafter, self._default_k, self._constraints, self._vision))
 
     def generate(self, request: GenerationRequest | RequestPlan, on_delta: DeltaCallback | None = None,
                  cancel: CancelToken | None = None) -> GenerationResult:

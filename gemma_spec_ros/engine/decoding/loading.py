@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import requests
+from .. import config_checks
 from ..drafters import drafter_class
 from ..drafters.base import Drafter, LoadContext
 from ..runtime import FastCausalLM, resolve_row_product_max_rows
@@ -42,7 +42,7 @@ def load_parts(config: EngineConfig, progress, tolerate_drafter_errors: bool = F
     tolerate_drafter_errors: a drafter that fails to load is disabled (see drafter_errors) instead of failing
     the whole engine; requests for it run plain decoding with a warning. The target is always required.
     """
-    requests.check_config(config)
+    config_checks.check_config(config)
     # resolved once: every runner, and the background compile process (it loads this config), use the same graphs
     config = dataclasses.replace(config, row_product_max_rows=resolve_row_product_max_rows(config.row_product_max_rows))
     if config.num_threads > 0:

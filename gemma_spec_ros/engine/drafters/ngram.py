@@ -21,7 +21,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, ngram_min: int, ngram_max: int, device: torch.device,
                  placeholders: frozenset[int] = frozenset()):
-        assert 1 <= ngram_min <= ngram_max, 'requests.check_config enforces the n-gram sizes'
+        assert 1 <= ngram_min <= ngram_max, 'config_checks.check_config enforces the n-gram sizes'
         self._sizes = range(ngram_max, ngram_min - 1, -1)
         self._device = device
         self._placeholders = placeholders
