@@ -8,7 +8,7 @@ import sys
 COMMANDS = {
     'generate': ('gemma_spec_ros.engine.cli', 'generate text with the speculative engine (no ROS)'),
     'node': ('gemma_spec_ros.ros.main', 'run the ROS 2 node (action ~/generate, /diagnostics)'),
-    'client': ('gemma_spec_ros.tools.client', 'send a Generate goal and stream the feedback'),
+    'client': ('gemma_spec_ros.tools.client_cli', 'send a Generate goal and stream the feedback'),
     'diag': ('gemma_spec_ros.tools.diag_monitor', "show the node's /diagnostics live"),
     'record': ('gemma_spec_ros.tools.bag', 'record planner requests and responses to a rosbag2 bag'),
     'replay': ('gemma_spec_ros.tools.bag', 'replay a recorded bag against the node and compare'),

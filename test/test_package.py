@@ -237,7 +237,7 @@ def test_layers_are_a_checked_contract():
 def test_tools_import_without_torch_or_the_node_internals():
     # a client on a planner's machine needs neither the models nor the node's diagnostic tasks and backends
     code = ('import sys\n'
-            'import gemma_spec_ros.tools.bag, gemma_spec_ros.tools.client, gemma_spec_ros.tools.diag_monitor\n'
+            'import gemma_spec_ros.tools.bag, gemma_spec_ros.tools.client_cli, gemma_spec_ros.tools.diag_monitor\n'
             'import gemma_spec_ros.tools.demo, gemma_spec_ros.tools.stress\n'
             'import gemma_spec_ros.ros.conversions, gemma_spec_ros.ros.goal_queue\n'
             'unwanted = sorted({"torch", "transformers", "diagnostic_updater", "gemma_spec_ros.ros.diagnostics",\n'
