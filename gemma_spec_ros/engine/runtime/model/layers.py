@@ -138,12 +138,9 @@ def cpu_row_product_max_rows() -> int:
     """
     Return the longest pass whose products a compiled CPU step computes as multiply-reduces (_linear), for this CPU.
 
-    Up to there each is faster than aten's product, as measured on the bundled target (compiled passes, 1 thread).
-    On an Intel Xeon, where MKL runs its tuned code, the multiply-reduce made a one-row step 1.16x faster than aten's
-    matrix-vector product, but aten's product of 2 rows cost about what one row did. Where MKL runs its generic code,
-    inductor's vectorised loops win: with AVX2 (AMD EPYC) through 4 rows (passes of 2-4 tokens took 8-20 % less time;
-    equal at 5, slower from 6), with AVX-512 (AMD EPYC) through 9 (passes of 5 and 9 tokens took 38 and 26 % less;
-    equal at 12, slower at 17).
+    Up to there a fused multiply-reduce per row beats aten's product: where MKL runs its tuned code (Intel CPUs) only
+    for one row, since its product of 2 rows costs about what one row does; elsewhere inductor's vectorised loops win
+    up to about as many rows as the vector width allows (docs/measurements.md has the timings per CPU).
     """
     if _mkl_runs_tuned_code():
         return 1
@@ -168,9 +165,9 @@ def resolve_row_product_max_rows(configured: int) -> int:
 ROW_PRODUCT_MAX_ROWS = cpu_row_product_max_rows()
 
 
-# Longest eager pass (prefill) whose products with a blocked matrix run block by block, which beats one product on an
-# unblocked copy up to about here (the bundled target's 768 x 192 matrices, 1 thread: 20 rows 102 against 191 us,
-# 60 rows equal, 200 rows 773 against 725 us, 400 rows 3.5 against 1.3 ms).
+# Longest eager pass (prefill) whose products with a blocked matrix run block by block: short passes gain from reading
+# each block once, long ones from aten's product on an unblocked copy (on the bundled target's matrices the two
+# cross between 60 and 200 rows).
 BLOCKED_BATCH_MAX_ROWS = 128
 
 
