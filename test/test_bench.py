@@ -73,7 +73,7 @@ def test_quick_constrained_category_on_tiny_models(tiny_models, tmp_path, capsys
     assert len(document['samples']) == 2 * 4 and sum(s['constrained'] for s in document['samples']) == 4
     for cell in document['cells']:
         for side in (cell['unconstrained'], cell['constrained']):
-            assert side['decode_tau'] >= 1.0 and side['tokens_per_s'] > 0 and side['round_ms'] > 0
+            assert side['tau'] >= 1.0 and side['tokens_per_s'] > 0 and side['round_ms'] > 0
         assert cell['unconstrained']['grammar_us_per_token'] == 0 < cell['constrained']['grammar_us_per_token']
         assert 0 < cell['overhead'] == cell['constrained']['grammar_share'] < 1
     greedy = {s['system']: s['new_tokens'] for s in document['samples'] if s['constrained']}

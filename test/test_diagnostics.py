@@ -124,7 +124,7 @@ def test_unknown_server_figures_stay_out_of_the_window():
     metrics.record('succeeded', SimpleNamespace(stats=server_wide, warnings=[SERVER_WIDE_WARNING]),
                    [(0.0, 0), (0.2, 4), (0.3, 8)], accepted_at=0.0)
     snap = metrics.snapshot()
-    assert snap['goals_in_window'] == 2 and snap['tau'] == pytest.approx(2.0)
+    assert snap['goals_in_window'] == 2 and snap['tau'] == pytest.approx(9 / 4)  # τ: tokens per decode pass
     assert snap['acceptance_rate'] == pytest.approx(5 / 8) and snap['ttft_p50'] == pytest.approx(0.15)
     assert snap['drafter_fallbacks'] == 0 and snap['last_warning'] == SERVER_WIDE_WARNING
 
@@ -150,7 +150,7 @@ def test_plain_goals_stay_out_of_the_window_tau():
     metrics.record('succeeded', result(new_tokens=12, passes=3, drafted=12, accepted=9, tps=60.0))
     metrics.record('succeeded', result(new_tokens=20, passes=20, drafted=0, accepted=0, tps=20.0, drafter='none'))
     snap = metrics.snapshot()
-    assert snap['goals_in_window'] == 2 and snap['tau'] == pytest.approx(4.0)
+    assert snap['goals_in_window'] == 2 and snap['tau'] == pytest.approx(11 / 2)
     assert snap['acceptance_rate'] == pytest.approx(9 / 12)
     assert snap['tokens_per_second'] == pytest.approx((11 + 19) / (11 / 60.0 + 19 / 20.0))  # plain goals count here
 
@@ -166,7 +166,7 @@ def test_tau_and_acceptance_read_a_dash_until_a_goal_speculates():
     status.tau_lifetime, status.acceptance_rate_lifetime = 4.0, 0.75
     after = values(diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', status, metrics))
     assert [after[key] for key in ('tau (window)', 'tau (lifetime)', 'acceptance rate (window)',
-                                   'acceptance rate (lifetime)')] == ['4.000', '4.000', '0.750', '0.750']
+                                   'acceptance rate (lifetime)')] == ['5.500', '4.000', '0.750', '0.750']
 
 
 def test_generation_task_window_and_latency_budget():
@@ -177,7 +177,7 @@ def test_generation_task_window_and_latency_budget():
     metrics.record('busy')
     snap = metrics.snapshot()
     assert snap['goals_in_window'] == 2 and snap['succeeded'] == 2 and snap['cancelled'] == 1
-    assert snap['tau'] == pytest.approx(30 / 15) and snap['acceptance_rate'] == pytest.approx(10 / 16)
+    assert snap['tau'] == pytest.approx((19 + 9) / (4 + 9)) and snap['acceptance_rate'] == pytest.approx(10 / 16)
     assert snap['ttft_p50'] == pytest.approx(0.25)
     ok = diagnostics.fill_generation_status(DiagnosticStatusWrapper(), metrics, 0, False, ttft_budget=1.0)
     assert ok.level == OK and ok.message == 'idle' and values(ok)['goals busy'] == '1'

@@ -69,7 +69,7 @@ def test_agreeing_drafter_accepts_everything(agreeing_engine, reference, k):
     stats = result.stats
     assert stats.acceptance_rate == 1.0 and stats.per_position_acceptance == [1.0] * k
     assert stats.target_passes == 1 + math.ceil((LONG - 1) / (k + 1))
-    assert stats.tau == pytest.approx(LONG / stats.target_passes)
+    assert stats.tau == pytest.approx((LONG - 1) / (stats.target_passes - 1))
     by_length = stats.rounds_by_draft_length  # every round drafts K but the last, which the token budget may cut
     assert sum(by_length) == stats.target_passes - 1 and by_length[k] >= sum(by_length) - 1
     assert sum(n * rounds for n, rounds in enumerate(by_length)) == stats.drafted_tokens
@@ -100,7 +100,7 @@ def test_seed_determinism_and_sampling_stats(tiny_engine, drafter):
     assert other.token_ids != first.token_ids
     stats = first.stats
     assert stats.new_tokens == 40 and stats.prompt_tokens == len(ids_of(tiny_engine, CODE_PROMPT))
-    assert stats.tau == pytest.approx(40 / stats.target_passes)
+    assert stats.tau == pytest.approx(39 / (stats.target_passes - 1))
     assert stats.process_peak_rss_bytes > 0 and stats.wall_time > 0 and stats.tokens_per_second > 0
     assert 0 <= stats.inter_token_latency_p50 <= stats.inter_token_latency_p95
 

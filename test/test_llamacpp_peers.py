@@ -31,10 +31,10 @@ def test_rows_take_the_median_repeat_and_count_tokens_per_decode_pass():
     assert rows['ours/none'].tokens_per_s == pytest.approx(100.0)   # 10 decode tokens: 100, 50, 200 tok/s
     assert rows['ours/none'].tokens_per_cpu_s == pytest.approx(125.0)   # 10 tokens in 0.08 CPU s each repeat
     assert rows['ours/none'].ttft_ms == pytest.approx(10.0)
-    assert rows['ours/none'].decode_tau == pytest.approx(1.0)
+    assert rows['ours/none'].tau == pytest.approx(1.0)
     assert math.isnan(rows['ours/none'].acceptance_rate)
     draft = rows['llamacpp-q8_0/draft/K3']
-    assert draft.decode_tau == pytest.approx(10 / 4)
+    assert draft.tau == pytest.approx(10 / 4)
     assert draft.acceptance_rate == pytest.approx(0.5)
     assert (draft.same_as_reference, draft.same_as_own_plain, draft.generations) == (0, 1, 1)
     assert rows['llamacpp-q8_0/ngram/K4'].same_as_own_plain == 0

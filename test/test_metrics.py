@@ -10,17 +10,12 @@ from gemma_spec_ros.engine import stats
 from gemma_spec_ros.engine.types import GenerationStats
 
 
-def test_tau_counts_the_prefill_pass_and_the_bonus_token():
-    assert stats.tau(10, 4) == 2.5            # prefill pass + 3 rounds emitted 10 tokens
+def test_tau_is_tokens_per_decode_pass_leaving_the_prefill_pass_out():
+    assert stats.tau(10, 4) == 3.0            # prefill pass + 3 rounds: the 3 rounds emitted 9 tokens
     assert stats.tau(7, 7) == 1.0             # plain decoding
+    assert math.isnan(stats.tau(1, 1))        # the prefill pass alone: no decode round
     assert math.isnan(stats.tau(0, 0))        # no target pass: no data
-
-
-def test_decode_tau_leaves_the_prefill_pass_out():
-    assert stats.decode_tau(10, 4) == 3.0     # the 3 rounds emitted 9 tokens
-    assert stats.decode_tau(7, 7) == 1.0
-    assert math.isnan(stats.decode_tau(1, 1))  # the prefill pass alone: no decode round
-    assert stats.decode_tau(10, 4) > stats.tau(10, 4)
+    assert stats.tau(20, 8, generations=2) == pytest.approx(18 / 6)   # sums of 2 generations: 2 prefill passes out
 
 
 def test_acceptance_rate_is_accepted_over_drafted():
@@ -80,8 +75,7 @@ def test_generation_stats_use_the_definitions():
     plain = stats.RoundTally()
     plain.add_prefill(1.0)
     alone = stats.generation_stats(plain, 5, 1, 0.5, 1.1, 'none', 0.0)
-    assert alone.tau == 1.0
-    assert all(math.isnan(value) for value in (alone.acceptance_rate, alone.tokens_per_second,
+    assert all(math.isnan(value) for value in (alone.tau, alone.acceptance_rate, alone.tokens_per_second,
                                                alone.inter_token_latency_p50, alone.inter_token_latency_p95))
     assert 'acceptance -' in stats.format_stats(alone) and 'decode - tok/s' in stats.format_stats(alone)
 
@@ -97,10 +91,11 @@ def test_the_module_imports_without_torch():
     assert subprocess.run([sys.executable, '-c', code], check=False).returncode == 0
 
 
-def test_decode_tau_pools_generations_each_without_its_prefill_pass():
-    assert stats.decode_tau([10, 1], [4, 1]) == 3.0        # a one-token generation adds no decode pass
-    assert stats.decode_tau([10, 5], [4, 5]) == pytest.approx((9 + 4) / (3 + 4))
-    assert math.isnan(stats.decode_tau([], []))
+def test_tau_pools_generations_each_without_its_prefill_pass():
+    assert stats.tau([10, 1], [4, 1]) == 3.0        # a one-token generation adds no decode pass
+    assert stats.tau([10, 5], [4, 5]) == pytest.approx((9 + 4) / (3 + 4))
+    assert stats.tau([10, 5], [4, 5]) == stats.tau(15, 9, generations=2)
+    assert math.isnan(stats.tau([], []))
 
 
 def test_drafter_evaluation_pools_with_the_same_definitions():
@@ -112,7 +107,7 @@ def test_drafter_evaluation_pools_with_the_same_definitions():
                                     accepted_tokens=accepted, tau=new_tokens / passes, wall_time=1.5,
                                     time_to_first_token=0.5), True)
     cell = figures.summary(plain_seconds=4.0)
-    assert cell['tau'] == round(stats.tau(16, 6), 3) and cell['acceptance'] == round(10 / 16, 3)
+    assert cell['tau'] == round(stats.tau([11, 5], [4, 2]), 3) and cell['acceptance'] == round(10 / 16, 3)
     assert cell['tokens_per_s'] == stats.tokens_per_second(10 + 4, 2.0)   # the first tokens are not decode tokens
     plain = RunFigures()
     plain.add(GenerationStats(new_tokens=8, target_passes=8, tau=1.0, wall_time=1.0, time_to_first_token=0.2), True)

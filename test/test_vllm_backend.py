@@ -43,6 +43,7 @@ vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="target"} 40.0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="1"} 10.0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 16.0
 vllm:request_success_total{engine="0",finished_reason="abort",model_name="target"} 3.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="target"} 5.0
 vllm:num_requests_running{engine="0",model_name="target"} 2.0
 vllm:num_requests_waiting{engine="0",model_name="target"} 1.0
 vllm:kv_cache_usage_perc{engine="0",model_name="target"} 0.25
@@ -58,8 +59,9 @@ def test_metrics_give_tau_and_acceptance_of_the_window():
     before = ServerCounters(generation_tokens=40, drafts=10, draft_tokens=40, accepted_tokens=20,
                             accepted_per_position=[8.0, 5.0])
     window = speculation_stats(before, after)
-    # 60 tokens from 60 - 20 = 40 target passes
-    assert window.tau == pytest.approx(60 / 40) and window.target_passes == 40
+    # 60 tokens from 60 - 20 = 40 target passes; each request that ended leaves its prefill pass and first token out
+    assert after.finished_requests == 8   # every finished_reason
+    assert window.tau == pytest.approx((60 - 8) / (40 - 8)) and window.target_passes == 40
     assert window.acceptance_rate == pytest.approx(20 / 40)
     assert window.per_position_acceptance == pytest.approx([0.8, 0.5])
     assert window.mean_num_draft_tokens == pytest.approx(4.0)
@@ -430,7 +432,7 @@ def test_tau_equals_tau_from_the_server_counters(backend):
     accepted = after.accepted_tokens - before.accepted_tokens
     assert generated == result.stats.new_tokens == 64 and not result.server_wide
     assert accepted > 0, 'n-gram speculation accepted nothing on a repetitive prompt'
-    assert result.stats.tau == pytest.approx(generated / (generated - accepted))
+    assert result.stats.tau == pytest.approx((generated - 1) / (generated - accepted - 1))  # τ: per decode pass
     assert result.stats.accepted_tokens == accepted and result.stats.target_passes == generated - accepted
     assert result.stats.acceptance_rate == pytest.approx(accepted / (after.draft_tokens - before.draft_tokens))
     status = backend.status()

@@ -135,8 +135,9 @@ def test_tau_on_diagnostics_equals_tau_from_the_server_counters(context, server)
         generated = after.generation_tokens - before.generation_tokens
         accepted = after.accepted_tokens - before.accepted_tokens
         assert generated == 64 and accepted > 0, 'n-gram speculation accepted nothing on a repetitive prompt'
-        goal_tau = generated / (generated - accepted)
-        lifetime_tau = after.generation_tokens / (after.generation_tokens - after.accepted_tokens)
+        goal_tau = (generated - 1) / (generated - accepted - 1)   # τ: per decode pass, the prefill pass left out
+        ended = after.finished_requests
+        lifetime_tau = (after.generation_tokens - ended) / (after.generation_tokens - after.accepted_tokens - ended)
         assert outcome.result.stats.tau == pytest.approx(goal_tau)
         # a status computed while the goal ran shows an empty window: wait for one that holds the goal
         values = engine_status(client, 'vllm_node_tau', lambda e: e[0] == 'OK' and e[2]['tau (window)'] != '-')[2]

@@ -1,9 +1,8 @@
 """
 From measurements to per-system, per-category figures, the Leviathan prediction, the goals and the peer ratios.
 
-Figures are engine.stats' definitions. The bench reports decode_tau (tokens per decode pass: (new_tokens - 1) /
-(target_passes - 1)), not the tau of GenerationStats and /diagnostics: the prefill pass yields the first token, and
-both decode tok/s and the Leviathan prediction start after it.
+Figures are engine.stats' definitions: tau is tokens per decode pass, (new_tokens - 1) / (target_passes - 1), as in
+GenerationStats and /diagnostics; decode tok/s and the Leviathan prediction start after the prefill pass too.
 """
 
 import statistics
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from gemma_spec_ros.benchmarks.decode.probe import CostProbe
 from gemma_spec_ros.benchmarks.harness import Measurement
 from gemma_spec_ros.benchmarks.systems import System
-from gemma_spec_ros.engine.stats import acceptance_rate, decode_tau, iid_expected_tokens, mib, tokens_per_second
+from gemma_spec_ros.engine.stats import acceptance_rate, iid_expected_tokens, mib, tau, tokens_per_second
 
 ALL = 'all'
 GOAL_PLAIN = 1.2        # our plain decoding vs transformers' plain generate
@@ -36,7 +35,7 @@ class Cell:
     tokens_per_s_max: float
     speedup_vs_ours_plain: float     # ours: vs plain decoding in the same compile mode; peers: vs Summary.ours_plain
     speedup_vs_hf_plain: float
-    decode_tau: float                # tokens per decode pass (engine.stats.decode_tau); NaN: no decode pass
+    tau: float                # tokens per decode pass (engine.stats.tau); NaN: no decode pass
     acceptance_rate: float           # accepted / drafted; NaN: nothing drafted
     mean_k: float                    # drafted tokens per decode round
     ttft_ms: float                   # median
@@ -47,9 +46,9 @@ class Cell:
     warnings: list[str]
     alpha: float | None = None       # i.i.d. acceptance fitted to per-position acceptance (our engine only)
     draft_cost_ratio: float | None = None
-    predicted_decode_tau: float | None = None
+    predicted_tau: float | None = None
     predicted_speedup: float | None = None
-    tau_cost_speedup: float | None = None  # measured decode_tau / predicted round cost: without the i.i.d. part
+    tau_cost_speedup: float | None = None  # measured tau / predicted round cost: without the i.i.d. part
     efficiency: float | None = None  # speedup_vs_ours_plain / predicted_speedup
     loop_efficiency: float | None = None  # speedup_vs_ours_plain / tau_cost_speedup
 
@@ -183,7 +182,7 @@ def round_cost(rounds_by_draft_length: list[int], cost_ratio: float, probe: Cost
 def predict_speedup(alpha: float, rounds_by_draft_length: list[int], cost_ratio: float, probe: CostProbe,
                     compile_mode: str = '') -> tuple[float, float]:
     """
-    Predict (decode tau, speedup) per decode round from the rounds' draft lengths (K varies: adaptive K, short n-grams).
+    Predict (tau, speedup) per decode round from the rounds' draft lengths (K varies: adaptive K, short n-grams).
 
     A round that drafted k yields E(alpha, k) tokens (a plain round 1); speedup = tokens per round / round_cost.
     Taking E at the mean K instead would over-predict: E is concave in k.
@@ -223,7 +222,7 @@ def _cell(system: System, category: str, samples: list[Measurement], probe: Cost
         system=system.name, family=system.family, drafter=system.drafter, k=system.k, category=category,
         samples=len(samples), tokens_per_s=statistics.median(rates), tokens_per_s_min=min(rates),
         tokens_per_s_max=max(rates), speedup_vs_ours_plain=0.0, speedup_vs_hf_plain=0.0,
-        decode_tau=decode_tau([s.new_tokens for s in samples], [s.target_passes for s in samples]),
+        tau=tau([s.new_tokens for s in samples], [s.target_passes for s in samples]),
         acceptance_rate=acceptance_rate(sum(s.accepted_tokens for s in samples), drafted),
         mean_k=_ratio(drafted, decode_passes), ttft_ms=statistics.median(s.ttft_s for s in samples) * 1000.0,
         peak_rss_mib=mib(max(s.peak_rss_bytes for s in samples)),
@@ -243,9 +242,9 @@ def _cell(system: System, category: str, samples: list[Measurement], probe: Cost
     draft_lengths = _draft_lengths(samples)
     if cell.alpha is not None and sum(draft_lengths):
         mode = system.compile or 'auto'  # our verify passes cost what our decode steps cost
-        cell.predicted_decode_tau, cell.predicted_speedup = predict_speedup(cell.alpha, draft_lengths,
+        cell.predicted_tau, cell.predicted_speedup = predict_speedup(cell.alpha, draft_lengths,
                                                                      cell.draft_cost_ratio, probe, mode)
-        cell.tau_cost_speedup = cell.decode_tau / round_cost(draft_lengths, cell.draft_cost_ratio, probe, mode)
+        cell.tau_cost_speedup = cell.tau / round_cost(draft_lengths, cell.draft_cost_ratio, probe, mode)
     return cell
 
 

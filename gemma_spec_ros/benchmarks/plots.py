@@ -62,7 +62,7 @@ def _series_for(summary: Summary, drafter: str) -> list[tuple[str, list[str]]]:
 
 
 def k_sweep(summary: Summary, drafters: list[str], path: Path) -> None:
-    """Our speedup (vs our plain) and decode tau against fixed K; adaptive drawn at its mean K."""
+    """Our speedup (vs our plain) and tau against fixed K; adaptive drawn at its mean K."""
     plt = _pyplot()
     fig, (speed_axis, tau_axis) = plt.subplots(1, 2, figsize=(10, 4))
     for drafter in drafters:
@@ -71,20 +71,20 @@ def k_sweep(summary: Summary, drafters: list[str], path: Path) -> None:
         color = DRAFTER_COLORS.get(drafter)
         speed_axis.plot([c.k for c in fixed], [c.speedup_vs_ours_plain for c in fixed], 'o-', color=color,
                         label=drafter)
-        tau_axis.plot([c.k for c in fixed], [c.decode_tau for c in fixed], 'o-', color=color, label=drafter)
-        if any(c.predicted_decode_tau for c in fixed):
-            tau_axis.plot([c.k for c in fixed], [c.predicted_decode_tau or 0.0 for c in fixed], ':', color=color,
+        tau_axis.plot([c.k for c in fixed], [c.tau for c in fixed], 'o-', color=color, label=drafter)
+        if any(c.predicted_tau for c in fixed):
+            tau_axis.plot([c.k for c in fixed], [c.predicted_tau or 0.0 for c in fixed], ':', color=color,
                           label=drafter + ' predicted')
         adaptive = summary.cell('{}/{}/adaptive'.format(_ours(summary), drafter))
         if adaptive is not None:
             speed_axis.plot([adaptive.mean_k], [adaptive.speedup_vs_ours_plain], '*', color=color, markersize=13,
                             label=drafter + ' adaptive (mean K)')
-            tau_axis.plot([adaptive.mean_k], [adaptive.decode_tau], '*', color=color, markersize=13)
+            tau_axis.plot([adaptive.mean_k], [adaptive.tau], '*', color=color, markersize=13)
     speed_axis.axhline(1.0, color='grey', linewidth=0.8)
     speed_axis.set(xlabel='K (drafted tokens per round)', ylabel='speedup vs our plain decoding',
                    title='speedup against K')
-    tau_axis.set(xlabel='K (drafted tokens per round)', ylabel='decode tau (tokens per decode pass)',
-                 title='decode tau against K')
+    tau_axis.set(xlabel='K (drafted tokens per round)', ylabel='tau (tokens per decode pass)',
+                 title='tau against K')
     for axis in (speed_axis, tau_axis):
         axis.set_xlim(left=0)
         axis.legend(fontsize=7)

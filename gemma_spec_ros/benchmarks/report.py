@@ -70,9 +70,9 @@ def _main_row(cell: Cell) -> str:
     pattern = '| {} | {} | {:.1f} ({:.1f}–{:.1f}) | {:.2f}x | {:.2f}x |' + ' {} |' * 8 + ' {:.0f} | {} | {} |'
     return pattern.format(
         cell.system, _k(cell), cell.tokens_per_s, cell.tokens_per_s_min, cell.tokens_per_s_max,
-        cell.speedup_vs_ours_plain, cell.speedup_vs_hf_plain, _num(cell.decode_tau), _num(cell.acceptance_rate if
+        cell.speedup_vs_ours_plain, cell.speedup_vs_hf_plain, _num(cell.tau), _num(cell.acceptance_rate if
                                                                                    cell.drafter != 'none' else None),
-        _num(cell.alpha), _num(cell.draft_cost_ratio, '{:.3f}'), _num(cell.predicted_decode_tau),
+        _num(cell.alpha), _num(cell.draft_cost_ratio, '{:.3f}'), _num(cell.predicted_tau),
         _num(cell.predicted_speedup, '{:.2f}x'), _percent(cell.efficiency), _percent(cell.loop_efficiency),
         cell.ttft_ms, '–' if cell.family == 'vllm' else '{:.0f}'.format(cell.peak_rss_mib),
         'yes' if cell.parity else '**NO**')
@@ -131,27 +131,27 @@ def markdown(document: dict, summary: Summary, categories: list[str]) -> str:
         lines += ['- {}: {}'.format(item['system'], item['reason']) for item in document['skipped']]
     lines += ['', '## All prompts', '',
               'tok/s: decode tokens per second after the first token, median (min–max) over repeats. '
-              'decode tau: tokens per decode target pass, bonus token included (the prefill pass and its token '
-              "left out, unlike /diagnostics' tau). '-': no data. alpha: i.i.d. acceptance fitted to the "
+              'tau: tokens per decode target pass, bonus token included (the prefill pass and its token '
+              "left out, as in /diagnostics). '-': no data. alpha: i.i.d. acceptance fitted to the "
               "engine's per-position acceptance. c: drafter step / target step (engine-measured for ours, probe "
               'for transformers). Predicted: Leviathan speedup from alpha, c and the verify-cost curve of our decode '
               'steps (cost probe); '
               'efficiency = measured speedup vs our plain / predicted. Loop eff. = measured speedup / (measured '
-              'decode tau / predicted round cost): the same model with the measured decode tau, so it isolates loop '
+              'tau / predicted round cost): the same model with the measured tau, so it isolates loop '
               'overhead from '
               'the i.i.d.-acceptance assumption.', '',
-              '| System | K | tok/s | vs ours plain | vs HF plain | decode tau | accept | alpha | c | '
-              'pred. decode tau | pred. speedup | efficiency | loop eff. | TTFT ms | peak RSS MiB | parity |',
+              '| System | K | tok/s | vs ours plain | vs HF plain | tau | accept | alpha | c | '
+              'pred. tau | pred. speedup | efficiency | loop eff. | TTFT ms | peak RSS MiB | parity |',
               '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     lines += [_main_row(c) for c in summary.cells if c.category == ALL]
-    lines += ['', '## Speedup vs our plain decoding by category (decode tau in brackets)', '',
+    lines += ['', '## Speedup vs our plain decoding by category (tau in brackets)', '',
               '| System | ' + ' | '.join(categories) + ' |', '|---|' + '---|' * len(categories)]
     for cell in (c for c in summary.cells if c.category == ALL):
         row = []
         for category in categories:
             other = summary.cell(cell.system, category)
             row.append('–' if other is None else '{:.2f}x ({}){}'.format(
-                other.speedup_vs_ours_plain, _num(other.decode_tau), '' if other.parity else ' **MISMATCH**'))
+                other.speedup_vs_ours_plain, _num(other.tau), '' if other.parity else ' **MISMATCH**'))
         lines.append('| {} | {} |'.format(cell.system, ' | '.join(row)))
     if summary.adaptive:
         lines += ['', '## Adaptive K against the best fixed K', '',

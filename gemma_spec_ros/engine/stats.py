@@ -3,9 +3,10 @@ One definition of each metric; the engine, the vLLM backend, /diagnostics, the t
 
 Imports no torch: the ROS tools import this module.
 
-- tau: tokens emitted per target pass, the prefill pass and each round's bonus token included (plain decoding has
-  tau = 1). This is GenerationStats.tau and what /diagnostics shows. decode_tau leaves the prefill pass and the
-  first token out: it is what a decode round yields, the figure Leviathan's prediction (expected_tokens) is about;
+- tau (τ): tokens per decode pass, (new tokens - 1) / (target passes - 1): the prefill pass and the first token it
+  yields are left out, so τ is what a decode round yields (its accepted drafts and the bonus token), the figure
+  Leviathan's prediction (expected_tokens) is about. Plain decoding has τ = 1. GenerationStats.tau, /diagnostics,
+  the tools and the bench all show this one τ;
 - acceptance rate: accepted drafts / drafted tokens;
 - decode tokens per second: tokens that arrived after the first one / seconds from the first arrival to the last
   (time to first token is a figure of its own);
@@ -44,22 +45,18 @@ def format_figure(value, spec: str = '{:.3f}') -> str:
     return spec.format(value) if is_known(value) else NO_DATA
 
 
-def tau(new_tokens: float, target_passes: float) -> float:
-    """Tokens per target pass, prefill pass and bonus tokens included: new_tokens / target_passes (NaN: no pass)."""
-    return _ratio(new_tokens, target_passes)
-
-
-def decode_tau(new_tokens: float | Sequence[float], target_passes: float | Sequence[float]) -> float:
+def tau(new_tokens: float | Sequence[float], target_passes: float | Sequence[float], generations: float = 1) -> float:
     """
-    Return tokens per decode pass: (new_tokens - 1) / (target_passes - 1), NaN without a decode pass.
+    Return τ, tokens per decode pass: (new_tokens - 1) / (target_passes - 1), NaN without a decode pass.
 
     The prefill pass yields the first token alone; leaving it out gives what one decode round yields, which is
     what expected_tokens predicts and what decode tokens per second is made of. For several generations pass
-    their counts as sequences: each leaves its own prefill pass out, and the ratio pools what remains.
+    their counts as sequences (each leaves its own prefill pass out, and the ratio pools what remains), or their
+    sums with the number of generations.
     """
-    tokens = [new_tokens] if isinstance(new_tokens, int | float) else new_tokens
-    passes = [target_passes] if isinstance(target_passes, int | float) else target_passes
-    return _ratio(sum(max(0, n - 1) for n in tokens), sum(max(0, p - 1) for p in passes))
+    if isinstance(new_tokens, int | float):
+        return _ratio(max(0.0, new_tokens - generations), max(0.0, target_passes - generations))
+    return _ratio(sum(max(0, n - 1) for n in new_tokens), sum(max(0, p - 1) for p in target_passes))
 
 
 def acceptance_rate(accepted: float, drafted: float) -> float:

@@ -130,7 +130,6 @@ class GenerationMetrics:
             window = list(self._window)
             figures = dict(self._counts, drafter_fallbacks=self._drafter_fallbacks,
                         last_warning=self._last_warning, goals_in_window=len(window))
-        passes = sum(g['target_passes'] for g in window)
         drafted = sum(g['drafted'] for g in window)
         decode_time = sum(g['decode_time'] for g in window)
         gaps = [gap for g in window for gap in g['gaps']]
@@ -138,7 +137,7 @@ class GenerationMetrics:
         waits = [g['queue_wait'] for g in window if is_known(g['queue_wait'])]
         image_prefills = [g['image_prefill_ms'] for g in window if is_known(g['image_prefill_ms'])]
         figures.update(
-            tau=tau(sum(g['tokens'] for g in window), passes),
+            tau=tau([g['tokens'] for g in window], [g['target_passes'] for g in window]),
             acceptance_rate=acceptance_rate(sum(g['accepted'] for g in window), drafted),
             tokens_per_second=tokens_per_second(sum(g['decode_tokens'] for g in window), decode_time),
             ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95),

@@ -23,6 +23,7 @@ class Prompt:
 class RunFigures:
     """Totals over a category's prompts for one (drafter, K); the figures pool them (engine.stats definitions)."""
 
+    generations: int = 0
     new_tokens: int = 0
     decode_tokens: int = 0            # after each prompt's first token, as decode tokens per second counts them
     target_passes: int = 0
@@ -34,6 +35,7 @@ class RunFigures:
     cost_ratios: list[float] = field(default_factory=list)   # engine-measured c = drafter pass / target pass
 
     def add(self, stats, identical: bool) -> None:
+        self.generations += 1
         self.new_tokens += stats.new_tokens
         self.decode_tokens += max(0, stats.new_tokens - 1)
         self.target_passes += stats.target_passes
@@ -45,7 +47,7 @@ class RunFigures:
         self.cost_ratios.append(stats.draft_cost_ratio)
 
     def summary(self, plain_seconds: float) -> dict:
-        return {'tau': round(tau(self.new_tokens, self.target_passes), 3),
+        return {'tau': round(tau(self.new_tokens, self.target_passes, self.generations), 3),
                 'tau_per_prompt': [round(value, 2) for value in self.taus],
                 'acceptance': round(acceptance_rate(self.accepted, self.drafted), 3),   # NaN: plain decoding
                 'tokens_per_s': round(tokens_per_second(self.decode_tokens, self.decode_seconds), 1),

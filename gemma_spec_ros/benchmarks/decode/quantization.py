@@ -155,14 +155,15 @@ def tau(args) -> dict:
             quantization=quantization, compile=args.compile, warmup='blocking', num_threads=args.threads))
         figures, plain = {}, {}
         for drafter in ('none', 'ngram', 'draft', 'mtp'):  # plain first: the reference of the others
-            new, passes, seconds, identical = 0, 0, 0.0, True
+            new, passes, seconds, identical = [], [], 0.0, True
             for prompt in prompts:
                 request = GenerationRequest(prompt=prompt.text, max_new_tokens=args.new_tokens, drafter=drafter)
                 out = engine.generate(request)
                 identical &= plain.setdefault(prompt.id, out.token_ids) == out.token_ids
-                new, passes = new + out.stats.new_tokens, passes + out.stats.target_passes
+                new.append(out.stats.new_tokens)
+                passes.append(out.stats.target_passes)
                 seconds += out.stats.wall_time - out.stats.time_to_first_token
-            figures[drafter] = {'tau': round(pooled_tau(new, passes), 3), 'tokens_per_s': round(new / seconds, 1),
+            figures[drafter] = {'tau': round(pooled_tau(new, passes), 3), 'tokens_per_s': round(sum(new) / seconds, 1),
                                 'identical_to_plain': identical}
         engine.close()
         result[precision] = figures

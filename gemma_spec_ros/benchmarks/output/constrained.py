@@ -8,14 +8,14 @@ generates as many tokens as with it. The schema's output is compact JSON, or wit
 whitespace between elements. Per prompt: tokens used and whether the output completed the schema. Per system
 (medians over repeats of sums over the prompts):
 
-- decode tau: decode tokens per decode target pass (engine.stats.decode_tau), without and with the schema;
+- tau: decode tokens per decode target pass (engine.stats.tau), without and with the schema;
 - tok/s: decode tokens per second (wall clock; engine.stats.tokens_per_second);
 - round ms: decode CPU seconds of the generating thread per target pass (the engine runs on that one thread with
   one torch thread; preemption by other processes does not count, unlike in wall time);
 - grammar us/token: CPU time of the constraint per decode token: the matcher's calls (masks, draft lookahead,
   accept) and applying the masks to the logits, timed around those calls (the first token's mask included);
-- overhead at the same decode tau: that grammar time over the rest of the same runs' decode time (goal <= 10%). Measured
-  inside each run, it is what the constraint adds at the decode tau the run had, free of run-to-run noise;
+- overhead at the same tau: that grammar time over the rest of the same runs' decode time (goal <= 10%). Measured
+  inside each run, it is what the constraint adds at the tau the run had, free of run-to-run noise;
 - end-to-end: round ms with / round ms without - 1, the same figure from separate runs. On shared cores their
   cache and memory-bandwidth contention moves it by 10-30% between repeats, so it only bounds the direct figure.
 """
@@ -38,13 +38,13 @@ from gemma_spec_ros.benchmarks.systems import EngineRunner, System
 from gemma_spec_ros.engine.decoding import rounds as round_steps
 from gemma_spec_ros.engine.drafters import base as drafter_base
 from gemma_spec_ros.engine.logits.grammar import MAX_JSON_WHITESPACE, GrammarConstraint, Lookahead
-from gemma_spec_ros.engine.stats import decode_tau, tokens_per_second
+from gemma_spec_ros.engine.stats import tau, tokens_per_second
 from gemma_spec_ros.engine.types import GenerationRequest
 
 SCHEMA = 'gemma_spec_ros.bench.constrained/1'  # the results' format name (kept when the package was renamed)
 DEFAULT_SPEC = 'bench/constrained.json'
 CATEGORY = 'constrained'
-GOAL_OVERHEAD = 0.10    # time per token with the schema vs without, at the same decode tau
+GOAL_OVERHEAD = 0.10    # time per token with the schema vs without, at the same tau
 # the constraint's calls during a generation: the matcher (Lookahead.mask goes through next_mask) and the masking
 _TIMED = ((GrammarConstraint, ('next_mask', 'masks_along', 'allowed_prefix_len', 'accept')), (Lookahead, ('push',)),
           (round_steps, ('mask_logits',)), (drafter_base, ('mask_logits',)))
@@ -76,7 +76,7 @@ class Sample:
 class Side:
     """One system without or with the schema: medians over repeats."""
 
-    decode_tau: float
+    tau: float
     tokens_per_s: float         # wall clock
     round_ms: float             # decode CPU seconds per decode target pass
     round_wall_ms: float
@@ -92,7 +92,7 @@ class Cell:
     k: int
     unconstrained: Side
     constrained: Side
-    overhead: float             # constrained.grammar_share: time per token added at the same decode tau
+    overhead: float             # constrained.grammar_share: time per token added at the same tau
     end_to_end: float           # round_ms constrained / unconstrained - 1 (separate runs: noisy on shared cores)
     met: bool                   # overhead <= GOAL_OVERHEAD
 
@@ -190,10 +190,10 @@ def side(samples: list[Sample]) -> Side:
         chosen = [s for s in samples if s.repeat == repeat]
         tokens = sum(max(0, s.new_tokens - 1) for s in chosen)
         passes = sum(max(0, s.target_passes - 1) for s in chosen)
-        tau = decode_tau([s.new_tokens for s in chosen], [s.target_passes for s in chosen])
+        pooled = tau([s.new_tokens for s in chosen], [s.target_passes for s in chosen])
         seconds, cpu_seconds = sum(s.decode_s for s in chosen), sum(s.decode_cpu_s for s in chosen)
         grammar = sum(s.grammar_s for s in chosen)
-        per_repeat.append((tau, tokens_per_second(tokens, seconds), 1e3 * _ratio(cpu_seconds, passes),
+        per_repeat.append((pooled, tokens_per_second(tokens, seconds), 1e3 * _ratio(cpu_seconds, passes),
                            1e3 * _ratio(seconds, passes), 1e6 * _ratio(grammar, tokens),
                            _ratio(grammar, cpu_seconds - grammar)))
     medians = (statistics.median(values) for values in zip(*per_repeat, strict=True))
@@ -240,20 +240,20 @@ def markdown(document: dict, cells: list[Cell]) -> str:
              '| Prompt | tokens used with the schema (median) | complete |', '|---|---|---|',
              *('| {} | {:g} | {:.0f}% |'.format(o['prompt'], o['new_tokens'], 100 * o['complete'])
                for o in document['per_prompt']), '',
-             'decode tau: decode tokens per decode target pass. tok/s: wall clock. Round: decode CPU ms of the '
+             'tau: decode tokens per decode target pass. tok/s: wall clock. Round: decode CPU ms of the '
              'generating thread per target pass. Grammar: CPU time of the constraint (matcher calls and masking the '
-             'logits) per decode token. Overhead at the same decode tau: that time over the rest of the same runs\' '
+             'logits) per decode token. Overhead at the same tau: that time over the rest of the same runs\' '
              'decode time (goal <= {:.0f}%). End-to-end: round with / round without - 1 from separate runs (on '
              'shared cores it moves by 10-30% between repeats). Complete: share of constrained outputs that '
              'completed the schema.'.format(
                  100 * GOAL_OVERHEAD), '',
-             '| System | K | decode tau without → with | tok/s without → with | round CPU ms without → with | '
-             'grammar us/token | overhead at same decode tau | end-to-end | complete | goal |',
+             '| System | K | tau without → with | tok/s without → with | round CPU ms without → with | '
+             'grammar us/token | overhead at same tau | end-to-end | complete | goal |',
              '|---|---|---|---|---|---|---|---|---|---|']
     for cell in cells:
         u, c = cell.unconstrained, cell.constrained
         lines.append('| {} | {} | {:.2f} → {:.2f} | {:.1f} → {:.1f} | {:.2f} → {:.2f} | {:.0f} | {:.1f}% | {:+.1f}% | '
-                     '{:.0f}% | {} |'.format(cell.system, cell.k or '–', u.decode_tau, c.decode_tau, u.tokens_per_s,
+                     '{:.0f}% | {} |'.format(cell.system, cell.k or '–', u.tau, c.tau, u.tokens_per_s,
                                              c.tokens_per_s, u.round_ms, c.round_ms, c.grammar_us_per_token,
                                              100 * cell.overhead, 100 * cell.end_to_end, 100 * c.complete,
                                              'met' if cell.met else '**not met**'))

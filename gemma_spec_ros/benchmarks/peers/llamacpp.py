@@ -22,7 +22,7 @@ from pathlib import Path
 from gemma_spec_ros.benchmarks.harness import Measurement, Skipped, to_measurement
 from gemma_spec_ros.benchmarks.prompts import Prompt
 from gemma_spec_ros.benchmarks.systems import Outcome, Runner
-from gemma_spec_ros.engine.stats import acceptance_rate, decode_tau, is_known, tokens_per_second
+from gemma_spec_ros.engine.stats import acceptance_rate, is_known, tau, tokens_per_second
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_VENV = REPO_ROOT / '.venv-llamacpp'
@@ -158,7 +158,7 @@ class Row:
     tokens_per_cpu_s: float        # the same over the decoding thread's CPU seconds: what other processes' load
                                    # takes from the wall clock does not count
     ttft_ms: float                 # median over generations
-    decode_tau: float              # tokens per decode pass; 1.0 for plain decoding
+    tau: float              # tokens per decode pass; 1.0 for plain decoding
     acceptance_rate: float         # accepted / drafted (NaN: nothing drafted)
     same_as_reference: int         # generations token-identical to our plain float32 decoding
     same_as_own_plain: int         # ... to plain decoding of the same engine and precision
@@ -195,7 +195,7 @@ def rows_of(measurements: list[Measurement]) -> list[Row]:
             system=system, tokens_per_s=_median_rate(by_repeat, 'decode_s'),
             tokens_per_cpu_s=_median_rate(by_repeat, 'decode_cpu_s'),
             ttft_ms=statistics.median(s.ttft_s for s in samples) * 1000.0,
-            decode_tau=decode_tau([s.new_tokens for s in samples], [s.target_passes for s in samples]),
+            tau=tau([s.new_tokens for s in samples], [s.target_passes for s in samples]),
             acceptance_rate=acceptance_rate(sum(s.accepted_tokens for s in samples),
                                             sum(s.drafted_tokens for s in samples)),
             same_as_reference=sum(s.parity for s in samples),
@@ -259,7 +259,7 @@ def markdown(rows: list[Row], ratios: list[Comparison], skipped: list[Skipped]) 
         lines.append('| {} | {} | {} | {} | {} | {} | {} of {} | {} of {} |'.format(
             row.system, _figure(row.tokens_per_s, '{:.1f}'), _figure(row.tokens_per_cpu_s, '{:.1f}'),
             _figure(row.ttft_ms, '{:.1f}'),
-            _figure(row.decode_tau, '{:.2f}'), _figure(row.acceptance_rate, '{:.2f}'), row.same_as_reference,
+            _figure(row.tau, '{:.2f}'), _figure(row.acceptance_rate, '{:.2f}'), row.same_as_reference,
             row.generations, row.same_as_own_plain, row.generations))
     lines += ['', '| comparison | ours | llama.cpp | ratio | median of pairs | goal |', '|---|---|---|---|---|---|']
     for ratio in ratios:

@@ -2,7 +2,8 @@
 The vLLM server's Prometheus counters, and the speculation figures of a window between two scrapes.
 
     target passes = generation tokens - accepted tokens     (each pass emits its accepted drafts + 1 token)
-    tau           = generation tokens / target passes       (stats.tau: the engine's definition)
+    tau           = (generation tokens - R) / (target passes - R), R the requests that ended in the window
+                    (stats.tau: tokens per decode pass, each request's prefill pass and first token left out)
     acceptance    = accepted tokens / draft tokens          (stats.acceptance_rate: NaN without drafts)
 
 The counters are server-wide: when another request ran on the server meanwhile, the window covers it too.
@@ -37,6 +38,7 @@ class ServerCounters:
     accepted_tokens: float = 0.0
     accepted_per_position: list[float] = field(default_factory=list)   # [K] accepted at draft position i
     aborted_requests: float = 0.0
+    finished_requests: float = 0.0              # every finished_reason, abort included
     requests_running: float = 0.0               # gauge
     requests_waiting: float = 0.0               # gauge
     kv_cache_usage: float = UNKNOWN_FLOAT       # gauge, 0..1
@@ -73,9 +75,10 @@ def speculation_stats(before: ServerCounters | None, after: ServerCounters) -> S
     earlier = base.accepted_per_position + [0.0] * (len(after.accepted_per_position) -
                                                      len(base.accepted_per_position))
     passes = generated - accepted
+    ended = after.finished_requests - base.finished_requests
     return SpeculationStats(
         target_passes=passes, drafted_tokens=drafted, accepted_tokens=accepted,
-        tau=tau(generated, passes), acceptance_rate=acceptance_rate(accepted, drafted),
+        tau=tau(generated, passes, ended), acceptance_rate=acceptance_rate(accepted, drafted),
         per_position_acceptance=[acceptance_rate(now - then, drafts) for now, then in
                                  zip(after.accepted_per_position, earlier, strict=True)] if drafts > 0 else [],
         mean_num_draft_tokens=drafted / drafts if drafts > 0 else 0.0)
@@ -101,7 +104,8 @@ def fill_speculation(stats: GenerationStats, before: ServerCounters | None, afte
     stats.tau, stats.acceptance_rate = window.tau, window.acceptance_rate
     stats.per_position_acceptance = window.per_position_acceptance
     stats.mean_num_draft_tokens = window.mean_num_draft_tokens
-    if alone:
+    if alone:  # the request's own counts: its τ leaves its own prefill pass out, whatever the counters' timing
+        stats.tau = tau(new_tokens, window.target_passes)
         stats.target_passes = int(window.target_passes)
         stats.drafted_tokens, stats.accepted_tokens = int(window.drafted_tokens), int(window.accepted_tokens)
     return not alone
@@ -136,8 +140,10 @@ def parse_metrics(text: str, model: str = '') -> ServerCounters:
         elif name == 'spec_decode_num_accepted_tokens_per_pos_total':
             position = int(labels.get('position', 0))
             per_position[position] = per_position.get(position, 0.0) + value
-        elif name == 'request_success_total' and labels.get('finished_reason') == 'abort':
-            counters.aborted_requests += value
+        elif name == 'request_success_total':
+            counters.finished_requests += value
+            if labels.get('finished_reason') == 'abort':
+                counters.aborted_requests += value
         elif name == 'num_requests_running':
             counters.requests_running += value
         elif name == 'num_requests_waiting':

@@ -41,7 +41,7 @@ class Rounds:
         self.measure_lock = threading.Lock()  # the controllers, the cost curve and the lifetime counters
         self.target_cost = TargetCost(config.max_draft_tokens + 1)  # single-goal verify passes by size
         self.step_runners: list = []          # the compiled step tables, for a result's decode path
-        self._lifetime = {'tokens': 0, 'passes': 0, 'drafted': 0, 'accepted': 0}
+        self._lifetime = {'goals': 0, 'tokens': 0, 'passes': 0, 'drafted': 0, 'accepted': 0}
 
     def new_controller(self, drafter: Drafter, target_cost: TargetCost) -> SpeculationController:
         """Make a controller of the config's K, gate and probe interval, pricing verify passes by target_cost."""
@@ -192,7 +192,7 @@ class Rounds:
         with self.measure_lock:
             cost_ratio = self.cost_ratio(run.controller) if run.controller is not None else 0.0
             if run.controller is not None:
-                for key, value in (('tokens', len(run.generated)), ('passes', run.tally.target_passes),
+                for key, value in (('goals', 1), ('tokens', len(run.generated)), ('passes', run.tally.target_passes),
                                    ('drafted', run.tally.drafted), ('accepted', run.tally.accepted)):
                     self._lifetime[key] += value
         stats = generation_stats(run.tally, len(run.plan.prompt_ids), len(run.generated), started,
@@ -226,4 +226,5 @@ class Rounds:
         """τ and the acceptance rate over every goal that speculated to its end."""
         with self.measure_lock:
             counts = dict(self._lifetime)
-        return tau(counts['tokens'], counts['passes']), acceptance_rate(counts['accepted'], counts['drafted'])
+        return (tau(counts['tokens'], counts['passes'], counts['goals']),
+                acceptance_rate(counts['accepted'], counts['drafted']))
