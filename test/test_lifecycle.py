@@ -156,3 +156,25 @@ def test_a_fatal_engine_error_goes_through_error_processing_to_unconfigured(cont
         level, message, values = engine_status(client, name, lambda e: e[2].get('lifecycle') == 'unconfigured')[:3]
         assert 'out of memory' in message
         assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS  # the operator can bring it back
+
+
+def test_lifecycle_cycles_under_load_end_every_goal_with_a_reason(tiny_models):
+    # the node as a process of its own, cycled through configure, activate, deactivate and cleanup while two
+    # planners send goals the whole time: each goal ends with a reason, none hangs or is lost
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    node_args = ['engine.{}:={}'.format(name, value) for name, value in (
+        ('target_path', tiny_models.target), ('draft_model_path', tiny_models.draft),
+        ('assistant_path', tiny_models.assistant), ('drafter', 'ngram'), ('device', 'cpu'), ('dtype', 'float32'),
+        ('compile', 'eager'), ('warmup', 'blocking'), ('num_threads', 1))]
+    command = [sys.executable, '-m', 'gemma_spec_ros.tools.lifecycle_memory', '--cycles', '4', '--clients', '2',
+               '--max-new-tokens', '8', '--goal-timeout', '120', '--max-growth-mib', '1000']
+    for value in node_args:
+        command += ['--node-arg', value]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    summary = [line for line in run.stdout.splitlines() if line.startswith('goals ')]
+    assert run.returncode == 0 and summary, run.stdout[-3000:] + run.stderr[-3000:]
+    assert 'without a reason 0, hangs 0, lost 0' in summary[0], summary
+    assert 'succeeded' in summary[0] and 'aborted' in summary[0], summary   # served while active, refused otherwise

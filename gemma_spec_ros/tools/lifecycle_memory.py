@@ -5,6 +5,11 @@ Starts the node as a process (lifecycle.autostart false, on a ROS domain of its 
 through configure, activate (one goal), deactivate and cleanup for --cycles rounds with the lifecycle services,
 and prints the node process's resident memory (and its compile process's) after each step. Whether cleanup gives
 the memory back, and whether a second cycle ends where the first did, is what it shows.
+
+With ``--clients N`` that many planners send goals the whole time, whatever the state (lifecycle under load). The
+summary counts their goals by how they ended: each must end with a reason (succeeded, or aborted / cancelled with
+its error or finish reason), none may hang (no result within --goal-timeout) or be lost, and after the first
+cycles the memory a cycle leaves behind must stay within --max-growth-mib; the exit status says whether it held.
 """
 
 import argparse
@@ -12,7 +17,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 
 import psutil
 import rclpy
@@ -23,6 +30,8 @@ from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_
 
 NODE_NAME = 'gemma_spec_memory'
 SETTLE_SECONDS = 1.0  # after a transition, before reading the memory: the process finishes freeing
+WARM_CYCLES = 3       # cycles before the memory is judged: allocator pools and caches fill during the first ones
+PROMPT = 'The robot picked up the red cube and'
 
 
 def _mib(process: psutil.Process) -> float:
@@ -67,6 +76,74 @@ class LifecycleDriver:
         return future.result()
 
 
+class LoadClients:
+    """Planners that send goals one after another from threads of their own until stopped; every outcome kept."""
+
+    def __init__(self, action: str, count: int, max_new_tokens: int, goal_timeout: float):
+        self.outcomes: list[tuple[str, str]] = []   # (status, reason)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._clients = [GenerateClient(action, 'lifecycle_load_{}'.format(index)) for index in range(count)]
+        self._threads = [threading.Thread(target=self._run, args=(client, max_new_tokens, goal_timeout), daemon=True)
+                         for client in self._clients]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, client, max_new_tokens: int, goal_timeout: float) -> None:
+        while not self._stop.is_set():
+            outcome = client.send(make_goal(PROMPT, max_new_tokens=max_new_tokens), timeout=goal_timeout)
+            result = outcome.result
+            reason = '' if result is None else (result.error or result.finish_reason)
+            with self._lock:
+                self.outcomes.append((outcome.status, reason))
+            if outcome.status != 'succeeded':
+                self._stop.wait(0.05)   # refused at once while inactive: no busy loop
+
+    def stop(self, timeout: float) -> int:
+        """Stop sending; return how many senders did not finish their last goal within timeout (hung)."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.ident is not None:   # started
+                thread.join(max(0.0, deadline - time.monotonic()))
+        hung = sum(thread.is_alive() for thread in self._threads)
+        if not hung:   # a sender still waiting keeps its client
+            for client in self._clients:
+                client.close()
+            self._clients = []
+        return hung
+
+
+def growth_per_cycle(cleaned_up: list[float]) -> float:
+    """MiB per cycle after the warm cycles: the least-squares slope of the RSS left after each cleanup (NaN: few)."""
+    kept = cleaned_up[WARM_CYCLES - 1:]
+    if len(kept) < 2:
+        return float('nan')
+    mean_x, mean_y = (len(kept) - 1) / 2, sum(kept) / len(kept)
+    return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(kept)) / sum((x - mean_x) ** 2
+                                                                                for x in range(len(kept)))
+
+
+def summarize(outcomes: list[tuple[str, str]], hung: int, cleaned_up: list[float], max_growth: float) -> bool:
+    """Print the load's outcomes and the memory trend; whether every goal ended with a reason and memory held."""
+    statuses = Counter(status for status, _ in outcomes)
+    unexplained = sum(status in ('aborted', 'canceled') and not reason for status, reason in outcomes)
+    hangs = statuses['timeout'] + hung
+    growth = growth_per_cycle(cleaned_up)
+    print('goals {}: {}; without a reason {}, hangs {}, lost {}'.format(
+        len(outcomes), ', '.join('{} {}'.format(status, count) for status, count in sorted(statuses.items())),
+        unexplained, hangs, statuses['lost']))
+    reasons = Counter(reason.split(':')[0][:60] for status, reason in outcomes if status != 'succeeded')
+    for reason, count in reasons.most_common(5):
+        print('  {:>5}  {}'.format(count, reason))
+    held = growth != growth or growth <= max_growth   # NaN: too few cycles to judge
+    print('RSS after cleanup, cycles {}..{}: {} MiB per cycle (limit {} MiB)'.format(
+        WARM_CYCLES, len(cleaned_up), 'too few cycles' if growth != growth else '{:+.2f}'.format(growth), max_growth))
+    return not unexplained and not hangs and not statuses['lost'] and held
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.tools.lifecycle_memory',
                                      description=__doc__.strip().split('\n')[0])
@@ -74,9 +151,13 @@ def main(argv=None) -> int:
     parser.add_argument('--cycles', type=int, default=2, help='configure ... cleanup rounds')
     parser.add_argument('--max-new-tokens', type=int, default=32, help='tokens of the goal run while active')
     parser.add_argument('--node-arg', action='append', default=[], help='extra -p NAME:=VALUE for the node')
+    parser.add_argument('--clients', type=int, default=0, help='planners sending goals the whole time (load)')
+    parser.add_argument('--goal-timeout', type=float, default=300.0, help='seconds without a result: a hang')
+    parser.add_argument('--max-growth-mib', type=float, default=5.0,
+                        help='most MiB a cycle may leave behind after the first {}'.format(WARM_CYCLES))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.cycles < 1 or args.max_new_tokens < 1:
-        parser.error('--cycles and --max-new-tokens must be at least 1')
+    if args.cycles < 1 or args.max_new_tokens < 1 or args.clients < 0:
+        parser.error('--cycles and --max-new-tokens must be at least 1, --clients at least 0')
 
     domain = str(100 + os.getpid() % 100)
     env = dict(os.environ, ROS_DOMAIN_ID=domain, ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST')
@@ -95,7 +176,8 @@ def main(argv=None) -> int:
     spinner = BackgroundSpinner(node)
     driver = LifecycleDriver(node, NODE_NAME, node_process)
     client = GenerateClient('/{}/generate'.format(NODE_NAME), 'lifecycle_memory_client')
-    rows = []
+    load = LoadClients('/{}/generate'.format(NODE_NAME), args.clients, args.max_new_tokens, args.goal_timeout)
+    rows, cleaned_up = [], []
 
     def measure(step: str) -> None:
         time.sleep(SETTLE_SECONDS)
@@ -106,24 +188,29 @@ def main(argv=None) -> int:
         if not driver.wait(120):
             raise RuntimeError('the node did not come up')
         measure('started')
+        load.start()
         for cycle in range(1, args.cycles + 1):
             started = time.monotonic()
             driver.change(Transition.TRANSITION_CONFIGURE)
             measure('cycle {}: configured ({:.1f} s)'.format(cycle, time.monotonic() - started))
             driver.change(Transition.TRANSITION_ACTIVATE)
-            outcome = client.send(make_goal('The robot picked up the red cube and',
-                                            max_new_tokens=args.max_new_tokens))
+            outcome = client.send(make_goal(PROMPT, max_new_tokens=args.max_new_tokens))
             measure('cycle {}: active, after a goal ({})'.format(cycle, outcome.status))
             driver.change(Transition.TRANSITION_DEACTIVATE)
             driver.change(Transition.TRANSITION_CLEANUP)
             measure('cycle {}: cleaned up'.format(cycle))
+            cleaned_up.append(rows[-1][2])
+        hung = load.stop(args.goal_timeout)
         driver.change(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
         measure('shut down')
-        return 0
+        if not args.clients:
+            return 0
+        return 0 if summarize(load.outcomes, hung, cleaned_up, args.max_growth_mib) else 1
     except (RuntimeError, TimeoutError) as error:
         print('lifecycle_memory: {} (node log: {})'.format(error, log_path), file=sys.stderr)
         return 1
     finally:
+        load.stop(0.0)
         client.close()
         spinner.stop()
         node.destroy_node()
