@@ -4,13 +4,16 @@ Load and soak the node with several planners at once, and report how it held up.
 ``python -m gemma_spec_ros stress --clients 8 --goals 25 --cancel 0.2 --minutes N`` starts the node from
 ``--params-file`` (default config/orin.yaml; ``--attach`` uses a running node instead), runs the clients, each on
 its own ROS node: every client sends ``--goals`` goals one after another (and goes on until ``--minutes`` have
-passed), cancels a ``--cancel`` share of them at a random moment, and retries a goal the node ended as busy. Then it
-prints the terminal states, hangs and busy goals per client, cancel latency, queue wait and time to first token,
-and the trend of the node's RSS (read from /diagnostics). Exit code 1 when a goal hung or its streamed text
-differed from its result.
+passed), cancels a ``--cancel`` share of them at a random moment, and retries a goal the node ended as busy.
+``--mix text,json,image`` picks each goal's kind in turn at random: a text goal, a JSON plan under a schema, or a
+question about the bundled scene image (needs a target with a vision tower, as config/orin.yaml has). Then it
+prints the terminal states, hangs and busy goals per client, cancel latency, queue wait, time to first token and
+inter-token latency, and the trend of the node's RSS (read from /diagnostics). Exit code 1 when a goal hung or its
+streamed text differed from its result.
 """
 
 import argparse
+import json
 import random
 import signal
 import sys
@@ -23,8 +26,14 @@ import rclpy
 from rclpy.signals import SignalHandlerOptions
 
 from gemma_spec_ros.engine.stats import format_figure, percentile
-from gemma_spec_ros.tools.client import BackgroundSpinner, DiagnosticsListener, GenerateClient, make_goal
-from gemma_spec_ros.tools.demo import NodeProcess, default_params_file
+from gemma_spec_ros.tools.client import (
+    BackgroundSpinner,
+    DiagnosticsListener,
+    GenerateClient,
+    compressed_image_from_file,
+    make_goal,
+)
+from gemma_spec_ros.tools.demo import DEMO_SCENE, NodeProcess, default_params_file, installed
 
 PROMPTS = (
     'Write a Python function plan(robot) that picks up the red cup and places it in the sink.',
@@ -34,6 +43,26 @@ PROMPTS = (
     'Summarise the battery and arm status for the operator in one sentence.',
 )
 RETRY_BACKOFF = (0.05, 0.3)   # seconds a client waits before resending a goal the node ended as busy
+KINDS = ('text', 'json', 'image')
+PLAN_SCHEMA = json.dumps({'type': 'object', 'required': ['steps'], 'additionalProperties': False, 'properties': {
+    'steps': {'type': 'array', 'maxItems': 4, 'items': {
+        'type': 'object', 'required': ['action', 'target'], 'additionalProperties': False,
+        'properties': {'action': {'enum': ['pick', 'place', 'move', 'open']}, 'target': {'type': 'string',
+                                                                                          'maxLength': 24}}}}}})
+
+
+def goal_of_kind(kind: str, rng: random.Random, max_new_tokens: int, sampled: bool):
+    """Make a goal of one kind: text, a JSON plan under PLAN_SCHEMA, or a question about the bundled scene image."""
+    sampling = dict(temperature=0.7 if sampled else 0.0, seed=rng.randint(0, 2 ** 31) if sampled else -1)
+    if kind == 'json':
+        return make_goal('Plan, as JSON: ' + rng.choice(PROMPTS), max_new_tokens=max_new_tokens,
+                         json_schema=PLAN_SCHEMA, **sampling)
+    if kind == 'image':
+        with open(installed(DEMO_SCENE + '.json'), encoding='utf-8') as stream:
+            question = json.load(stream)['question']
+        return make_goal(messages=[('user', question, [0])], max_new_tokens=max_new_tokens,
+                         compressed_images=[compressed_image_from_file(installed(DEMO_SCENE + '.png'))], **sampling)
+    return make_goal(rng.choice(PROMPTS), max_new_tokens=max_new_tokens, **sampling)
 
 
 @dataclass
@@ -49,6 +78,8 @@ class ClientTally:
     cancel_latencies: list = field(default_factory=list)   # seconds from cancel request to result
     tokens_after_cancel: list = field(default_factory=list)
     first_feedback: list = field(default_factory=list)     # seconds from sending to the first feedback
+    token_gaps: list = field(default_factory=list)         # seconds between feedbacks, per token they carried
+    kinds: Counter = field(default_factory=Counter)        # goals sent per kind
     errors: Counter = field(default_factory=Counter)       # aborted (not busy): error -> count
 
 
@@ -56,9 +87,9 @@ def run_client(client, index, args, deadline, tally: ClientTally, stop: threadin
     rng = random.Random(args.seed * 1000 + index)
     while not stop.is_set() and (tally.sent < args.goals or time.monotonic() < deadline):
         tally.sent += 1
-        sampled = rng.random() < 0.3
-        goal = make_goal(rng.choice(PROMPTS), max_new_tokens=rng.randint(8, args.max_new_tokens),
-                         temperature=0.7 if sampled else 0.0, seed=rng.randint(0, 2 ** 31) if sampled else -1)
+        kind = rng.choice(args.mix)
+        tally.kinds[kind] += 1
+        goal = goal_of_kind(kind, rng, rng.randint(8, args.max_new_tokens), rng.random() < 0.3)
         cancel_after = rng.uniform(0.05, args.cancel_window) if rng.random() < args.cancel else 0.0
         for _ in range(args.max_retries + 1):
             outcome = client.send(goal, cancel_after_seconds=cancel_after, timeout=args.goal_timeout)
@@ -79,6 +110,10 @@ def run_client(client, index, args, deadline, tally: ClientTally, stop: threadin
             tally.errors[outcome.result.error[:80]] += 1
         if outcome.feedback_times:
             tally.first_feedback.append(outcome.first_feedback_latency)
+        times = outcome.feedback_times
+        for before, after, feedback in zip(times, times[1:], outcome.feedback[1:], strict=False):
+            tokens = max(1, len(feedback.token_ids_delta))   # a round that emits n tokens adds n gaps of g / n
+            tally.token_gaps.extend([(after - before) / tokens] * tokens)
         if outcome.cancel_time and outcome.status == 'canceled':
             tally.cancel_latencies.append(outcome.cancel_latency)
             tally.tokens_after_cancel.append(sum(len(f.token_ids_delta) for f, t in zip(
@@ -135,8 +170,9 @@ def report(tallies, rss: RssTrend, latest, node_name, elapsed) -> bool:
             setattr(total, name, getattr(total, name) + getattr(tally, name))
         total.states.update(tally.states)
         total.errors.update(tally.errors)
-        for name in ('cancel_latencies', 'tokens_after_cancel', 'first_feedback'):
+        for name in ('cancel_latencies', 'tokens_after_cancel', 'first_feedback', 'token_gaps'):
             getattr(total, name).extend(getattr(tally, name))
+        total.kinds.update(tally.kinds)
     print('{:<8} {:>5} {:>9} {:>8} {:>7} {:>5} {:>7} {:>5} {:>10}'.format(
         'all', total.sent, total.states['succeeded'], total.states['canceled'], total.states['aborted'],
         total.busy, total.gave_up, total.hangs, total.mismatches))
@@ -148,8 +184,10 @@ def report(tallies, rss: RssTrend, latest, node_name, elapsed) -> bool:
         print('aborted x{}: {}'.format(count, error))
     print('cancel -> result p50 / p95: {} ({} cancels, at most {} tokens after the cancel)'.format(
         p50_p95(total.cancel_latencies), len(total.cancel_latencies), max(total.tokens_after_cancel, default=0)))
+    print('goals by kind: {}'.format(', '.join('{} {}'.format(k, n) for k, n in sorted(total.kinds.items()))))
     print('send -> first feedback p50 / p95 (client side, queue included): {}'.format(
         p50_p95(total.first_feedback)))
+    print('inter-token latency p50 / p95 (client side): {}'.format(p50_p95(total.token_gaps)))
     generation = (latest or {}).get(node_name + ': generation')
     if generation:
         values = generation[2]
@@ -179,6 +217,8 @@ def build_parser():
     parser.add_argument('--max-new-tokens', type=int, default=48, help='goals ask for 8..N tokens')
     parser.add_argument('--max-retries', type=int, default=200, help='busy retries before a client gives a goal up')
     parser.add_argument('--goal-timeout', type=float, default=300.0, help='seconds without a result = a hang')
+    parser.add_argument('--mix', default='text', help='goal kinds, comma-separated: text, json, image '
+                                                       '(default %(default)s)')
     parser.add_argument('--seed', type=int, default=1)
     parser.add_argument('--params-file', default=None, help='node parameters (default config/orin.yaml)')
     parser.add_argument('-p', '--param', action='append', default=[], metavar='NAME:=VALUE',
@@ -192,6 +232,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.clients < 1 or args.goals < 0 or not 0.0 <= args.cancel <= 1.0:
         print('stress: need --clients >= 1, --goals >= 0 and --cancel in [0, 1]', file=sys.stderr)
+        return 2
+    args.mix = [kind.strip() for kind in args.mix.split(',') if kind.strip()]
+    if not args.mix or set(args.mix) - set(KINDS):
+        print('stress: --mix takes {}, got {!r}'.format(', '.join(KINDS), ','.join(args.mix)), file=sys.stderr)
         return 2
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.default_int_handler)
