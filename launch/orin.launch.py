@@ -28,6 +28,7 @@ def _node(context):
         value = LaunchConfiguration(argument).perform(context)
         if value:
             overrides[parameter] = value
+    enclave = LaunchConfiguration('enclave').perform(context)
     return [LifecycleNode(
         package='gemma_spec_ros',
         executable='gemma_spec_node',
@@ -39,6 +40,8 @@ def _node(context):
         emulate_tty=True,
         respawn=LaunchConfiguration('respawn').perform(context) == 'true',
         respawn_delay=float(LaunchConfiguration('respawn_delay').perform(context)),
+        # rcl lets this variable win over --enclave; the launch process keeps its own (docs/security.md)
+        additional_env={'ROS_SECURITY_ENCLAVE_OVERRIDE': enclave} if enclave else None,
     )]
 
 
@@ -71,5 +74,8 @@ def generate_launch_description():
                               description="override engine.backend: local|vllm ('' = keep the file's)"),
         DeclareLaunchArgument('vllm_url', default_value='',
                               description="override vllm.url, the vLLM server of backend vllm ('' = keep the file's)"),
+        DeclareLaunchArgument('enclave', default_value='',
+                              description="SROS2 enclave of the node, e.g. /gemma_spec ('' = none; "
+                                          'config/sros2_policy.xml, docs/security.md)'),
         OpaqueFunction(function=_node),
     ])

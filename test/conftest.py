@@ -279,7 +279,7 @@ TIER_OF = {
                     'engine'),
     **dict.fromkeys(('test_bag', 'test_diagnostics', 'test_interfaces', 'test_lifecycle', 'test_node',
                      'test_node_concurrency', 'test_node_demo', 'test_node_images', 'test_node_overhead',
-                     'test_node_tools', 'test_reliability'), 'node'),
+                     'test_node_tools', 'test_reliability', 'test_sros2_policy'), 'node'),
     **dict.fromkeys(('test_launch', 'test_launch_config', 'test_launch_faults', 'test_lifecycle_cli',
                      'test_ros2_cli'), 'cli'),
     **dict.fromkeys(('test_vllm_backend', 'test_vllm_images', 'test_vllm_node'), 'vllm'),

@@ -6,6 +6,7 @@ import threading
 import time
 
 import rclpy
+from rclpy.exceptions import ParameterException
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
@@ -32,8 +33,10 @@ def main(argv=None) -> int:
         signal.signal(signum, lambda *_: stop.set())
     try:
         node = GemmaSpecNode()
-    except Exception as error:  # noqa: BLE001 (bad parameters: a clear message, exit code 2)
-        print('gemma_spec_node: invalid parameters: {}'.format(error), file=sys.stderr)
+    except Exception as error:  # noqa: BLE001 (a clear message, exit code 2)
+        invalid = isinstance(error, ValueError | ParameterException)
+        print('gemma_spec_node: {}: {}'.format('invalid parameters' if invalid else 'cannot create the node', error),
+              file=sys.stderr)
         rclpy.try_shutdown()
         return 2
     executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
