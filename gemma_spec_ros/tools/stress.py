@@ -14,6 +14,7 @@ streamed text differed from its result.
 
 import argparse
 import json
+import os
 import random
 import signal
 import sys
@@ -239,6 +240,8 @@ def main(argv=None) -> int:
         return 2
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.default_int_handler)
+    if not args.attach:   # a node of its own on a ROS domain of its own: another node of that name must not answer
+        os.environ['ROS_DOMAIN_ID'] = str(140 + os.getpid() % 90)
     node = None if args.attach else NodeProcess(args.params_file or default_params_file(), args.param)
     rclpy.init(args=['stress'], signal_handler_options=SignalHandlerOptions.NO)
     action = '/{}/generate'.format(args.node_name)
