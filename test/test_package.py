@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Top-level Python import -> the rosdep key package.xml must list for it.
 ROSDEP_KEYS = {
     'rclpy': 'rclpy',
+    'hypothesis': 'python3-hypothesis',
     'gemma_spec_msgs': 'gemma_spec_msgs',
     'builtin_interfaces': 'builtin_interfaces',
     'action_msgs': 'action_msgs',

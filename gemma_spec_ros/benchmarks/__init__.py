@@ -3,7 +3,7 @@ The lab's measurements: development only, not installed on a robot (setup.py lea
 
 ``python -m gemma_spec_ros bench [--quick]`` runs the main benchmark against transformers' generate and assisted
 generation (docs/benchmark.md#outputs-in---out); ``python -m gemma_spec_ros bench STUDY`` runs one of the studies
-in decode/, output/ and peers/ (``bench --help`` lists them). The prompt sets and the results live in the
+in decode/, output/, peers/ and faults/ (``bench --help`` lists them). The prompt sets and the results live in the
 repository's top-level bench/ folder.
 """
 

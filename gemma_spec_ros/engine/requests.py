@@ -15,6 +15,7 @@ from .conversation import tools as tool_rules
 from .conversation.format import ConversationTokens
 from .conversation.prompt import prompt_ids, shown_images
 from .conversation.reply import ReplyRules, reply_rules
+from .conversation.syntax import read_json
 from .types import EngineConfig, GenerationRequest, ImageInput, parameter_name
 
 MAX_TEMPERATURE = 2.0
@@ -149,6 +150,8 @@ def check_fields(request: GenerationRequest, config: EngineConfig) -> SamplingPa
     if not -1 <= request.seed <= INT64_MAX:
         raise ValueError('seed must be between 0 and {} (int64), or -1 for a random seed, got {}'.format(
             INT64_MAX, request.seed))
+    if request.json_schema and isinstance(request.json_schema, str):
+        read_json(request.json_schema, 'json_schema')   # the schema readers fail on infinite numbers, deep nesting
     return sampling
 
 
@@ -196,6 +199,10 @@ def plan_request(request: GenerationRequest, context: PlanContext) -> RequestPla
     compiled = constraints.compile_request(request.json_schema, request.grammar,  # cached per text
                                            request.json_free_whitespace, request.json_schema_unenforced,
                                            number_digits(config))
+    if compiled is not None and not constraints.matcher(compiled).next_mask().any():
+        # a grammar no text matches ('root ::= root'): decoding would have no token to pick, not even the end
+        raise ValueError('{}: no text matches it (it allows no first token, not even the end)'.format(
+            'json_schema' if request.json_schema else 'grammar'))
     calls = constraints.compile_calls(tools, reply.forced_tool) if reply.calls else None
     return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned, compiled,
                        shown_images(request.images, request.messages), reply, tools, calls,

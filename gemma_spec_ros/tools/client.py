@@ -262,11 +262,14 @@ class GenerateClient:
 
     Feedback comes through a subscription of its own to the action's feedback topic: rclpy's ActionClient drops
     the feedback callback of a goal as soon as its result arrives, and with it feedback still in flight (seen under
-    load: the streamed text then misses its last rounds). send() waits up to FEEDBACK_SETTLE for that feedback.
+    load: the streamed text then misses its last rounds). send() waits up to feedback_settle seconds for that feedback
+    (many clients in one process, each receiving every goal's feedback, need longer under load: stress).
     """
 
-    def __init__(self, action_name=DEFAULT_ACTION, node_name='gemma_spec_client', context=None):
+    def __init__(self, action_name=DEFAULT_ACTION, node_name='gemma_spec_client', context=None,
+                 feedback_settle: float = FEEDBACK_SETTLE):
         self._node = rclpy.create_node(node_name, context=context)
+        self._feedback_settle = feedback_settle
         self._action_name = self._node.resolve_topic_name(action_name)
         # the services' replies to every client of the action arrive at each client, which keeps its own: with
         # ROS's default depth (10) a burst of other clients' replies pushed out this one's (a flood of 20 planners)
@@ -410,7 +413,7 @@ class GenerateClient:
                 return outcome
             outcome.status = STATUS_NAMES.get(response.status, 'unknown')
             outcome.result = response.result
-            settle = time.monotonic() + FEEDBACK_SETTLE
+            settle = time.monotonic() + self._feedback_settle
             while not outcome.fully_streamed and time.monotonic() < settle:
                 time.sleep(0.005)
             return outcome

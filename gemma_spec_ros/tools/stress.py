@@ -45,6 +45,7 @@ PROMPTS = (
 )
 RETRY_BACKOFF = (0.05, 0.3)   # seconds a client waits before resending a goal the node ended as busy
 KINDS = ('text', 'json', 'image')
+FEEDBACK_SETTLE = 15.0   # seconds a client waits for feedback still in flight after the result
 PLAN_SCHEMA = json.dumps({'type': 'object', 'required': ['steps'], 'additionalProperties': False, 'properties': {
     'steps': {'type': 'array', 'maxItems': 4, 'items': {
         'type': 'object', 'required': ['action', 'target'], 'additionalProperties': False,
@@ -81,6 +82,7 @@ class ClientTally:
     first_feedback: list = field(default_factory=list)     # seconds from sending to the first feedback
     token_gaps: list = field(default_factory=list)         # seconds between feedbacks, per token they carried
     kinds: Counter = field(default_factory=Counter)        # goals sent per kind
+    mismatch_examples: list = field(default_factory=list)  # (result text, streamed text) of the first mismatches
     errors: Counter = field(default_factory=Counter)       # aborted (not busy): error -> count
 
 
@@ -107,6 +109,8 @@ def run_client(client, index, args, deadline, tally: ClientTally, stop: threadin
         tally.states[outcome.status] += 1
         if outcome.result is not None and outcome.result.text != outcome.streamed_text:
             tally.mismatches += 1
+            if len(tally.mismatch_examples) < 2:
+                tally.mismatch_examples.append((outcome.status, outcome.result.text, outcome.streamed_text))
         if outcome.status == 'aborted':
             tally.errors[outcome.result.error[:80]] += 1
         if outcome.feedback_times:
@@ -174,6 +178,7 @@ def report(tallies, rss: RssTrend, latest, node_name, elapsed) -> bool:
         for name in ('cancel_latencies', 'tokens_after_cancel', 'first_feedback', 'token_gaps'):
             getattr(total, name).extend(getattr(tally, name))
         total.kinds.update(tally.kinds)
+        total.mismatch_examples.extend(tally.mismatch_examples)
     print('{:<8} {:>5} {:>9} {:>8} {:>7} {:>5} {:>7} {:>5} {:>10}'.format(
         'all', total.sent, total.states['succeeded'], total.states['canceled'], total.states['aborted'],
         total.busy, total.gave_up, total.hangs, total.mismatches))
@@ -185,6 +190,8 @@ def report(tallies, rss: RssTrend, latest, node_name, elapsed) -> bool:
         print('aborted x{}: {}'.format(count, error))
     print('cancel -> result p50 / p95: {} ({} cancels, at most {} tokens after the cancel)'.format(
         p50_p95(total.cancel_latencies), len(total.cancel_latencies), max(total.tokens_after_cancel, default=0)))
+    for status, text, streamed in total.mismatch_examples[:3]:
+        print('streamed != result ({}): result {!r}, streamed {!r}'.format(status, text, streamed))
     print('goals by kind: {}'.format(', '.join('{} {}'.format(k, n) for k, n in sorted(total.kinds.items()))))
     print('send -> first feedback p50 / p95 (client side, queue included): {}'.format(
         p50_p95(total.first_feedback)))
@@ -248,7 +255,10 @@ def main(argv=None) -> int:
     monitor = rclpy.create_node('stress_monitor')
     listener = DiagnosticsListener(monitor, args.node_name)
     monitor_spinner = BackgroundSpinner(monitor)
-    clients = [GenerateClient(action, 'stress_client_{}'.format(i)) for i in range(args.clients)]
+    # every client here receives every goal's feedback (one topic) and filters it on one interpreter: under a flood
+    # its feedback can trail the result by seconds, which is this process's backlog, not the node's
+    clients = [GenerateClient(action, 'stress_client_{}'.format(i), feedback_settle=FEEDBACK_SETTLE)
+               for i in range(args.clients)]
     tallies = [ClientTally() for _ in clients]
     stop = threading.Event()
     ok = False

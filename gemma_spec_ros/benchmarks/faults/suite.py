@@ -37,7 +37,10 @@ class Row:
     ok: bool = False
 
 
-def run(command: list[str], timeout: float) -> tuple[int, str]:
+RAW = {}   # fault -> what its process printed (saved beside the table)
+
+
+def run(command: list[str], timeout: float, name: str = '') -> tuple[int, str]:
     started = time.monotonic()
     print('bench faults: {}'.format(' '.join(command)), flush=True)
     try:
@@ -46,7 +49,9 @@ def run(command: list[str], timeout: float) -> tuple[int, str]:
     except subprocess.TimeoutExpired as expired:
         output, code = (expired.stdout or '') + (expired.stderr or ''), 124
     print('  exit {} after {:.0f} s'.format(code, time.monotonic() - started), flush=True)
-    return code, output if isinstance(output, str) else output.decode(errors='replace')
+    output = output if isinstance(output, str) else output.decode(errors='replace')
+    RAW[name or command[-1]] = '$ {}\n{}'.format(' '.join(command), output)
+    return code, output
 
 
 def number(pattern: str, text: str, default=0.0) -> float:
@@ -56,7 +61,7 @@ def number(pattern: str, text: str, default=0.0) -> float:
 
 def injected(fault: str, repeats: int) -> Row:
     code, out = run([sys.executable, '-m', 'gemma_spec_ros.tools.faults', fault, '--repeats', str(repeats)],
-                    900.0 * repeats)
+                    900.0 * repeats, fault)
     lines = [line for line in out.splitlines() if line.startswith('{"fault"')]
     if not lines:
         return Row(fault, repeats, notes='no summary: ' + out.strip()[-200:].replace('\n', ' '))
@@ -68,7 +73,7 @@ def injected(fault: str, repeats: int) -> Row:
 
 
 def stressed(name: str, arguments: list[str], timeout: float) -> Row:
-    code, out = run([sys.executable, '-m', 'gemma_spec_ros', 'stress'] + arguments, timeout)
+    code, out = run([sys.executable, '-m', 'gemma_spec_ros', 'stress'] + arguments, timeout, name)
     goals = int(number(r'terminal: \d+ of (\d+) goals', out))
     ended = int(number(r'terminal: (\d+) of', out))
     hangs = int(number(r'hangs (\d+), streamed', out))
@@ -88,7 +93,7 @@ def stressed(name: str, arguments: list[str], timeout: float) -> Row:
 def lifecycle(cycles: int) -> Row:
     code, out = run([sys.executable, '-m', 'gemma_spec_ros.tools.lifecycle_memory', '--params-file',
                      'config/orin.yaml', '--cycles', str(cycles), '--clients', '2', '--max-new-tokens', '16',
-                     '--node-arg', 'engine.device:=cpu'], 120.0 * cycles + 600)
+                     '--node-arg', 'engine.device:=cpu'], 120.0 * cycles + 600, 'lifecycle')
     summary = re.search(r'goals (\d+): .*without a reason (\d+), hangs (\d+), lost (\d+)', out)
     if not summary:
         return Row('lifecycle', cycles, notes='no summary: ' + out.strip()[-200:].replace('\n', ' '))
@@ -101,14 +106,14 @@ def lifecycle(cycles: int) -> Row:
 
 def fuzzed(cases: int) -> Row:
     code, out = run([sys.executable, '-m', 'gemma_spec_ros.benchmarks.faults.fuzz', '--cases', str(cases)],
-                    60.0 * cases + 600)
+                    60.0 * cases + 600, 'fuzz')
     table = ' '.join(line.strip() for line in out.splitlines() if line.startswith('|'))
     return Row('fuzz', cases, notes=table[:400] or out.strip()[-200:].replace('\n', ' '), ok=code == 0)
 
 
 def drafter_failure() -> Row:
     code, out = run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'test', '-k',
-                     'drafter_fails_mid_batch or drafter_failure'], 1800.0)
+                     'drafter_fails_mid_batch or drafter_failure'], 1800.0, 'drafter')
     passed = int(number(r'(\d+) passed', out))
     return Row('drafter', passed, notes='injected drafter failures mid-batch: {} passed, {} failed'.format(
         passed, int(number(r'(\d+) failed', out))), ok=code == 0 and passed > 0)
@@ -153,6 +158,8 @@ def main(argv=None) -> int:
                                                  indent=2) + '\n')
     text = markdown(rows, command)
     (out / 'results.md').write_text(text)
+    for name, raw in RAW.items():
+        (out / '{}.txt'.format(name)).write_text(raw)
     print(text)
     return 0 if all(row.ok for row in rows) else 1
 

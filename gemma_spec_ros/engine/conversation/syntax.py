@@ -22,15 +22,47 @@ KEY_PATTERN = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')       # a bare key: a parame
 CALL_PREFIX = 'call:'
 _NUMBER = re.compile(r'-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?')
 PRIVATE_USE = re.compile('[\ue000-\ue0ff]')
+# the deepest nesting of a request's JSON text: the readers after it (jsonschema, the grammars, the chat template)
+# recurse per level, and a few hundred levels exhaust Python's recursion limit
+MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile('[\ud800-\udfff]')
+
+
+def read_json(text: str, field_name: str):
+    """
+    Read JSON text of a request (json_schema, tools, a call's arguments); ValueError names the field.
+
+    Besides text that is not JSON it refuses what the readers after it fail on: NaN and infinite numbers (1e400
+    reads as one), integers past Python's digit limit, escapes of lone surrogates (no UTF-8 text holds them) and
+    nesting deeper than MAX_JSON_DEPTH.
+    """
+    too_deep = '{}: nested deeper than {} levels'.format(field_name, MAX_JSON_DEPTH)
+    try:
+        value = json.loads(text)
+    except RecursionError as exc:
+        raise ValueError(too_deep) from exc
+    except ValueError as exc:   # json.JSONDecodeError, or an integer of more digits than int() reads
+        raise ValueError('{}: not valid JSON: {}'.format(field_name, exc)) from exc
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(too_deep)
+            children = [*item, *item.values()] if isinstance(item, dict) else item
+            stack += [(child, depth + 1) for child in children]
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ValueError('{}: {} is not a JSON number (JSON numbers are finite)'.format(field_name, item))
+        elif isinstance(item, str) and _SURROGATE.search(item):
+            raise ValueError('{}: a string holds an unpaired surrogate ({}), which is not text'.format(
+                field_name, ascii(_SURROGATE.search(item).group())))
+    return value
 
 
 def call_arguments(arguments, field_name: str = 'arguments') -> dict:
     """Return a call's arguments as a dict: JSON object text (ChatMessage) or a dict; ValueError names the field."""
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError('{}: not valid JSON: {}'.format(field_name, exc)) from exc
+        arguments = read_json(arguments, field_name) if arguments.strip() else {}
     if not isinstance(arguments, dict):
         raise ValueError('{} must be a JSON object, got {}'.format(field_name, json_type(arguments)))
     _check_keys(arguments, field_name)
@@ -54,8 +86,8 @@ def _check_keys(value, field_name: str) -> None:
 def tool_result(content: str):
     """Return a tool message's result as the template writes it: a dict for JSON object text, else its text."""
     try:
-        value = json.loads(content)
-    except (json.JSONDecodeError, TypeError):
+        value = read_json(content, 'content')
+    except (ValueError, TypeError):   # not JSON (or JSON no reader takes): shown as text
         return content
     if not isinstance(value, dict):
         return content

@@ -36,6 +36,7 @@ from .syntax import (  # noqa: F401 (the syntax's names, for the callers of tool
     format_value,
     json_type,
     parse_call,
+    read_json,
     schema_path,
     tool_result,
 )
@@ -81,10 +82,7 @@ def parse_tools(text: str) -> tuple[ToolSpec, ...]:
         raise ValueError('tools must be a string (JSON text of a list), got {}'.format(type(text).__name__))
     if not text.strip():
         return ()
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError('tools: not valid JSON: {}'.format(exc)) from exc
+    items = read_json(text, 'tools')
     if not isinstance(items, list):
         raise ValueError('tools must be a JSON list of tools, got {}'.format(json_type(items)))
     tools: list[ToolSpec] = []
