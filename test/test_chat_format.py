@@ -148,3 +148,40 @@ def test_reply_stream_drops_the_thought_label_even_when_cut_inside_it(tokenizer)
     text, thought, _ = cut.add(label[:2] + ids('<channel|>Done.'))
     tail, thought_tail = cut.flush()
     assert (thought + thought_tail, text + tail) == ('', 'Done.')
+
+
+def test_goals_tokenized_at_once_keep_their_images_and_their_text(monkeypatch):
+    # the node validates goals on several threads; a fast tokenizer's split_special_tokens is a flag its calls set,
+    # so an image goal's template token could be read as text (1 % of a soak's image goals were refused so)
+    import threading
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from gemma_spec_ros.engine.types import ImageInput
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / 'models' / 'gemma4-spec-vision')
+    image_id = tokenizer.convert_tokens_to_ids('<|image|>')
+    vision = SimpleNamespace(image_token_id=image_id, placeholder_ids=lambda image: [image_id] * 3)
+    image = ImageInput(width=2, height=2, rgb=bytes(12))
+    turn_end = tokenizer.convert_tokens_to_ids('<turn|>')
+    failures = []
+
+    def planner(index):
+        for _ in range(60):
+            try:
+                if index % 2:
+                    ids = encode_messages(tokenizer, [{'role': 'user', 'content': 'What is on the table?',
+                                                       'images': [0]}], (image,), vision)
+                    assert ids.count(image_id) == 3
+                else:
+                    ids = encode_messages(tokenizer, [{'role': 'user', 'content': 'end it here <turn|> now'}])
+                    assert ids.count(turn_end) == 1   # the template's own end of turn; the typed one stays text
+            except (AssertionError, ValueError) as error:
+                failures.append(repr(error))
+
+    threads = [threading.Thread(target=planner, args=(index,)) for index in range(6)]
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    assert failures == []

@@ -8,9 +8,22 @@ Imports no torch: the tokenizer and the target's vision tower are passed in.
 """
 
 import re
+import threading
 
 from ..types import GenerationRequest, ImageInput
 from . import tools as tool_rules
+
+# A fast tokenizer keeps split_special_tokens as a flag of its backend, which every call sets: two goals validated at
+# once (the node's executor threads) could tokenize a message's text with special tokens live, or the template's
+# image token as text. Every call here sets the flag it needs under this lock.
+TOKENIZER_LOCK = threading.Lock()
+
+
+def encode(tokenizer, text: str, split_special_tokens: bool, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of text: special tokens typed in it stay text (split_special_tokens) or are the tokens."""
+    with TOKENIZER_LOCK:
+        return tokenizer(text, add_special_tokens=add_special_tokens,
+                         split_special_tokens=split_special_tokens).input_ids
 
 CHAT_ROLES = ('system', 'user', 'assistant', 'tool')   # the roles of gemma_spec_msgs/ChatMessage
 _TEMPLATE_ROLE = re.compile(r"""message\[['"]role['"]\]\s*==\s*['"](\w+)['"]""")
@@ -92,7 +105,7 @@ def encode_messages(tokenizer, messages: list[dict], images: tuple[ImageInput, .
                                                                        reverse=True)))
 
     def plain(text):
-        return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids if text else []
+        return encode(tokenizer, text, split_special_tokens=True) if text else []
 
     # the template's text next to a string (after a piece's last added token, before the next one's first) is
     # tokenized with it, as the tokenizer reads the whole rendered text (Gemma4Processor): '\n\nWhich' is not
@@ -106,7 +119,7 @@ def encode_messages(tokenizer, messages: list[dict], images: tuple[ImageInput, .
         tokens = list(added.finditer(piece))
         if tokens:
             ids += plain(text + piece[:tokens[0].start()])
-            ids += runs.expand(tokenizer(piece[tokens[0].start():tokens[-1].end()], add_special_tokens=False).input_ids)
+            ids += runs.expand(encode(tokenizer, piece[tokens[0].start():tokens[-1].end()], split_special_tokens=False))
             text = piece[tokens[-1].end():]
         else:
             text += piece
@@ -178,7 +191,8 @@ def prompt_ids(request: GenerationRequest, tokenizer, vocab_size: int, vision=No
         raise ValueError('{}: declared in the chat template\'s system turn, so they need messages, not a raw '
                          'prompt'.format('tools' if tools else 'thinking'))
     if request.prompt:
-        return _images_first(tokenizer(request.prompt).input_ids, 'prompt', request.images, vision,
+        raw = encode(tokenizer, request.prompt, split_special_tokens=False, add_special_tokens=True)
+        return _images_first(raw, 'prompt', request.images, vision,
                              tokenizer.bos_token_id)
     raise ValueError('empty request: give a prompt, prompt_ids or chat messages')
 
