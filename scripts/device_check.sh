@@ -46,9 +46,9 @@ stage bundled 130 python3 -m gemma_spec_ros bench gpu-check --models bundled --m
 stage e2b 200 python3 -m gemma_spec_ros bench gpu-check --models e2b --modes "$modes" --repeats 2 \
   --out "$out/e2b"
 stage tests 220 env GEMMA_SPEC_TEST_DEVICE=cuda GEMMA_SPEC_TEST_COMPILE=cudagraph python3 -m pytest -q \
-  -p no:cacheprovider --durations=15 --junitxml="$out/tests.xml" test/test_engine_fast.py test/test_engine.py \
-  test/test_engine_grammar.py test/test_grammar_json.py
+  -p no:cacheprovider --durations=15 --junitxml="$out/tests.xml" test/engine/test_engine_fast.py test/engine/test_engine.py \
+  test/engine/test_engine_grammar.py test/test_grammar_json.py
 stage quantization 90 env GEMMA_SPEC_TEST_DEVICE=cuda GEMMA_SPEC_TEST_COMPILE=cudagraph python3 -m pytest -q \
-  -p no:cacheprovider --durations=10 --junitxml="$out/quantization.xml" test/test_quantization.py
+  -p no:cacheprovider --durations=10 --junitxml="$out/quantization.xml" test/engine/test_quantization.py
 echo "stages failed: $failed" | tee -a "$out/check.log"
 exit "$failed"

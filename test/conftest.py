@@ -266,24 +266,9 @@ TIERS = {
     'cli': 'launch files under launch_pytest and the ros2 CLI',  # not 'launch': launch_pytest's own marker
     'vllm': 'the vLLM backend and node against a real vLLM server (make test-vllm)',
 }
+# A test module's tier is the folder it lives in (test/unit, test/engine, ...); these still sit in test/ itself
 TIER_OF = {
-    **dict.fromkeys(('test_adaptive_traces', 'test_chat_format', 'test_conversation_tools', 'test_goal_queue',
-                     'test_grammar', 'test_grammar_json', 'test_image_conversions', 'test_llamacpp_peers',
-                     'test_metrics', 'test_package', 'test_planner_corpus', 'test_schema_gaps',
-                     'test_torch_internals', 'test_verify'), 'unit'),
-    **dict.fromkeys(('test_adaptive_replay', 'test_backend_conformance', 'test_batching', 'test_bench',
-                     'test_bundled_models', 'test_cli_generate', 'test_cpu_ops', 'test_engine', 'test_engine_adaptive',
-                     'test_engine_fast', 'test_engine_grammar', 'test_engine_images', 'test_engine_prefix',
-                     'test_engine_tools', 'test_engine_validation', 'test_fast_forward', 'test_ordered_head',
-                     'test_prefix_cache', 'test_quantization', 'test_train', 'test_vision_model', 'test_warmup',
-                     'test_fuzz_goals', 'test_batch_faults'),
-                    'engine'),
-    **dict.fromkeys(('test_bag', 'test_diagnostics', 'test_interfaces', 'test_lifecycle', 'test_node',
-                     'test_node_concurrency', 'test_node_demo', 'test_node_images', 'test_node_overhead',
-                     'test_node_tools', 'test_reliability', 'test_sros2_policy'), 'node'),
-    **dict.fromkeys(('test_launch', 'test_launch_config', 'test_launch_faults', 'test_lifecycle_cli',
-                     'test_ros2_cli'), 'cli'),
-    **dict.fromkeys(('test_vllm_backend', 'test_vllm_images', 'test_vllm_node'), 'vllm'),
+    **dict.fromkeys(('test_grammar_json', 'test_schema_gaps', 'test_schema_unique'), 'unit'),
 }
 
 
@@ -297,9 +282,14 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        tier = TIER_OF.get(Path(str(item.fspath)).stem)
+        tier = tier_of(Path(str(item.fspath)))
         if tier is not None:
             item.add_marker(tier)
+
+
+def tier_of(path: Path) -> str | None:
+    """Return the tier of a test module: its folder under test/ (or TIER_OF for one in test/ itself)."""
+    return path.parent.name if path.parent.name in TIERS else TIER_OF.get(path.stem)
 
 
 @pytest.fixture(scope='session')

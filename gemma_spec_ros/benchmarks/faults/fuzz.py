@@ -10,14 +10,14 @@ the private-use marks the prompt's rendering uses; numbers at their type's ends,
 JSON that is no object, random text as json_schema, grammar and tools; images of random sizes, encodings and
 formats, random bytes as pixels or as a compressed image, compressed headers that claim huge sizes.
 
-Two runners share them. test/test_fuzz_goals.py runs the node's whole path on the tests' tiny random models: the goal
-message after a ROS serialization round trip, ros/conversions.goal_to_request, Engine.validate. This module's main
-runs the engine's half on the bundled models (benchmarks never import the ROS side: setup.cfg's offline_tools
-contract): a GenerationRequest of the same fields (its prompt_ids too, which a goal has not), raw images handed to
-the engine as they are (ImageInput of their width, height and data), compressed ones left out (decoding them is the
-node's), against the bundled vision target, so that images reach the engine's own rules. A share of the valid
-plans (1 in GENERATE) generates up to 4 tokens. The table: cases, valid plans, refusals by the field they name,
-refusals that name none and internal errors (both must be 0), seconds.
+Two runners share them. test/engine/test_fuzz_goals.py runs the node's whole path on the tests' tiny random models:
+the goal message after a ROS serialization round trip, ros/conversions.goal_to_request, Engine.validate. This
+module's main runs the engine's half on the bundled models (benchmarks never import the ROS side: setup.cfg's
+offline_tools contract): a GenerationRequest of the same fields (its prompt_ids too, which a goal has not), raw
+images handed to the engine as they are (ImageInput of their width, height and data), compressed ones left out
+(decoding them is the node's), against the bundled vision target, so that images reach the engine's own rules. A
+share of the valid plans (1 in GENERATE) generates up to 4 tokens. The table: cases, valid plans, refusals by the
+field they name, refusals that name none and internal errors (both must be 0), seconds.
 """
 
 import argparse

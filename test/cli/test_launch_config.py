@@ -20,7 +20,7 @@ from rclpy.parameter import Parameter
 
 from gemma_spec_ros.ros.node import GemmaSpecNode
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH_FILE = REPO / 'launch' / 'orin.launch.py'
 CONFIG = REPO / 'config' / 'orin.yaml'
 ARGUMENTS = {'params_file', 'namespace', 'log_level', 'autostart', 'device', 'drafter', 'backend', 'vllm_url'}

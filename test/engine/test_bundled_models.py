@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-MODELS = Path(__file__).resolve().parents[1] / 'models'
+MODELS = Path(__file__).resolve().parents[2] / 'models'
 TARGET, ASSISTANT, DRAFT = (MODELS / name for name in ('gemma4-spec-target', 'gemma4-spec-assistant',
                                                         'gemma4-spec-draft'))
 SIZE_BUDGET_BYTES = 40 * 1024 * 1024

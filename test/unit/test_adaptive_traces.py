@@ -20,7 +20,7 @@ from gemma_spec_ros.engine.control.gate import PROBE_ROUNDS
 from gemma_spec_ros.engine.control.round_cost import COST_DECAY, DraftCost
 from gemma_spec_ros.engine.runtime.steps.assistant import greedy_calls
 
-DATA = json.loads((Path(__file__).parent / 'data' / 'acceptance_traces.json').read_text())
+DATA = json.loads((Path(__file__).parents[1] / 'data' / 'acceptance_traces.json').read_text())
 VERIFY = DATA['verify_cost']  # [9] seconds of a pass over 1..9 tokens
 TRACES = DATA['traces']
 MAX_K = 8

@@ -26,7 +26,7 @@ from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
 from gemma_spec_ros.tools.client import BackgroundSpinner, DiagnosticsListener, GenerateClient, make_goal
 
 DOMAIN_ID = 11 + (os.getpid() + 41) % 80
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LIVELINESS_PROFILE = REPO / 'config' / 'fastdds_liveliness.xml'
 ORPHAN_LIMIT = 15.0   # seconds from SIGKILL to the aborted goal: 2 s lease + 0.25 s check + a round, with margin
 F32_MAX = 3.4028234663852886e38

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import setuptools
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Top-level Python import -> the rosdep key package.xml must list for it.
 ROSDEP_KEYS = {
@@ -220,11 +220,12 @@ def test_the_package_imports_have_no_circles():
 
 
 def test_every_test_module_has_a_tier():
-    """conftest.TIER_OF names each test module's tier (its marker), and nothing else."""
-    from conftest import TIER_OF, TIERS
+    """Each test module lives in its tier's folder (test/unit, test/engine, ...), or conftest.TIER_OF names it."""
+    from conftest import TIER_OF, TIERS, tier_of
 
-    modules = {path.stem for path in (REPO / 'test').glob('test_*.py')}
-    assert modules == set(TIER_OF) and set(TIER_OF.values()) <= set(TIERS)
+    modules = list((REPO / 'test').rglob('test_*.py'))
+    assert [path for path in modules if tier_of(path) not in TIERS] == []
+    assert set(TIER_OF) <= {path.stem for path in modules} and set(TIER_OF.values()) <= set(TIERS)
 
 
 def test_layers_are_a_checked_contract():

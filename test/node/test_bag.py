@@ -18,7 +18,7 @@ from rosbags.rosbag2 import Reader, Writer
 
 from gemma_spec_ros.tools.bag import REQUESTS_TOPIC, RESPONSES_TOPIC, read_bag, typestore
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / 'test' / 'data'
 DOMAIN_ID = 11 + (os.getpid() + 41) % 80
 REQUESTS = [

@@ -25,7 +25,7 @@ from gemma_spec_ros.benchmarks.faults import fuzz
 from gemma_spec_ros.engine import Engine, EngineConfig
 from gemma_spec_ros.ros.conversions import ImageLimits, goal_to_request
 
-BUNDLED_VISION = Path(__file__).resolve().parents[1] / 'models' / 'gemma4-spec-vision'
+BUNDLED_VISION = Path(__file__).resolve().parents[2] / 'models' / 'gemma4-spec-vision'
 
 USABLE = {'prompt': 'The robot picked up the red cube and', 'messages': [], 'images': [], 'compressed_images': [],
           'max_new_tokens': 4, 'temperature': 0.0, 'top_p': 0.0, 'top_k': 0, 'stop': [], 'seed': -1, 'drafter': '',

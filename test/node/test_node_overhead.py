@@ -1,7 +1,7 @@
 """
 What the action adds to the engine: decode rate, feedback latency and cancel latency, measured in one process.
 
-Run ``python -m pytest test/test_node_overhead.py -s`` to print the figures. The node serves the bundled models
+Run ``python -m pytest test/node/test_node_overhead.py -s`` to print the figures. The node serves the bundled models
 (config/orin.yaml on CPU); the engine alone runs the same greedy requests on the same loaded engine.
 """
 
@@ -22,7 +22,7 @@ from gemma_spec_ros.engine.stats import percentile
 from gemma_spec_ros.ros.node import QUEUE_MAX_LENGTH_LIMIT, GemmaSpecNode
 from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOMAIN_ID = 11 + (os.getpid() + 5) % 80
 PROMPTS = ['def plan(robot):\n    """Drive to the kitchen table and pick up the cup."""\n',
            'import os\nimport sys\n\n\ndef main(argv):\n',

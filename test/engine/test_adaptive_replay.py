@@ -23,7 +23,7 @@ from gemma_spec_ros.benchmarks.decode.adaptive_replay import (
     table,
 )
 
-MAP = json.loads((Path(__file__).parent / 'data' / 'acceptance_map.json').read_text())
+MAP = json.loads((Path(__file__).parents[1] / 'data' / 'acceptance_map.json').read_text())
 KS = list(range(1, MAP['max_k'] + 1))
 
 

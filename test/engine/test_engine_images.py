@@ -20,7 +20,7 @@ from gemma_spec_ros.engine.runtime.model.checkpoints import load_causal_lm
 from gemma_spec_ros.engine.runtime.model.vision import VisionTower
 from gemma_spec_ros.engine.types import ImageInput
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUNDLED_VISION = REPO / 'models' / 'gemma4-spec-vision'
 IMAGE_TOKENS = {'boi_token_id': '<|image>', 'eoi_token_id': '<image|>', 'image_token_id': '<|image|>'}
 CHAT_TEMPLATE = (  # Gemma 4's rendering of a message's image parts: the image token, which the processor expands

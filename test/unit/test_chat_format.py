@@ -161,7 +161,7 @@ def test_goals_tokenized_at_once_keep_their_images_and_their_text(monkeypatch):
 
     from gemma_spec_ros.engine.types import ImageInput
 
-    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / 'models' / 'gemma4-spec-vision')
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / 'models' / 'gemma4-spec-vision')
     image_id = tokenizer.convert_tokens_to_ids('<|image|>')
     vision = SimpleNamespace(image_token_id=image_id, placeholder_ids=lambda image: [image_id] * 3)
     image = ImageInput(width=2, height=2, rgb=bytes(12))

@@ -214,7 +214,7 @@ def test_assistant_trains_for_multimodal_target_with_per_layer_inputs(tiny_corpu
     target = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict(), vision_config=None,
                                                          audio_config=None))
     target.save_pretrained(tmp_path / 'target')
-    AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / 'models' / 'tokenizer').save_pretrained(
+    AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / 'models' / 'tokenizer').save_pretrained(
         tmp_path / 'target')
     assert main(['assistant', '--target', str(tmp_path / 'target'), '--input', str(tiny_corpus), '--shape',
                  '1x32x64', '--steps', '2', '--greedy-windows', '2', '--greedy-prompt-len', '8',

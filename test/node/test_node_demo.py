@@ -16,7 +16,7 @@ if missing_ros2_tools():
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOMAIN_ID = 11 + (os.getpid() + 17) % 80
 
 

@@ -173,7 +173,7 @@ def test_lifecycle_cycles_under_load_end_every_goal_with_a_reason(tiny_models):
                '--max-new-tokens', '8', '--goal-timeout', '120', '--max-growth-mib', '1000']
     for value in node_args:
         command += ['--node-arg', value]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     summary = [line for line in run.stdout.splitlines() if line.startswith('goals ')]
     assert run.returncode == 0 and summary, run.stdout[-3000:] + run.stderr[-3000:]
     assert 'without a reason 0, hangs 0, lost 0' in summary[0], summary

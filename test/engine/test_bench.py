@@ -13,7 +13,7 @@ from gemma_spec_ros.benchmarks.prompts import load_prompts, take_per_category
 from gemma_spec_ros.benchmarks.systems import System
 from gemma_spec_ros.engine.stats import iid_expected_tokens as expected_tokens
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # corpus schemas for the quick run: a function call, an API object, a planner plan, one with uniqueItems (refused)
 HANDFUL = ('bfcl-calculate_density.json', 'openai-api-CreateModerationRequest.json',
            'project-test-grammar-json-plan.json', 'cloudformation-aws-logs-loggroup.json')

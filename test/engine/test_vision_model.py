@@ -8,7 +8,7 @@ import torch
 from gemma_spec_ros.train import vision
 from gemma_spec_ros.train.corpora import scenes
 
-MODELS = Path(__file__).resolve().parent.parent / 'models'
+MODELS = Path(__file__).resolve().parents[2] / 'models'
 VISION_DIR = MODELS / 'gemma4-spec-vision'
 TARGET_DIR = MODELS / 'gemma4-spec-target'
 

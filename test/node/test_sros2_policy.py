@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 from conftest import NO_DIAGNOSTIC_UPDATER, TEST_COMPILE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 POLICY = REPO / 'config' / 'sros2_policy.xml'
 SCHEMA = REPO / 'test' / 'data' / 'sros2_policy.xsd'
 ENCLAVE = '/gemma_spec'
