@@ -266,10 +266,6 @@ TIERS = {
     'cli': 'launch files under launch_pytest and the ros2 CLI',  # not 'launch': launch_pytest's own marker
     'vllm': 'the vLLM backend and node against a real vLLM server (make test-vllm)',
 }
-# A test module's tier is the folder it lives in (test/unit, test/engine, ...); these still sit in test/ itself
-TIER_OF = {
-    **dict.fromkeys(('test_grammar_json', 'test_schema_gaps', 'test_schema_unique'), 'unit'),
-}
 
 
 def pytest_configure(config):
@@ -288,8 +284,8 @@ def pytest_collection_modifyitems(items):
 
 
 def tier_of(path: Path) -> str | None:
-    """Return the tier of a test module: its folder under test/ (or TIER_OF for one in test/ itself)."""
-    return path.parent.name if path.parent.name in TIERS else TIER_OF.get(path.stem)
+    """Return the tier of a test module: the folder it lives in under test/ (test/unit, test/engine, ...)."""
+    return path.parent.name if path.parent.name in TIERS else None
 
 
 @pytest.fixture(scope='session')

@@ -220,12 +220,11 @@ def test_the_package_imports_have_no_circles():
 
 
 def test_every_test_module_has_a_tier():
-    """Each test module lives in its tier's folder (test/unit, test/engine, ...), or conftest.TIER_OF names it."""
-    from conftest import TIER_OF, TIERS, tier_of
+    """Each test module lives in its tier's folder (test/unit, test/engine, ...), which conftest marks it with."""
+    from conftest import TIERS, tier_of
 
     modules = list((REPO / 'test').rglob('test_*.py'))
-    assert [path for path in modules if tier_of(path) not in TIERS] == []
-    assert set(TIER_OF) <= {path.stem for path in modules} and set(TIER_OF.values()) <= set(TIERS)
+    assert modules and [path for path in modules if tier_of(path) not in TIERS] == []
 
 
 def test_layers_are_a_checked_contract():

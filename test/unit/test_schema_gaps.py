@@ -18,7 +18,7 @@ from gemma_spec_ros.engine.logits.grammar import ConstraintCompiler
 from gemma_spec_ros.engine.logits.schema_regex import Unsupported, read_pattern
 from gemma_spec_ros.engine.types import GenerationWarning, WarningKind
 
-TOKENIZER = Path(__file__).resolve().parents[1] / 'models' / 'tokenizer'
+TOKENIZER = Path(__file__).resolve().parents[2] / 'models' / 'tokenizer'
 EOS_IDS = (1, 5)
 NUMBER = {'type': 'object', 'properties': {'x': {'type': 'number'}}, 'required': ['x']}
 PLANNER_DIGITS = (15, 6)

@@ -19,7 +19,7 @@ from gemma_spec_ros.engine.logits.grammar import ConstraintCompiler, mask_logits
 from gemma_spec_ros.engine.logits.sampling import SamplingParams, logits_to_probs
 from gemma_spec_ros.engine.logits.verify import verify
 
-TOKENIZER = Path(__file__).resolve().parents[1] / 'models' / 'tokenizer'
+TOKENIZER = Path(__file__).resolve().parents[2] / 'models' / 'tokenizer'
 EOS_IDS = (1, 5)            # <eos>, <turn|>
 PADDED_VOCAB = 4096 + 64    # a model head wider than the tokenizer, as many checkpoints have
 MAX_NEW = 600
