@@ -199,10 +199,6 @@ def plan_request(request: GenerationRequest, context: PlanContext) -> RequestPla
     compiled = constraints.compile_request(request.json_schema, request.grammar,  # cached per text
                                            request.json_free_whitespace, request.json_schema_unenforced,
                                            number_digits(config))
-    if compiled is not None and not constraints.matcher(compiled).next_mask().any():
-        # a grammar no text matches ('root ::= root'): decoding would have no token to pick, not even the end
-        raise ValueError('{}: no text matches it (it allows no first token, not even the end)'.format(
-            'json_schema' if request.json_schema else 'grammar'))
     calls = constraints.compile_calls(tools, reply.forced_tool) if reply.calls else None
     return RequestPlan(ids, max_new, sampling, list(request.stop), seed, drafter, pinned, compiled,
                        shown_images(request.images, request.messages), reply, tools, calls,

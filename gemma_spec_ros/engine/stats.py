@@ -59,6 +59,15 @@ def tau(new_tokens: float | Sequence[float], target_passes: float | Sequence[flo
     return _ratio(sum(max(0, n - 1) for n in new_tokens), sum(max(0, p - 1) for p in target_passes))
 
 
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Return the least-squares slope of ys over xs (a memory trend); NaN with fewer than 2 distinct xs."""
+    if len(xs) < 2:
+        return math.nan
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    return _ratio(sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)), spread)
+
+
 def acceptance_rate(accepted: float, drafted: float) -> float:
     """Return accepted drafts / drafted tokens; NaN when nothing was drafted (plain decoding)."""
     return _ratio(accepted, drafted)

@@ -26,6 +26,7 @@ import rclpy
 from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState, GetState
 
+from gemma_spec_ros.engine.stats import slope
 from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
 
 NODE_NAME = 'gemma_spec_memory'
@@ -119,11 +120,7 @@ class LoadClients:
 def growth_per_cycle(cleaned_up: list[float]) -> float:
     """MiB per cycle after the warm cycles: the least-squares slope of the RSS left after each cleanup (NaN: few)."""
     kept = cleaned_up[WARM_CYCLES - 1:]
-    if len(kept) < 2:
-        return float('nan')
-    mean_x, mean_y = (len(kept) - 1) / 2, sum(kept) / len(kept)
-    return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(kept)) / sum((x - mean_x) ** 2
-                                                                                for x in range(len(kept)))
+    return slope(range(len(kept)), kept)
 
 
 def summarize(outcomes: list[tuple[str, str]], hung: int, cleaned_up: list[float], max_growth: float) -> bool:

@@ -14,6 +14,7 @@ streamed text differed from its result.
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import rclpy
 from rclpy.signals import SignalHandlerOptions
 
-from gemma_spec_ros.engine.stats import format_figure, percentile
+from gemma_spec_ros.engine.stats import format_figure, percentile, slope
 from gemma_spec_ros.tools.client import (
     BackgroundSpinner,
     DiagnosticsListener,
@@ -147,13 +148,8 @@ class RssTrend:
 
     def slope_mib_per_minute(self) -> float:
         """Least-squares slope of RSS over time."""
-        if len(self.samples) < 2:
-            return 0.0
-        times = [t for t, _ in self.samples]
-        values = [v for _, v in self.samples]
-        mean_t, mean_v = sum(times) / len(times), sum(values) / len(values)
-        spread = sum((t - mean_t) ** 2 for t in times)
-        return 60.0 * sum((t - mean_t) * (v - mean_v) for t, v in self.samples) / spread if spread else 0.0
+        trend = slope([t for t, _ in self.samples], [v for _, v in self.samples])
+        return 0.0 if math.isnan(trend) else 60.0 * trend
 
 
 def p50_p95(values) -> str:

@@ -113,3 +113,9 @@ def test_drafter_evaluation_pools_with_the_same_definitions():
     plain.add(GenerationStats(new_tokens=8, target_passes=8, tau=1.0, wall_time=1.0, time_to_first_token=0.2), True)
     plain_cell = plain.summary(plain_seconds=0.8)
     assert math.isnan(plain_cell['acceptance']) and format_cell(plain_cell) == '1.00 / - / 1.00x'
+
+
+def test_slope_is_the_least_squares_trend():
+    assert stats.slope([0, 1, 2, 3], [10.0, 12.0, 14.0, 16.0]) == pytest.approx(2.0)
+    assert stats.slope(range(3), [5.0, 4.0, 6.0]) == pytest.approx(0.5)
+    assert math.isnan(stats.slope([1], [3.0])) and math.isnan(stats.slope([2, 2], [1.0, 3.0]))

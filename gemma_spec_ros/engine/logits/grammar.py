@@ -194,9 +194,13 @@ class ConstraintCompiler:
                  number_digits: tuple[int, int]) -> xgrammar.CompiledGrammar:
         grammar = constraint_grammar(kind, text, json_free_whitespace, unenforced, number_digits)
         try:
-            return self._compiler.compile_grammar(grammar)
+            compiled = self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as exc:
             raise ValueError('{}: {}'.format(kind, _library_message(exc))) from exc
+        if not self.matcher(compiled).next_mask().any():
+            # a grammar no text matches ('root ::= root'): decoding would have no token to pick, not even the end
+            raise ValueError('{}: no text matches it (it allows no first token, not even the end)'.format(kind))
+        return compiled
 
 
 def constraint_kind(json_schema: str = '', grammar: str = '', json_free_whitespace: bool = False,
