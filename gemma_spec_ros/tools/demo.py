@@ -299,6 +299,9 @@ def main(argv=None) -> int:
         print('demo: {}'.format(error), file=sys.stderr)
         code = 1
     finally:
+        # a second Ctrl-C must not cut the teardown short: an executor thread left running aborts the interpreter
+        # ('terminate called without an active exception'); it is bounded (node.stop escalates to SIGKILL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         client.close()
         rclpy.try_shutdown()
         node_code = 0 if node is None else node.stop()
