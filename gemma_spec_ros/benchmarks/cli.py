@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                              '(default 256 new tokens; output in --out, default bench/results/DATE-schemas)')
     parser.add_argument('--json-schema-unenforced', default='', choices=('', 'refuse', 'check'),
                         help="with --schemas: what a keyword the grammar cannot enforce does ('' = refuse)")
+    parser.add_argument('--sampled-seeds', type=int, default=0, metavar='N',
+                        help='with --schemas: also sample every accepted schema N times (temperature 1, seeds 0..N-1) '
+                             'with the last drafter')
     parser.add_argument('--json-free-whitespace', action='store_true',
                         help='with --constrained: let the output put whitespace between JSON elements (default: '
                              'compact JSON)')
@@ -158,10 +161,11 @@ def run(args, argv: list[str]) -> Path:
         settings.max_new_tokens = args.max_new_tokens or 256
         out = Path(args.out or 'bench/results/{}-schemas'.format(datetime.now(UTC).strftime('%Y-%m-%d')))
         schemas.run(settings, Path(args.schemas), out, 'python -m gemma_spec_ros bench ' + shlex.join(argv),
-                    args.json_schema_unenforced, progress=lambda message: print(message, file=sys.stderr))
+                    args.json_schema_unenforced, progress=lambda message: print(message, file=sys.stderr),
+                    sampled_seeds=args.sampled_seeds)
         return out
-    if args.json_schema_unenforced:
-        raise ValueError('--json-schema-unenforced applies to --schemas only')
+    if args.json_schema_unenforced or args.sampled_seeds:
+        raise ValueError('--json-schema-unenforced and --sampled-seeds apply to --schemas only')
     if args.planner is not None:
         if args.planner < 1:
             raise ValueError('--planner needs N >= 1 conversations, got {}'.format(args.planner))

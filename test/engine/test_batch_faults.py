@@ -10,6 +10,7 @@ fall_back, BatchScheduler._propose). The model drafter's next goal drafts again,
 
 import dataclasses
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -71,6 +72,25 @@ def in_full_batch(engine) -> bool:
     return len(engine.batch.goal_statuses()) == MAX_BATCH
 
 
+class UntilFull:
+    """
+    Slow each round down until the batch has once held every goal.
+
+    On a loaded machine the first goal could finish before the last thread submits its goal; a drafter calls this
+    at each proposal, so the early rounds wait a little (admission runs between rounds) and the fault still lands
+    mid-batch. Greedy tokens do not depend on timing.
+    """
+
+    def __init__(self, engine, pause_s: float = 0.2, limit_s: float = 60.0):
+        self.engine, self.pause_s, self.limit_s, self.full = engine, pause_s, limit_s, False
+        self.started = time.monotonic()
+
+    def __call__(self) -> None:
+        self.full = self.full or in_full_batch(self.engine)
+        if not self.full and time.monotonic() - self.started < self.limit_s:
+            time.sleep(self.pause_s)
+
+
 def fallbacks(result) -> list[str]:
     return [warning for warning in result.warnings if warning.kind is WarningKind.DRAFTER_FALLBACK]
 
@@ -80,9 +100,10 @@ def test_a_goal_whose_drafter_fails_mid_batch_ends_exact_and_the_others_stay_exa
     # every goal drafts with the n-gram drafter at a pinned K (a proposal every round); only the failing goal's raises
     ids = {name: batch_engine.tokenizer(prompt).input_ids for name, prompt in PROMPTS.items()}
     assert all(ids[name][:len(ids['failing'])] != ids['failing'] for name in PROMPTS if name != 'failing')
-    calls, propose = Counter(), NgramDrafter.propose
+    calls, propose, until_full = Counter(), NgramDrafter.propose, UntilFull(batch_engine)
 
     def failing_propose(self, context, k):
+        until_full()
         name = next(name for name, prompt in ids.items() if context.tokens[:len(prompt)] == prompt)
         calls[name] += 1
         if name == 'failing' and in_full_batch(batch_engine):  # its third proposal with every goal in the batch
@@ -115,9 +136,10 @@ def test_a_shared_drafter_failure_mid_batch_falls_back_its_goals_and_its_next_go
     # two goals draft with a model drafter (one step of its model for both rows at once), two with the n-gram one
     drafters = {'failing': model_drafter, 'story': model_drafter, 'code': 'ngram', 'then': 'ngram'}
     ids = {name: batch_engine.tokenizer(prompt).input_ids for name, prompt in PROMPTS.items()}
-    steps, propose_rows = Counter(), rows.propose_rows
+    steps, propose_rows, until_full = Counter(), rows.propose_rows, UntilFull(batch_engine)
 
     def failing_rows(self, row_requests, batch):
+        until_full()
         steps['rows'] += 1
         if len(row_requests) == 2 and in_full_batch(batch_engine):  # its third step for both goals at once
             steps['both'] += 1

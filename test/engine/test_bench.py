@@ -16,7 +16,7 @@ from gemma_spec_ros.engine.stats import iid_expected_tokens as expected_tokens
 REPO = Path(__file__).resolve().parents[2]
 # corpus schemas for the quick run: a function call, an API object, a planner plan, one with uniqueItems (refused)
 HANDFUL = ('bfcl-calculate_density.json', 'openai-api-CreateModerationRequest.json',
-           'project-test-grammar-json-plan.json', 'cloudformation-aws-logs-loggroup.json')
+           'project-test-grammar-json-plan.json', 'schemastore-bxci.schema-2.0.0.json')
 EXPECTED_SYSTEMS = {'ours/none', 'ours/ngram/K2', 'ours/ngram/adaptive', 'ours/draft/K2', 'ours/draft/adaptive',
                     'ours/mtp/K2', 'ours/mtp/adaptive', 'hf/none', 'hf/ngram/default', 'hf/ngram/K2',
                     'hf/draft/default', 'hf/draft/K2', 'hf/mtp/default', 'hf/mtp/K2'}
@@ -113,10 +113,12 @@ def test_schema_corpus_on_a_handful_of_schemas(tiny_models, tmp_path, capsys):
     out = tmp_path / 'schemas'
     assert main(['--schemas', str(corpus), '--target', tiny_models.target, '--assistant', tiny_models.assistant,
                  '--drafters', 'mtp', '--max-new-tokens', '48', '--compile', 'eager', '--threads', '1',
-                 '--out', str(out)]) == 0
+                 '--sampled-seeds', '2', '--out', str(out)]) == 0
     document = json.loads((out / 'results.json').read_text())
     assert document['format'] == 'gemma_spec_ros.bench.schemas/1' and document['json_schema_unenforced'] == 'refuse'
     summary = document['summary']
+    sampled = summary['drafters']['mtp@t1']   # two sampled runs per accepted schema, none for the refused one
+    assert sampled['schemas'] == 2 * (len(HANDFUL) - 1) and sampled['complete_invalid'] == 0
     for drafter in ('none', 'mtp'):
         row = summary['drafters'][drafter]
         assert row['schemas'] == len(HANDFUL) and row['refused'] == 1 and row['accepted'] == len(HANDFUL) - 1

@@ -125,7 +125,7 @@ BAD_GOALS = [
      'set at most one of json_schema and grammar'),
     (dict(prompt='x', grammar='root ::= "1"', json_free_whitespace=True),
      'json_free_whitespace applies to json_schema only'),
-    (dict(prompt='x', json_schema='{"type": "array", "items": {"type": "string"}, "uniqueItems": true}'),
+    (dict(prompt='x', json_schema='{"type": "array", "items": {"type": "integer"}, "uniqueItems": true}'),
      "json_schema: 'uniqueItems' at $ is not enforced by the grammar engine; remove it, or set "
      "json_schema_unenforced to 'check'"),
     (dict(prompt='x', json_schema='{"type": "integer"}', json_schema_unenforced='ignore'),

@@ -1,5 +1,5 @@
 """
-JSON Schema constraints on the bundled tokenizer: valid output for 24 schemas, constrained greedy parity, errors.
+JSON Schema constraints on the bundled tokenizer: valid output for 26 schemas, constrained greedy parity, errors.
 
 A toy target and draft model (seeded logits per context, drawn towards closing tokens as the output grows) run
 the engine's constrained round: draft under the grammar, masks along the draft, masked target, `verify()`,
@@ -88,8 +88,15 @@ SCHEMAS = {
         {'type': OBJECT, 'properties': {'skill': {'const': 'wait'}, 'seconds': {'type': 'integer', 'minimum': 1}},
          'required': ['skill', 'seconds']}]},
     'additional_typed': {'type': OBJECT, 'additionalProperties': {'type': 'integer'}, 'maxProperties': 3},
-    'multiple_of': {'type': OBJECT, 'properties': {'angle': {'type': 'integer', 'multipleOf': 15}},
+    'multiple_of': {'type': OBJECT, 'properties': {'angle': {'type': 'integer', 'multipleOf': 15, 'minimum': 0,
+                                                             'maximum': 345}},
                     'required': ['angle']},
+    # uniqueItems kept by the local engine's tracker beside the grammar (test_schema_unique.py)
+    'unique_names': {'type': 'array', 'items': {'type': 'string', 'maxLength': 3}, 'minItems': 2, 'maxItems': 4,
+                     'uniqueItems': True},
+    'unique_tags': {'type': 'array', 'uniqueItems': True, 'minItems': 2, 'maxItems': 3, 'items': {
+        'type': OBJECT, 'properties': {'key': {'enum': ['a', 'b']}, 'value': {'type': 'string', 'maxLength': 2}},
+        'required': ['key', 'value'], 'additionalProperties': False}},
 }
 
 
@@ -230,7 +237,7 @@ def test_outputs_with_free_whitespace_validate(compiler, tokenizer, models, name
     jsonschema.validate(json.loads(decode(tokenizer, tokens)), schema)
 
 
-@pytest.mark.parametrize('name', ['plan', 'nested', 'pose', 'optional', 'matrix'])
+@pytest.mark.parametrize('name', ['plan', 'nested', 'pose', 'optional', 'matrix', 'unique_names', 'unique_tags'])
 def test_constrained_greedy_speculation_equals_constrained_plain_decoding(compiler, models, name):
     text = json.dumps(SCHEMAS[name])
     plain = generate(compiler.constraint(json_schema=text), *models, draft_none, 0, greedy=True)

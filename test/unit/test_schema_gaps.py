@@ -5,6 +5,7 @@ Keywords the grammar cannot enforce are refused or checked; the rewrite makes xg
 validator check; the bound on numbers' digits. On the bundled tokenizer, no model.
 """
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -54,10 +55,11 @@ def valid(schema, text: str) -> bool:
 
 # ----------------------------------------------------------------------------------------------- refuse or check
 @pytest.mark.parametrize('schema, keyword, path', [
-    ({'type': 'object', 'properties': {'tags': {'type': 'array', 'items': {'type': 'string'}, 'uniqueItems': True}}},
-     'uniqueItems', r'\$\.properties\.tags'),
+    ({'type': 'object', 'properties': {'ids': {'type': 'array', 'items': {'type': 'integer'}, 'uniqueItems': True}}},
+     'uniqueItems', r'\$\.properties\.ids'),
     ({'type': 'number', 'multipleOf': 0.5}, 'multipleOf', r'\$'),
     ({'type': 'integer', 'multipleOf': 15, 'minimum': 1}, 'multipleOf', r'\$'),
+    ({'type': 'integer', 'multipleOf': 7}, 'multipleOf', r'\$'),   # unbounded, xgrammar lets 8 through
     ({'$defs': {'when': {'type': 'string', 'pattern': ISO_8601}}, 'type': 'object',
       'properties': {'at': {'$ref': '#/$defs/when'}}}, 'pattern', r'\$\.\$defs\.when'),
     ({'type': 'object', 'properties': {'a': {'type': 'integer'}}, 'if': {'required': ['a']}, 'then': {}},
@@ -76,6 +78,27 @@ def test_an_unenforced_keyword_is_refused_by_default_naming_it_and_its_path(comp
     prepared = schemas.prepare(json.dumps(schema), 'check')   # with check: compiled without it, named
     assert [gap.keyword for gap in prepared.gaps][:1] == [keyword]
     assert compiler.constraint(json_schema=json.dumps(schema), unenforced='check') is not None
+
+
+def test_a_step_within_a_narrow_range_is_enforced_and_a_step_of_one_is_no_gap(compiler, tokenizer):
+    stepped = {'type': 'integer', 'multipleOf': 7, 'minimum': -20, 'maximum': 100}
+    assert [accepts(compiler, tokenizer, stepped, text) for text in ('14', '-14', '8', '105')] == \
+        [True, True, False, False]
+    assert schemas.prepare(json.dumps({'type': 'integer', 'multipleOf': 1})).gaps == ()
+
+
+@pytest.mark.parametrize('schema, path', [
+    ({'type': 'integer', 'maximum': 10 ** 400}, r'\$\.maximum'),
+    ({'type': 'integer', 'multipleOf': 10 ** 30}, r'\$\.multipleOf'),
+    ({'type': 'object', 'properties': {'n': {'enum': [1, -(2 ** 63) - 1]}}}, r'\$\.properties\.n\.enum\[1\]'),
+    ({'type': 'string', 'maxLength': 2 ** 64}, r'\$\.maxLength'),
+])
+def test_an_integer_past_int64_is_refused_naming_where(compiler, schema, path):
+    # xgrammar reads a schema's integers as int64 and fails past them without a message
+    with pytest.raises(ValueError, match=r'^json_schema: the integer at {} has \d+ digits; the grammar engine reads '
+                                         r'integers of at most 19'.format(path)):
+        compiler.constraint(json_schema=json.dumps(schema))
+    assert compiler.constraint(json_schema=json.dumps({'type': 'integer', 'minimum': -2 ** 63, 'maximum': 2 ** 63 - 1}))
 
 
 def test_the_check_policy_warns_and_validates_at_the_end(compiler, tokenizer):
@@ -180,6 +203,71 @@ def test_what_xgrammar_dropped_is_enforced_now(compiler, tokenizer, schema, inva
     assert accepts(compiler, tokenizer, schema, valid_text)
 
 
+DRAFT4 = 'http://json-schema.org/draft-04/schema#'
+CLOSED = {'type': 'object', 'additionalProperties': False}
+
+
+@pytest.mark.parametrize('schema, texts', [
+    # a common const property told apart; a type list told apart type by type (null belongs to the second only)
+    ({'type': ['object', 'null'], 'properties': {'on': {'type': 'boolean'}, 'to': {'type': 'string'}},
+      'additionalProperties': False, 'oneOf': [
+          {'type': 'object', 'properties': {'on': {'const': True}, 'to': {'minLength': 1}}, 'required': ['on', 'to']},
+          {'properties': {'on': {'const': False}}, 'required': ['on']}]},
+     ['null', '{"on":true,"to":"a"}', '{"on":false}', '{"on":false,"to":""}', '{"on":true}', '{}', '{"to":"a"}']),
+    # two closed objects that only share {}: each becomes the objects with one of its names
+    ({'oneOf': [dict(CLOSED, properties={'order': {'const': 'legacy'}, 'legacy': {'type': 'object'}}),
+                dict(CLOSED, properties={'order': {'const': 'fifo'}})]},
+     ['{}', '{"order":"legacy"}', '{"order":"fifo"}', '{"legacy":{}}', '{"order":"legacy","legacy":{}}',
+      '{"order":"fifo","legacy":{}}']),
+    # a name one requires and the other may leave out: the other without it
+    ({'oneOf': [dict(CLOSED, properties={'a': {'type': 'integer'}, 'b': {'type': 'integer'}}, required=['a']),
+                dict(CLOSED, properties={'a': {'type': 'integer'}, 'c': {'type': 'integer'}})]},
+     ['{}', '{"a":1}', '{"a":1,"b":2}', '{"c":3}', '{"a":1,"c":3}']),
+    # arrays: the empty one is both alternatives' (left out); items tell the others apart
+    ({'oneOf': [{'type': 'array', 'items': {'type': 'string'}}, {'type': 'array', 'items': {'type': 'integer'}}]},
+     ['[]', '["a"]', '[1]', '[1,2]']),
+    # an alternative that is itself a oneOf, read through
+    ({'oneOf': [dict(CLOSED, properties={'path': {'type': 'string'}}, required=['path']),
+                {'oneOf': [dict(CLOSED, properties={'source': {'type': 'string'}}, required=['source']),
+                           dict(CLOSED, properties={'value': {'type': 'string'}}, required=['value'])]}]},
+     ['{"path":"a"}', '{"source":"a"}', '{"value":"a"}']),
+    # draft-04 has no const: both alternatives accept everything, so the optional name is never valid
+    ({'$schema': DRAFT4, 'type': 'object', 'properties': {'mode': {'oneOf': [{'const': 'a'}, {'const': 'b'}]},
+                                                            'x': {'type': 'integer'}}},
+     ['{}', '{"mode":"a"}', '{"x":1}']),
+])
+def test_one_of_is_written_as_the_values_of_exactly_one_alternative(compiler, tokenizer, schema, texts):
+    assert schemas.prepare(json.dumps(schema), 'refuse', True).gaps == ()
+    for text in texts:
+        assert accepts(compiler, tokenizer, schema, text) == valid(schema, text), text
+
+
+@pytest.mark.parametrize('schema', [
+    {'oneOf': [{'type': 'integer'}, {'type': 'number'}]},   # integers are numbers: not written apart
+    {'$schema': DRAFT4, 'oneOf': [{'const': 'a'}, {'type': 'integer'}]},   # the first accepts everything in draft-04
+    {'oneOf': [dict(CLOSED, properties={'a': {'type': 'string', 'maxLength': 3}}),
+               dict(CLOSED, properties={'a': {'type': 'string', 'minLength': 2}})]},   # values that overlap in part
+])
+def test_one_of_alternatives_not_written_apart_stay_a_gap(schema):
+    assert [gap.keyword for gap in schemas.prepare(json.dumps(schema), 'check', True).gaps] == ['oneOf']
+
+
+def test_draft4_not_of_const_is_not_of_everything():
+    with pytest.raises(ValueError, match="'not' at \\$: not of a schema that accepts everything"):
+        schemas.prepare(json.dumps({'$schema': DRAFT4, 'type': 'string', 'not': {'const': 'a'}}))
+
+
+def test_the_schema_corpus_is_refused_at_most_one_time_in_ten_naming_the_keyword():
+    """Issue 52: the local engine (with its uniqueItems tracker) refuses at most 10 % of test/data/schemas."""
+    corpus = Path(__file__).resolve().parents[1] / 'data' / 'schemas'
+    refused = []
+    entries = json.loads((corpus / 'manifest.json').read_text())['schemas']
+    for entry in entries:
+        gaps = schemas.prepare((corpus / entry['file']).read_text(), 'check', True).gaps
+        refused += [gaps[0].keyword] if gaps else []
+    assert len(refused) <= len(entries) // 10 and all(refused), refused
+
+
 def test_a_recursive_schema_merged_with_siblings_refers_to_itself():
     schema = {'type': 'object', 'additionalProperties': {'minProperties': 1, 'anyOf': [
         {'type': 'string'}, {'$ref': '#/definitions/node'}]}, 'definitions': {'node': {
@@ -215,6 +303,47 @@ def test_patterns_in_the_subset_and_their_lengths():
     capped = read_pattern(r'^(ab)+$').capped(5)
     assert capped.grammar_text == r'^(ab){1,2}$' and capped.max_length == 4
     assert read_pattern('^[^\n]*$').grammar_text == r'^[^\x0a]*$'  # a raw newline, escaped for xgrammar
+
+
+@pytest.mark.parametrize('pattern, written', [
+    (r'^(?!\.)(?!\./).+', r'^(?:[^\u002e\n].*)'),   # not starting with '.' (nor './', which does)
+    (r'^((?![:*$])[\x00-\x7F]){1,100}', r'^[\u0000-\u0023\u0025-\u0029\u002b-9\u003b-\u007f]{1,100}'),
+    (r'^(?!ab$)(?!b).*$', r'^(?:[^ab\n].*|a(?:[^b\n].*|b(?:[^\n].*)){0,1}){0,1}$'),
+])
+def test_negative_lookaheads_written_out_mean_the_same(pattern, written):
+    assert read_pattern(pattern).grammar_text == written
+    samples = [''.join(chars) for size in range(4) for chars in itertools.product('ab.:/*$x\n', repeat=size)]
+    assert all(bool(re.fullmatch(pattern, text)) == bool(re.fullmatch(written, text)) for text in samples)
+
+
+def test_a_lookahead_of_names_in_pattern_properties(compiler, tokenizer):
+    schema = {'type': 'object', 'properties': {'vars': {'type': 'object', 'additionalProperties': {'type': 'integer'}}},
+              'patternProperties': {'^(?!vars$).+$': {'type': 'string'}}, 'additionalProperties': False}
+    assert schemas.prepare(json.dumps(schema)).gaps == ()
+    for text in ('{"vars":{"a":1}}', '{"vars":"x"}', '{"var":"x"}', '{"varsx":"x"}'):
+        assert accepts(compiler, tokenizer, schema, text) == valid(schema, text), text
+
+
+def test_optional_groups_are_written_as_xgrammar_reads_them(compiler, tokenizer):
+    """Xgrammar 0.2.8 reads `(?:ab*)?` as `a?b*`: the grammar gets `{0,1}`."""
+    assert read_pattern(r'^x(?:ab*)?$').grammar_text == r'^x(?:ab*){0,1}$'
+    schema = {'type': 'string', 'pattern': r'^x(?:ab*)?$'}
+    for text in ('"x"', '"xa"', '"xabb"', '"xb"', '"xbb"'):
+        assert accepts(compiler, tokenizer, schema, text) == valid(schema, text), text
+
+
+def test_long_repetitions_keep_to_json_string_characters(compiler, tokenizer):
+    """Xgrammar 0.2.8 lets raw quotes into {n,m} with m > 128 of a character that could match one."""
+    assert read_pattern(r'^[^:*]{1,512}$').grammar_text == r'^[^\u0000-\u001f\u0022\u002a\u003a\u005c]{1,512}$'
+    assert read_pattern(r'^\S{2,200}$').grammar_text == r'^[^\s\u0000-\u001f\u0022\u005c]{2,200}$'
+    assert read_pattern(r'^[a-z]{1,512}$').grammar_text == r'^[a-z]{1,512}$'   # no quote to let in
+    schema = {'type': 'object', 'properties': {'name': {'type': 'string', 'pattern': '^[^:*]{1,512}$'},
+                                               'chain': {'type': 'string', 'pattern': '^[\t\n -\u00ff]+$',
+                                                         'maxLength': 2097152}}}   # compiled in well under a second
+    assert not accepts(compiler, tokenizer, schema, '{"name":"a"b"}')
+    assert accepts(compiler, tokenizer, schema, '{"name":"' + 'a' * 512 + '","chain":"x y"}')
+    assert not accepts(compiler, tokenizer, schema, '{"name":"' + 'a' * 513 + '"}')
+    assert not accepts(compiler, tokenizer, schema, '{"chain":"a"b"}')
 
 
 # ----------------------------------------------------------------------------------------------- numbers

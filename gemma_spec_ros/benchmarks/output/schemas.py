@@ -13,8 +13,10 @@ prompt naming the schema's title, greedy, plain decoding and then every drafter.
 - complete but invalid: structure_complete true, yet the validator (run here again) refuses the output. The goal is
   none.
 
-and per drafter, whether its tokens equal plain decoding's (greedy: they must). Output: results.json and
-results.md in --out (default bench/results/<date>-schemas).
+and per drafter, whether its tokens equal plain decoding's (greedy: they must). With ``--sampled-seeds N``, every
+accepted schema is also sampled N times (temperature 1, seeds 0..N-1) with the last drafter: the masks and the
+uniqueItems tracker must hold when drafts are rejected and rolled back. Output: results.json and results.md in --out
+(default bench/results/<date>-schemas).
 """
 
 import json
@@ -90,12 +92,23 @@ def classify(entry: dict, drafter: str, result, seconds: float) -> Outcome:
     return outcome
 
 
-def run_schema(engine, entry: dict, drafters: list[str], max_new_tokens: int, unenforced: str) -> list[Outcome]:
-    """Run one schema with plain decoding and every drafter (or record its refusal once per drafter)."""
+def run_schema(engine, entry: dict, drafters: list[str], max_new_tokens: int, unenforced: str,
+               sampled_seeds: int = 0) -> list[Outcome]:
+    """
+    Run one schema greedy with plain decoding and every drafter (or record its refusal once per drafter).
+
+    Then sampled_seeds sampled runs with the last drafter (named '<drafter>@t1'), unless the schema was refused.
+    """
     outcomes = []
-    for drafter in ['none'] + drafters:
+    runs = [(drafter, 0.0, -1) for drafter in ['none'] + drafters]
+    runs += [((['none'] + drafters)[-1], 1.0, seed) for seed in range(sampled_seeds)]
+    for drafter, temperature, seed in runs:
+        if temperature and outcomes[0].outcome == 'refused':
+            break
         request = GenerationRequest(prompt=prompt(entry), json_schema=entry['text'], max_new_tokens=max_new_tokens,
-                                    drafter=drafter, json_schema_unenforced=unenforced)
+                                    drafter=drafter, json_schema_unenforced=unenforced, temperature=temperature,
+                                    seed=seed)
+        drafter = f'{drafter}@t1' if temperature else drafter
         started = time.perf_counter()
         try:
             result = engine.generate(request)
@@ -109,16 +122,18 @@ def run_schema(engine, entry: dict, drafters: list[str], max_new_tokens: int, un
 
 
 def summarize(outcomes: list[Outcome], drafters: list[str]) -> dict:
-    """Return counts per drafter, refusals by keyword and by source, and token parity with plain decoding."""
+    """Return counts per drafter and sampled runs, refusals by keyword and source, greedy parity with plain."""
     plain = {o.schema: o.tokens for o in outcomes if o.drafter == 'none'}
     summary = {}
-    for drafter in ['none'] + drafters:
+    sampled = sorted({o.drafter for o in outcomes if o.drafter.endswith('@t1')})
+    for drafter in ['none'] + drafters + sampled:
         mine = [o for o in outcomes if o.drafter == drafter]
         counts = Counter(o.outcome for o in mine)
         served = [o for o in mine if o.outcome != 'refused']
         summary[drafter] = {'schemas': len(mine), 'accepted': len(served), 'refused': counts['refused'],
                             **{name: counts[name] for name in OUTCOMES},
-                            'identical_to_plain': sum(o.tokens == plain[o.schema] for o in served),
+                            'identical_to_plain': sum(o.tokens == plain[o.schema] for o in served)
+                            if drafter not in sampled else None,
                             'new_tokens': sum(o.new_tokens for o in served),
                             'seconds': round(sum(o.seconds for o in served), 1)}
     first = [o for o in outcomes if o.drafter == 'none']
@@ -133,7 +148,8 @@ def summarize(outcomes: list[Outcome], drafters: list[str]) -> dict:
             'by_source': by_source}
 
 
-def run(settings: Settings, directory: Path, out: Path, command: str, unenforced: str, progress) -> dict:
+def run(settings: Settings, directory: Path, out: Path, command: str, unenforced: str, progress,
+        sampled_seeds: int = 0) -> dict:
     """Measure the corpus in directory; write results.json and results.md into out; return the document."""
     started = time.time()
     entries = load_corpus(directory)
@@ -141,13 +157,15 @@ def run(settings: Settings, directory: Path, out: Path, command: str, unenforced
     drafters = [name for name in settings.drafters if name != 'none']
     outcomes = []
     for index, entry in enumerate(entries):
-        outcomes += run_schema(engine, entry, drafters, settings.max_new_tokens, unenforced)
-        plain = outcomes[-len(drafters) - 1]
+        mine = run_schema(engine, entry, drafters, settings.max_new_tokens, unenforced, sampled_seeds)
+        outcomes += mine
+        plain = mine[0]
         progress('{}/{} {}: {}{}'.format(index + 1, len(entries), entry['file'], plain.outcome,
                                          ' ({})'.format(plain.keyword or plain.reason[:80]) if plain.reason else ''))
     document = {'format': FORMAT, 'command': command, 'date': datetime.now(UTC).isoformat(timespec='seconds'),
                 'machine': machine_description(settings.threads), 'settings': asdict(settings),
                 'corpus': str(directory), 'json_schema_unenforced': unenforced or 'refuse',
+                'sampled_seeds': sampled_seeds,
                 'summary': summarize(outcomes, drafters),
                 'outcomes': [dict(asdict(o), tokens=None) for o in outcomes],
                 'seconds': round(time.time() - started, 1)}
@@ -165,9 +183,10 @@ def markdown(document: dict) -> str:
         '| drafter | accepted | complete and valid | incomplete | refused | caught by the final check | complete but '
         'invalid | tokens = plain |', '|---|---|---|---|---|---|---|---|']
     for name, row in summary['drafters'].items():
-        lines.append('| {} | {} | {} | {} | {} | {} | {} | {}/{} |'.format(
+        parity = '–' if row['identical_to_plain'] is None else f"{row['identical_to_plain']}/{row['accepted']}"
+        lines.append('| {} | {} | {} | {} | {} | {} | {} | {} |'.format(
             name, row['accepted'], row['complete_valid'], row['incomplete'], row['refused'], row['caught'],
-            row['complete_invalid'], row['identical_to_plain'], row['accepted']))
+            row['complete_invalid'], parity))
     lines += ['', 'Refused, by keyword: ' + (', '.join('{} {}'.format(keyword, count) for keyword, count in
                                                        summary['refused_keywords'].items()) or 'none'), '',
               '| source | schemas | refused | complete and valid | incomplete | caught | complete but invalid |',

@@ -7,7 +7,9 @@ What a step does with the logits: grammar masks, sampling and the speculative ac
   vLLM backend sends to its server (constraint_kind, constraint_grammar).
 - schema.py: a json_schema read for the grammar (the keywords it cannot enforce refused or left to a final check,
   json_schema_unenforced), the final jsonschema check of the output, the bound on numbers' digits; schema_rewrite.py
-  and schema_merge.py rewrite a schema into the forms xgrammar enforces, schema_regex.py reads its patterns.
+  and schema_merge.py rewrite a schema into the forms xgrammar enforces, schema_oneof.py tells oneOf alternatives
+  apart, schema_regex.py reads its patterns; schema_unique.py plans the uniqueItems arrays that
+  unique_tracker.py keeps distinct beside the grammar (local engine).
 
 Used by the decode loop, the drafters and the runtime (whose verify pass runs verify inside the target's step).
 """

@@ -26,6 +26,7 @@ import xgrammar
 from ..conversation import tools as tool_rules
 from ..conversation.format import ConversationTokens
 from . import schema as schemas
+from .unique_tracker import TrackedGrammar, UniqueTracker, Vocabulary
 
 JSON_SCHEMA = schemas.JSON_SCHEMA
 GRAMMAR = 'grammar'
@@ -98,6 +99,7 @@ class ConstraintCompiler:
         self._cache: OrderedDict[tuple, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._vocabulary: Vocabulary | None = None   # the tokens' bytes, for uniqueItems trackers (built once)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -112,26 +114,40 @@ class ConstraintCompiler:
 
     def compile_request(self, json_schema: str = '', grammar: str = '', json_free_whitespace: bool = False,
                         unenforced: str = '', number_digits: tuple[int, int] = (0, 0)
-                        ) -> xgrammar.CompiledGrammar | None:
+                        ) -> 'xgrammar.CompiledGrammar | TrackedGrammar | None':
         """
         Compile a request's constraint fields (json_schema or grammar), or None when both are empty; cached.
 
         unenforced: json_schema_unenforced (schema.POLICIES); number_digits: the most digits of a JSON number's
-        integer part and fraction (0 = unbounded), see schema.bound_numbers.
+        integer part and fraction (0 = unbounded), see schema.bound_numbers. A json_schema with uniqueItems arrays
+        that a tracker keeps distinct comes back as a TrackedGrammar (`matcher` takes either).
         """
         kind = constraint_kind(json_schema, grammar, json_free_whitespace, unenforced)
         if kind is None:
             return None
-        return self.compile(kind, json_schema or grammar, json_free_whitespace, unenforced, number_digits)
+        compiled = self.compile(kind, json_schema or grammar, json_free_whitespace, unenforced, number_digits)
+        plan = schemas.prepare(json_schema, unenforced, True).unique if kind == JSON_SCHEMA else None
+        return compiled if plan is None else TrackedGrammar(compiled, plan)
 
     @staticmethod
     def output_check(json_schema: str, unenforced: str = '') -> 'schemas.OutputCheck | None':
         """Return the final check of a json_schema request (validator and gaps), or None without a json_schema."""
-        return schemas.output_check(json_schema, unenforced)
+        return schemas.output_check(json_schema, unenforced, True)
 
-    def matcher(self, compiled: xgrammar.CompiledGrammar) -> 'GrammarConstraint':
-        """Return a fresh per-request constraint at the start of a compiled grammar."""
+    def matcher(self, compiled: 'xgrammar.CompiledGrammar | TrackedGrammar') -> 'GrammarConstraint':
+        """Return a fresh per-request constraint at the start of a compiled grammar (with its tracker)."""
+        if isinstance(compiled, TrackedGrammar):
+            return GrammarConstraint(compiled.compiled, self.vocab_size, self._stop_ids,
+                                     UniqueTracker(compiled.plan, self.vocabulary()))
         return GrammarConstraint(compiled, self.vocab_size, self._stop_ids)
+
+    def vocabulary(self) -> Vocabulary:
+        """Return the tokens' bytes as the grammar reads them, for uniqueItems trackers (built at the first)."""
+        with self._lock:
+            if self._vocabulary is None:
+                tokens = [bytes(token) for token in self._info.decoded_vocab][:self.vocab_size]
+                self._vocabulary = Vocabulary(tokens + [b''] * (self.vocab_size - len(tokens)))
+            return self._vocabulary
 
     def compile_calls(self, tools: tuple, forced: str = '') -> xgrammar.CompiledGrammar:
         """
@@ -174,7 +190,7 @@ class ConstraintCompiler:
         if json_free_whitespace and kind != JSON_SCHEMA:
             raise ValueError('{} applies to json_schema only'.format(JSON_FREE_WHITESPACE))
         if kind == JSON_SCHEMA:
-            schemas.prepare(text, unenforced)   # refusals first: a grammar cached for 'check' serves no 'refuse'
+            schemas.prepare(text, unenforced, True)   # refusals first: a grammar cached for 'check' serves no 'refuse'
         else:
             unenforced, number_digits = '', (0, 0)
         key = (kind, text, json_free_whitespace, schemas.check_policy(unenforced), tuple(number_digits))
@@ -192,7 +208,7 @@ class ConstraintCompiler:
 
     def _compile(self, kind: str, text: str, json_free_whitespace: bool, unenforced: str,
                  number_digits: tuple[int, int]) -> xgrammar.CompiledGrammar:
-        grammar = constraint_grammar(kind, text, json_free_whitespace, unenforced, number_digits)
+        grammar = constraint_grammar(kind, text, json_free_whitespace, unenforced, number_digits, tracked=True)
         try:
             compiled = self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as exc:
@@ -231,18 +247,19 @@ def constraint_kind(json_schema: str = '', grammar: str = '', json_free_whitespa
 
 
 def constraint_grammar(kind: str, text: str, json_free_whitespace: bool = False, unenforced: str = '',
-                       number_digits: tuple[int, int] = (0, 0)) -> xgrammar.Grammar:
+                       number_digits: tuple[int, int] = (0, 0), tracked: bool = False) -> xgrammar.Grammar:
     """
     Return the EBNF grammar (xgrammar) of a json_schema or grammar field; ValueError names the field.
 
     Both backends enforce this grammar: the local engine compiles it into token masks, the vLLM backend sends its
     text to the server's structured outputs, so a schema means the same output on either. A json_schema is read by
-    schema.prepare (refused keywords, the rewrite for xgrammar) and its numbers bounded by number_digits.
+    schema.prepare (refused keywords, the rewrite for xgrammar) and its numbers bounded by number_digits. tracked:
+    the caller runs uniqueItems trackers (the local engine; see schema.prepare).
     """
     if json_free_whitespace and kind != JSON_SCHEMA:
         raise ValueError('{} applies to json_schema only'.format(JSON_FREE_WHITESPACE))
     if kind == JSON_SCHEMA:
-        prepared = schemas.prepare(text, unenforced)
+        prepared = schemas.prepare(text, unenforced, tracked)
         build = lambda: _json_schema_grammar(prepared.grammar_text, json_free_whitespace, number_digits)  # noqa: E731
     elif kind == GRAMMAR:
         build = lambda: xgrammar.Grammar.from_ebnf(text)  # noqa: E731
@@ -260,12 +277,16 @@ class GrammarConstraint:
 
     Before termination a mask always allows something (at least a stop token once the grammar is complete).
     Drafts are explored with `masks_along` or `lookahead` and rolled back; only `accept` moves the position.
+    tracker: a json_schema's uniqueItems tracker (unique_tracker.py), moved and rolled back with the matcher; its
+    masks leave out the tokens after which the tracked arrays' items could not stay distinct.
     """
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int]):
+    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int],
+                 tracker: UniqueTracker | None = None):
         self.vocab_size = vocab_size
         self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # [rows, words] int32, CPU; grows
+        self._tracker = tracker
 
     @property
     def completed(self) -> bool:
@@ -280,6 +301,8 @@ class GrammarConstraint:
     def reset(self) -> None:
         """Back to the start of the grammar (a new request with the same grammar)."""
         self._matcher.reset()
+        if self._tracker is not None:
+            self._tracker.reset()
 
     def next_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Return the allowed tokens [1, vocab] bool for the next token (the first one after prefill)."""
@@ -302,14 +325,18 @@ class GrammarConstraint:
         self._fill_mask_row(0)
         allowed, filled = 0, 1
         for token in draft:
+            if self._tracker is not None and not self._in_row(allowed, token):
+                break   # the tracker's mask: checked before the matcher moves
             if not self._matcher.accept_token(token):
                 break
+            if self._tracker is not None:
+                self._tracker.push(token)
             allowed += 1
             if self._matcher.is_terminated():  # a stop token: nothing may follow
                 break
             self._fill_mask_row(allowed)
             filled += 1
-        self._matcher.rollback(allowed)
+        self.rollback(allowed)
         self._bitmask[filled:rows] = self._bitmask[filled - 1]
         return unpack_bitmask(self._bitmask[:rows], self.vocab_size, device), allowed
 
@@ -324,26 +351,39 @@ class GrammarConstraint:
         try:
             yield look
         finally:
-            self._matcher.rollback(look.pushed)
+            self.rollback(look.pushed)
 
     def accept(self, tokens: Iterable[int]) -> None:
         """Advance by emitted tokens (accepted drafts + recovered or bonus token, cut at EOS / max_new_tokens)."""
         for token in tokens:
-            ok = self._matcher.accept_token(int(token))
+            ok = self.advance(int(token))
             assert ok, 'token {} violates the grammar: it was emitted without the mask'.format(token)
 
     def advance(self, token: int) -> bool:
         """Move past token; False (nothing changes) when the grammar refuses it or has terminated."""
-        return not self._matcher.is_terminated() and self._matcher.accept_token(int(token))
+        if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
+            return False
+        if self._tracker is not None and not self._tracker.push(int(token)):
+            self._matcher.rollback(1)
+            return False
+        return True
 
     def rollback(self, count: int) -> None:
         """Undo the last count tokens that advance or accept moved past."""
         if count:
             self._matcher.rollback(count)
+            if self._tracker is not None:
+                self._tracker.rollback(count)
 
     def _fill_mask_row(self, row: int) -> None:
         assert not self._matcher.is_terminated(), 'no token may follow a stop token'
         self._matcher.fill_next_token_bitmask(self._bitmask, row)
+        if self._tracker is not None:
+            self._tracker.restrict(self._bitmask, row)
+
+    def _in_row(self, row: int, token: int) -> bool:
+        word = int(self._bitmask[row, token >> 5])
+        return bool((word >> (token & 31)) & 1)
 
 
 def allowed_prefix_len(constraint, tokens: Sequence[int] | torch.Tensor) -> int:

@@ -10,6 +10,9 @@ The request field `json_schema_unenforced` chooses what a gap does:
 - 'check': the goal runs on a grammar without the keyword, its result carries an UNENFORCED_KEYWORD warning naming
   it, and the output is validated at the end.
 
+The local engine reads schemas with `tracked`: the uniqueItems arrays its tracker keeps distinct beside the grammar
+(schema_unique.py, unique_tracker.py) are no gaps there; the vLLM backend runs xgrammar alone, so they are.
+
 At the end of every json_schema goal, `check_output` validates the text with the `jsonschema` validator of the
 draft the schema declares (`OutputCheck`, built once per schema): `structure_complete` is true only when the grammar
 completed AND the output validates; a completed but invalid output gets a SCHEMA_VIOLATION warning that names the
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import jsonschema
 
 from ..types import GenerationWarning, WarningKind
+from . import schema_unique
 from .schema_rewrite import Gap, Refused, Rewriter
 
 JSON_SCHEMA = 'json_schema'
@@ -54,6 +58,7 @@ class PreparedSchema:
 
     grammar_text: str          # the rewritten schema (JSON text) for xgrammar
     gaps: tuple[Gap, ...]      # keywords the grammar does not enforce (empty unless the policy is 'check')
+    unique: 'schema_unique.Plan | None' = None   # tracked uniqueItems arrays (a tracker enforces them)
 
 
 def parse_schema(text: str) -> dict:
@@ -75,28 +80,59 @@ def parse_schema(text: str) -> dict:
     if cls is jsonschema.Draft3Validator:
         raise ValueError('{}: draft-03 schemas are not supported; declare draft-04 or later in $schema'.format(
             JSON_SCHEMA))
+    _check_integers(schema)
     return schema
 
 
+INT64 = (-2 ** 63, 2 ** 63 - 1)   # xgrammar reads a schema's integers as int64 (and fails without a message past it)
+
+
+def _check_integers(schema: dict) -> None:
+    """Refuse an integer beyond int64 anywhere in the schema (a bound, a length, an enum value, a default)."""
+    stack = [(schema, '$')]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            stack += [(value, '{}.{}'.format(path, key)) for key, value in item.items()]
+        elif isinstance(item, list):
+            stack += [(value, '{}[{}]'.format(path, index)) for index, value in enumerate(item)]
+        elif isinstance(item, int) and not isinstance(item, bool) and not INT64[0] <= item <= INT64[1]:
+            raise ValueError('{}: the integer at {} has {} digits; the grammar engine reads integers of at most '
+                             '19 (from {} to {})'.format(JSON_SCHEMA, path, len(str(abs(item))), *INT64))
+
+
 @functools.lru_cache(maxsize=_CACHE)
-def prepare(text: str, policy: str = REFUSE) -> PreparedSchema:
+def prepare(text: str, policy: str = REFUSE, tracked: bool = False) -> PreparedSchema:
     """
     Read a json_schema for the grammar engine; ValueError names the field, and a refused keyword with its path.
 
     Raised whatever the policy: a schema no value satisfies, and a reference or pattern the validator cannot read.
+    tracked: the caller runs a uniqueItems tracker (unique_tracker.py, the local engine): the arrays whose items
+    it can keep distinct are no gaps (PreparedSchema.unique); without it they are.
     """
     policy = check_policy(policy)
     schema = parse_schema(text)
-    rewriter = Rewriter(schema, jsonschema.validators.validator_for(schema))
+    cls = jsonschema.validators.validator_for(schema)
     try:
-        rewritten = rewriter.rewrite()
+        rewriter = Rewriter(schema, cls, track=tracked)
+        rewritten, plan = rewriter.rewrite(), None
+        if tracked and rewriter.deferred:
+            plan, untracked = schema_unique.plan(rewritten, rewriter.deferred)
+            enumerable = frozenset(path for path, _ in untracked) & rewriter.enumerable
+            if enumerable:   # the tracker cannot keep them: their items' subsets, as without a tracker
+                rewriter = Rewriter(schema, cls, track=True, enumerate_at=enumerable)
+                rewritten = rewriter.rewrite()
+                plan, untracked = schema_unique.plan(rewritten, rewriter.deferred)
+            tracked_paths = {path for _, path in rewriter.deferred} - {path for path, _ in untracked}
+            rewriter.gaps = [gap for gap in rewriter.gaps
+                             if gap.keyword != 'uniqueItems' or gap.path not in tracked_paths]
     except Refused as exc:
         raise ValueError('{}: {}'.format(JSON_SCHEMA, exc)) from None
     if rewriter.gaps and policy == REFUSE:
         raise ValueError((_NOT_ENFORCED + "; remove it, or set {} to '{}' to generate without it and validate the "
                           'output at the end').format(JSON_SCHEMA, rewriter.gaps[0].describe(), UNENFORCED_FIELD,
                                                       CHECK))
-    return PreparedSchema(json.dumps(rewritten), tuple(rewriter.gaps))
+    return PreparedSchema(json.dumps(rewritten), tuple(rewriter.gaps), plan)
 
 
 class OutputCheck:
@@ -126,9 +162,9 @@ def _schema_path(error) -> str:
 
 
 @functools.lru_cache(maxsize=_CACHE)
-def output_check(text: str, policy: str = '') -> OutputCheck | None:
+def output_check(text: str, policy: str = '', tracked: bool = False) -> OutputCheck | None:
     """Return the final check of a json_schema (cached; None for ''); ValueError as `prepare` raises it."""
-    return OutputCheck(text, prepare(text, check_policy(policy)).gaps) if text else None
+    return OutputCheck(text, prepare(text, check_policy(policy), tracked).gaps) if text else None
 
 
 def check_output(check: OutputCheck | None, text: str, complete: bool,

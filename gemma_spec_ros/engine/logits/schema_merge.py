@@ -1,5 +1,5 @@
 """
-Merging JSON Schemas for the rewrite (schema_rewrite.py), and telling oneOf alternatives apart.
+Merging JSON Schemas for the rewrite (schema_rewrite.py).
 
 `allOf` and a `$ref`'s siblings become one schema.
 
@@ -7,10 +7,7 @@ A merge is the conjunction of two schemas written as one: types intersected, pro
 (a name one schema leaves to its additionalProperties or patternProperties gets that schema), `required` joined,
 bounds tightened, enums intersected. A keyword that resists (two different patterns, conditionals, ...) raises
 CannotMerge, which the rewrite reports as a gap; a conjunction nothing satisfies raises Unsatisfiable.
-
-`oneOf` is compiled as `anyOf`, so its alternatives must exclude each other as the grammar writes them: by type,
-by enumerated values, by a property one requires that another never writes or forbids, or by a property whose
-values differ. An object alternative that may write a name another requires is narrowed to leave it out.
+`oneOf` is told apart in schema_oneof.py.
 """
 
 import json
@@ -110,7 +107,7 @@ def combine(first, second):
     return first if canonical(first) == canonical(second) else {'allOf': [first, second]}
 
 class Merging:
-    """The merging and oneOf half of schema_rewrite.Rewriter (which gives flat, validator and gap)."""
+    """The merging part of schema_rewrite.Rewriter (which gives flat, validator and gap)."""
 
     def merge(self, first, second) -> dict | bool:
         """Return the conjunction of two flat schemas as one; CannotMerge names the keyword that resists."""
@@ -197,100 +194,6 @@ class Merging:
         if matching:
             return matching[0] if len(matching) == 1 else {'allOf': matching}
         return node.get('additionalProperties', True)
-
-    def separate(self, branches: list, path: str) -> list:
-        """
-        Return oneOf alternatives whose outputs validate against no other one, or the alternatives and a gap.
-
-        Where an alternative's outputs could validate against another, it is narrowed (`narrowed`).
-        """
-        try:
-            flat = [self.flat(branch, where) for where, branch in branches]
-            original = list(flat)
-            for i in range(len(flat)):
-                for j, other in enumerate(original):   # the validator reads the alternatives as they are
-                    if i == j or self.excludes(flat[i], other):
-                        continue
-                    narrowed = self.narrowed(flat[i], other)
-                    if narrowed is None:
-                        self.gap('oneOf', path, 'its alternatives may overlap; keep them apart with types, a const '
-                                 'property or required properties')
-                        return branches
-                    flat[i] = narrowed
-        except (CannotMerge, Unsatisfiable, Refused):
-            self.gap('oneOf', path, 'its alternatives could not be told apart')
-            return branches
-        return [(where, narrowed if narrowed is not unchanged else branch) for (where, branch), narrowed, unchanged
-                in zip(branches, flat, original, strict=True)]
-
-    def narrowed(self, one, other) -> dict | None:
-        """
-        Return one narrowed so that no output of it validates against other, or None.
-
-        An object that may write a name other requires leaves it out; one that may write a name other forbids
-        writes it always; an array has at least one item (when their items exclude each other).
-        """
-        if not isinstance(one, dict) or not isinstance(other, dict):
-            return None
-        kinds = self.kinds(one, True)
-        if kinds == {'object'}:
-            closed = one.get('additionalProperties') in (None, False) and not one.get('patternProperties') and \
-                bool(one.get('properties') or one.get('required'))
-            required = set(one.get('required', ()))
-            for name in other.get('required', ()):
-                if name not in required and closed:
-                    candidate = dict(one, **{FORBIDDEN: list(one.get(FORBIDDEN, ())) + [name]})
-                    if self.excludes(candidate, other):
-                        return candidate
-            for name, subschema in one.get('properties', {}).items():
-                if name not in required and subschema is not False and self.property_schema(other, name) is False:
-                    candidate = dict(one, required=list(one.get('required', ())) + [name])
-                    if self.excludes(candidate, other):
-                        return candidate
-        if kinds == {'array'} and one.get('minItems', 0) < 1:
-            candidate = dict(one, minItems=1)
-            if self.excludes(candidate, other):
-                return candidate
-        return None
-
-    def excludes(self, one, other) -> bool:
-        if one is False or other is False:
-            return True
-        if one is True or other is True:
-            return False
-        one_types, other_types = self.kinds(one, True), self.kinds(other, False)
-        if not one_types & other_types:
-            return True
-        if 'const' in one or 'enum' in one:
-            check = self.validator.evolve(schema=other)
-            return not any(check.is_valid(value) for value in ([one['const']] if 'const' in one else one['enum']))
-        if 'const' in other or 'enum' in other:   # one's outputs are none of the values other allows
-            check = self.validator.evolve(schema=one)
-            return not any(check.is_valid(value) for value in ([other['const']] if 'const' in other else other['enum']))
-        if one_types == {'array'} and one.get('minItems', 0) >= 1 and isinstance(one.get('items'), dict) and \
-                isinstance(other.get('items'), dict) and not other.get('prefixItems') and not one.get('prefixItems'):
-            return self.excludes(self.flat(one['items'], '$'), self.flat(other['items'], '$'))
-        if one_types != {'object'}:
-            return False
-        required, theirs_required = set(one.get('required', ())), set(other.get('required', ()))
-        declared = set(one.get('properties', {})) | required
-        extra = one.get('additionalProperties', one.get('unevaluatedProperties')) not in (None, False) or bool(
-            one.get('patternProperties')) or not declared
-        unwritten = {name for names in negated_required(one) for name in names} - required
-        if any(set(names) <= required for names in negated_required(other)):
-            return True   # one always writes names other forbids together
-        for name in required | theirs_required:
-            theirs = self.property_schema(other, name)
-            if name in required and theirs is False:
-                return True
-            if name in theirs_required and ((name not in declared and not extra) or name in unwritten):
-                return True   # other requires a name one never writes
-            mine = self.flat(one.get('properties', {}).get(name, True), '$') if name in declared else True
-            if isinstance(mine, dict) and ('const' in mine or 'enum' in mine) and theirs is not True:
-                values = [mine['const']] if 'const' in mine else mine['enum']
-                if not any(self.validator.evolve(schema=theirs).is_valid(value) for value in values):
-                    return True   # written, one's values fail other's; or (other requires it) not written
-        return False
 
     def kinds(self, node, grammar: bool, depth: int = 0) -> set[str]:
         """Return the JSON types a flat node allows (types_of), its alternatives' types joined."""

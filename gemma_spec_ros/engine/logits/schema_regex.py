@@ -16,6 +16,14 @@ Anything else is an `Unsupported` feature: the schema layer refuses it or, when 
 output after generation. Only the text handed to xgrammar changes (`\A`, `\Z` become `^`, `$`); the validator reads
 the schema's own pattern. The lengths of a pattern's strings (`Pattern.min_length`, `max_length`) tell whether a
 `minLength` / `maxLength` beside it says anything more; xgrammar ignores those beside a pattern.
+
+Two forms of negative lookahead are written out, exactly (`without_lookaheads`): a lookahead of one character
+before one character, `(?![:*$])[\x00-\x7F]` (the class without those characters), and lookaheads of literals
+where the pattern starts, before `.*` or `.+`: `^(?!\.).+` or `^(?!variables$).+$` (the strings that do not
+start with, or are not, those literals, spelled out letter by letter). Two slips of xgrammar 0.2.8 are written
+around (`_split_long`): it reads an optional group `(?:ab*)?` as `a?b*` (written `(?:ab*){0,1}`), and it lets
+quotes, backslashes and control characters into a pattern's strings past a repetition of more than 128 of one
+character that could match them (`.{1,512}`: the character written without them, which no such string holds).
 """
 
 import re
@@ -26,6 +34,8 @@ _CONTROL_ESCAPES = set('tnrfv')
 _HEX = {'x': 2, 'u': 4}
 _CONTROL = re.compile('[\x00-\x1f\x7f]')
 _QUANTIFIER = re.compile(r'\{(\d+)(,(\d*))?\}')
+_LONG = 128       # the most repetitions of one character xgrammar keeps to JSON's string characters
+_META = set('()[]{}|*+?.^$\\')
 
 
 class Unsupported(ValueError):
@@ -55,6 +65,7 @@ class Pattern:
     variable: _Item | None    # the only item of variable length, when it is one repeated character (else None)
     source: str = ''
     repeats: tuple = ()       # (quantifier start, end, low, high) of every repetition, in the source pattern
+    unsplit: str = ''         # grammar_text before long repetitions are split (the positions of `variable`)
 
     def capped(self, max_length: int) -> 'Pattern | None':
         """
@@ -103,15 +114,22 @@ class Pattern:
             high = item.repeat[1] if high is None else min(high, item.repeat[1])
         if high is not None and low > high:
             return None
-        text = self.grammar_text
-        return text[:item.atom_end] + '{{{},{}}}'.format(low, '' if high is None else high) + text[item.end:]
+        text = self.unsplit
+        return _split_long(text[:item.atom_end] + '{{{},{}}}'.format(low, '' if high is None else high) +
+                           text[item.end:])
 
 
 def read_pattern(pattern: str) -> Pattern:
     """Parse a pattern of the enforced subset; Unsupported names the first feature outside it."""
     pattern = _CONTROL.sub(lambda match: '\\x{:02x}'.format(ord(match.group(0))), pattern)   # xgrammar: escapes
     parser = _Parser(pattern)
-    low, high, items = parser.alternation()
+    try:
+        low, high, items = parser.alternation()
+    except Unsupported as exc:
+        written = without_lookaheads(pattern) if 'negative lookahead' in str(exc) else None
+        if written is None or '(?' in written.replace('(?:', ''):
+            raise
+        return read_pattern(written)
     if parser.pos != len(pattern):
         raise Unsupported('an unbalanced ")"')
     text, shift = parser.rewritten()
@@ -120,7 +138,192 @@ def read_pattern(pattern: str) -> Pattern:
     if single is not None:   # its span in the text for xgrammar
         single = _Item(single.low, single.high, True, single.repeat, shift(single.start), shift(single.atom_end),
                        shift(single.end))
-    return Pattern(text, low, high, single, pattern, tuple(parser.repeats))
+    return Pattern(_split_long(text), low, high, single, pattern, tuple(parser.repeats), text)
+
+
+def without_lookaheads(pattern: str) -> str | None:
+    """Return the pattern with its negative lookaheads written out (the same strings), or None when it cannot."""
+    start = re.match(r'\^((?:\(\?![^()]*\))+)(\.[*+])(\$?)$', pattern)
+    if start is not None:   # ^(?!LITERAL)(?!LITERAL$)... then .* or .+
+        words = []
+        for body in re.findall(r'\(\?!([^()]*)\)', start.group(1)):
+            whole = body.endswith('$') and not body.endswith('\\$')
+            literal = _literal(body[:-1] if whole else body)
+            if literal is None:
+                return None
+            words.append((literal, whole))
+        rest = _not_starting(words, start.group(2) == '.*')
+        return None if rest is None else '^' + rest + start.group(3)
+    while '(?!' in pattern:   # (?!C)X: one character that is X and not C
+        at = pattern.index('(?!')
+        taken, after = _atom(pattern, at + 3)
+        if taken is None or not pattern.startswith(')', after):
+            return None
+        kept, end = _atom(pattern, after + 1)
+        both = (_charset(kept), _charset(taken)) if kept is not None else (None, None)
+        text = _difference(*both) if None not in both else None
+        if text is None:
+            return None
+        group = next((len(opening) for opening in ('(?:', '(') if pattern[:at].endswith(opening)), 0)
+        if group and pattern.startswith(')', end):
+            at, end = at - group, end + 1
+        elif pattern[end:end + 1] and pattern[end] in '*+?{':
+            return None   # the lookahead holds for the first repetition only
+        pattern = pattern[:at] + text + pattern[end:]
+    return pattern
+
+
+def _literal(text: str) -> str | None:
+    chars, index = [], 0
+    while index < len(text) and text[index] not in _META - {'\\'}:
+        code, index = _code_at(text, index)
+        chars.append(chr(code) if code is not None else '')
+    return ''.join(chars) if index == len(text) and all(chars) else None
+
+
+def _not_starting(words: list[tuple[str, bool]], empty: bool) -> str | None:
+    """Return a regex of the lines that are none of the whole words and start with none of the others."""
+    trie: dict = {}
+    for word, whole in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[whole] = True   # True: this word whole; False: anything that starts with it
+
+    def spell(node: dict, depth: int) -> str | None:
+        if node.get(False):
+            return None
+        children = {char: spell(child, depth + 1) for char, child in node.items() if isinstance(char, str)}
+        options = ['[^{}\\n].*'.format(''.join(_escape(char) for char in children))]
+        options += [_escape(char) + rest for char, rest in children.items() if rest is not None]
+        return '(?:{})'.format('|'.join(options)) + ('{0,1}' if not node.get(True) and (depth or empty) else '')
+
+    return spell(trie, 0)
+
+
+def _escape(char: str) -> str:
+    return char if char.isascii() and char.isalnum() else '\\u{:04x}'.format(ord(char))
+
+
+def _atom(text: str, index: int) -> tuple[str | None, int]:
+    """Return the one-character atom at index (a literal, an escape, '.', a class) and where it ends."""
+    if index >= len(text):
+        return None, index
+    char = text[index]
+    if char == '[':
+        end = index + 1 + text[index + 1:index + 2].startswith('^')
+        end += text[end:end + 1] == ']'
+        while end < len(text) and text[end] != ']':
+            end += 2 if text[end] == '\\' else 1
+        return (text[index:end + 1], end + 1) if end < len(text) else (None, index)
+    if char == '\\':
+        _, end = _code_at(text, index)
+        return text[index:end], end
+    if char in _META - {'.'}:
+        return None, index
+    return char, index + 1
+
+
+def _code_at(text: str, index: int) -> tuple[int | None, int]:
+    """Return the code point of a character or escape at index (None: a class escape) and where it ends."""
+    if text[index] != '\\':
+        return ord(text[index]), index + 1
+    escape = text[index + 1:index + 2]
+    if escape in _HEX:
+        return int(text[index + 2:index + 2 + _HEX[escape]], 16), index + 2 + _HEX[escape]
+    if escape in _CONTROL_ESCAPES:
+        return ord({'t': '\t', 'n': '\n', 'r': '\r', 'f': '\f', 'v': '\v'}[escape]), index + 2
+    return (None if escape.isalnum() else ord(escape)), index + 2
+
+
+def _charset(atom: str) -> tuple[bool, list] | None:
+    """(negated, ranges) of a one-character atom of literals, escapes and ranges; None with a class escape."""
+    if atom == '.':
+        return True, [(10, 10)]
+    if not atom.startswith('['):
+        code = _code_at(atom, 0)[0]
+        return None if code is None else (False, [(code, code)])
+    body = atom[1:-1]
+    negated = body.startswith('^')
+    body, ranges, index = body[negated:], [], 0
+    while index < len(body):
+        low, index = _code_at(body, index)
+        high, index = _code_at(body, index + 1) if body.startswith('-', index) and index + 1 < len(body) else (
+            low, index)
+        if low is None or high is None:
+            return None
+        ranges.append((low, high))
+    return negated, _merged(ranges)
+
+
+def _merged(ranges: list) -> list:
+    out: list = []
+    for low, high in sorted(ranges):
+        out[-1:] = [(out[-1][0], max(out[-1][1], high))] if out and low <= out[-1][1] + 1 else out[-1:] + [(low, high)]
+    return out
+
+
+def _minus(ranges: list, taken: list) -> list:
+    out = []
+    for low, high in ranges:
+        for cut_low, cut_high in taken:
+            if cut_high < low or cut_low > high:
+                continue
+            if cut_low > low:
+                out.append((low, cut_low - 1))
+            low = cut_high + 1
+        if low <= high:
+            out.append((low, high))
+    return out
+
+
+def _difference(kept: tuple, taken: tuple) -> str | None:
+    """Return a class of the characters of kept that are not in taken (None when empty or not written)."""
+    (kept_negated, kept_ranges), (taken_negated, taken_ranges) = kept, taken
+    if not kept_negated:
+        left, negated = _minus(kept_ranges, _minus([(0, 0x10FFFF)], taken_ranges) if taken_negated else
+                               taken_ranges), False
+    elif not taken_negated:
+        left, negated = _merged(kept_ranges + taken_ranges), True
+    else:
+        left, negated = _minus(taken_ranges, kept_ranges), False
+    if (not left and not negated) or any(high > 0xFFFF for _, high in left):
+        return None
+    spelled = ''.join(_escape(chr(low)) + ('-' + _escape(chr(high)) if high > low else '') for low, high in left)
+    return '[{}{}]'.format('^' if negated else '', spelled)
+
+
+def _split_long(text: str) -> str:
+    r"""
+    Write the pattern so that xgrammar 0.2.8 reads it right.
+
+    A group made optional with `?` as `{0,1}` (it reads `(?:ab*)?` as `a?b*`); a character repeated more than _LONG
+    times as one that cannot be '"', '\' or a control (past that xgrammar lets them into the string, and takes
+    seconds to minutes to compile the repetition): no string of the grammar holds them anyway.
+    """
+    parser = _Parser(text)
+    parser.alternation()
+    edits = [(atom_end, end, '{0,1}') for atom_end, end in parser.optional_groups]
+    for start, atom_end, _, _, high in parser.singles:
+        if high is not None and high > _LONG:
+            edits.append((start, atom_end, _writable(text[start:atom_end])))
+    for start, end, written in sorted(edits, reverse=True):
+        text = text[:start] + written + text[end:]
+    return text
+
+
+def _writable(atom: str) -> str:
+    r"""Return the atom without the characters a pattern's JSON string cannot hold raw ('"', '\', controls)."""
+    charset, unwritable = _charset(atom), [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
+    if charset is None:   # with a class escape: a negated one takes them out, the others hold none but \s's
+        negated = {'\\D': '[^\\d', '\\W': '[^\\w', '\\S': '[^\\s'}.get(atom, atom[:-1] if atom.startswith('[^') else '')
+        return negated + '\\u0000-\\u001f\\u0022\\u005c]' if negated else atom
+    negated, ranges = charset
+    left = _merged(ranges + unwritable) if negated else _minus(ranges, unwritable)
+    if not left or left == ranges or any(high > 0xFFFF for _, high in left):
+        return atom   # (none to take out)
+    return '[{}{}]'.format('^' if negated else '', ''.join(
+        _escape(chr(low)) + ('-' + _escape(chr(high)) if high > low else '') for low, high in left))
 
 
 class _Parser:
@@ -128,6 +331,8 @@ class _Parser:
         self.text, self.pos = pattern, 0
         self.swaps: dict[int, str] = {}    # \A and \Z at their places: ^ and $ for xgrammar
         self.repeats: list[tuple[int, int, int, int | None]] = []
+        self.singles: list[tuple[int, int, int, int, int | None]] = []   # repetitions of one character
+        self.optional_groups: list[tuple[int, int]] = []                  # a group's '?' (its span)
 
     def rewritten(self) -> tuple[str, callable]:
         r"""Return the text for xgrammar (\A, \Z as ^, $), and the map from positions in the pattern to it."""
@@ -284,6 +489,10 @@ class _Parser:
             raise Unsupported('a possessive or repeated quantifier')
         item.repeat, item.end = (low, high), self.pos
         self.repeats.append((item.atom_end, item.end, low, high))
+        if item.single:
+            self.singles.append((item.start, item.atom_end, item.end, low, high))
+        elif char == '?':
+            self.optional_groups.append((item.atom_end, item.end))
         item.low = item.low * low
         item.high = None if high is None or item.high is None else item.high * high
         return item

@@ -9,9 +9,11 @@ so that each string of the grammar validates against the original schema:
 
 - `$ref`: every local JSON pointer becomes `#/$defs/NAME`; its siblings (draft 2019-09 and later) are merged in.
 - `allOf`: its schemas are merged into one (types intersected, properties and bounds combined).
-- `anyOf` / `oneOf` with siblings: the siblings are merged into each alternative. `oneOf` is compiled as `anyOf`,
-  enforced only where the alternatives cannot overlap (types, a `const` / `enum` discriminator, required against
-  undeclared properties); otherwise it is a gap.
+- `anyOf` / `oneOf` with siblings: the siblings are merged into each alternative. `oneOf` is compiled as the
+  `anyOf` of each alternative's values that no other accepts, where they can be written (schema_oneof.py); an
+  optional property no value satisfies is left out.
+- `uniqueItems`: over a few item values (enum, const, booleans) the subsets in the values' order; other arrays
+  are deferred (`deferred`): a local tracker may keep them (schema_unique.py), else they are gaps.
 - `enum` / `const` with siblings: the values the siblings refuse are dropped (checked with the validator).
 - `not` of `required`, `type`, `enum` / `const`, or `anyOf` of those: the properties are left out, the types or
   values taken away.
@@ -21,8 +23,9 @@ so that each string of the grammar validates against the original schema:
 - `pattern`: see schema_regex.py; lengths beside a pattern are folded into it where they can be.
 
 Keywords that stay unenforced (`if` / `then` / `else`, `dependentRequired`, `dependentSchemas`, `dependencies`,
-`contains`, `uniqueItems`, fractional `multipleOf`, unsupported pattern features, overlapping `oneOf`, unmergeable
-`allOf`, other `not`) are Gaps: removed from the grammar's copy; the caller refuses them or checks the output.
+`contains`, untracked `uniqueItems`, fractional `multipleOf`, unsupported pattern features, `oneOf` not told
+apart, unmergeable `allOf`, other `not`) are Gaps: removed from the grammar's copy; the caller refuses them or
+checks the output.
 """
 
 import itertools
@@ -38,13 +41,13 @@ from .schema_merge import (
     MAX_INLINE,
     CannotMerge,
     Gap,
-    Merging,
     Refused,
     Unsatisfiable,
     canonical,
     implied_types,
     types_of,
 )
+from .schema_oneof import Separating
 from .schema_regex import Unsupported, read_pattern
 
 __all__ = ['Gap', 'Refused', 'Rewriter']
@@ -55,11 +58,14 @@ MAX_STEPPED_RANGE = 5000  # multipleOf holds within an integer range this wide (
 MAX_UNIQUE_VALUES = 6     # uniqueItems over at most this many item values: written as their subsets
 _LEGACY_REFS = (jsonschema.Draft4Validator, jsonschema.Draft6Validator, jsonschema.Draft7Validator)
 
-class Rewriter(Merging):
+class Rewriter(Separating):
     """Rewrites one schema (a dict checked against its metaschema) for xgrammar; see the module docstring."""
 
-    def __init__(self, root: dict, validator_class):
+    def __init__(self, root: dict, validator_class, track: bool = False, enumerate_at: frozenset = frozenset()):
         self.root, self.validator = root, validator_class(root)
+        self.track, self.enumerate_at = track, enumerate_at   # uniqueItems: left to a tracker, except these paths
+        self.deferred: list[tuple[dict, str]] = []   # uniqueItems arrays the grammar leaves (gaps unless tracked)
+        self.enumerable: set[str] = set()
         self.legacy = validator_class in _LEGACY_REFS
         base = root.get('$id', root.get('id'))
         self.base = base.split('#')[0] if isinstance(base, str) else ''
@@ -225,7 +231,7 @@ class Rewriter(Merging):
             negated = self.flat(negated, path)
         except CannotMerge:
             negated = None
-        keys = {key for key in negated if key in ASSERTIONS} if isinstance(negated, dict) else None
+        keys = {key for key in self.validated(negated) if key in ASSERTIONS} if isinstance(negated, dict) else None
         if negated is False:
             return
         if negated is True or keys == set():
@@ -378,9 +384,11 @@ class Rewriter(Merging):
                 out['minimum'] = max(out.get('minimum', -math.inf), math.floor(out.pop('exclusiveMinimum')) + 1)
             if 'exclusiveMaximum' in out:
                 out['maximum'] = min(out.get('maximum', math.inf), math.ceil(out.pop('exclusiveMaximum')) - 1)
-        if 'multipleOf' in out and ('minimum' in out or 'maximum' in out) and not \
+        if out.get('multipleOf') == 1:   # every integer
+            del out['multipleOf']
+        elif 'multipleOf' in out and not \
                 out.get('maximum', math.inf) - out.get('minimum', -math.inf) <= MAX_STEPPED_RANGE:
-            self.gap('multipleOf', path, 'beside a one-sided or wide range, xgrammar drops it')
+            self.gap('multipleOf', path, 'without both bounds, or beside a wide range, xgrammar drops it')
             del out['multipleOf']
 
     def array(self, schema: dict, out: dict, path: str) -> None:
@@ -394,7 +402,10 @@ class Rewriter(Merging):
                 out[key] = schema[key]
         if schema.get('uniqueItems') is True and schema.get('maxItems', 2) > 1:
             values = self.item_values(items, path) if 'prefixItems' not in schema else None
-            if values is None or len(values) > MAX_UNIQUE_VALUES or out['type'] != 'array':
+            if values is not None and len(values) <= MAX_UNIQUE_VALUES and out['type'] == 'array':
+                self.enumerable.add(path)
+            if path not in self.enumerable or (self.track and path not in self.enumerate_at):
+                self.deferred.append((out, path))
                 return self.gap('uniqueItems', path)
             low, high = schema.get('minItems', 0), min(schema.get('maxItems', len(values)), len(values))
             subsets = [subset for size in range(low, high + 1) for subset in itertools.combinations(values, size)]
@@ -431,13 +442,20 @@ class Rewriter(Merging):
                 and not forbidden:
             additional = True
         open_ = additional not in (None, False)
-        properties = {}
+        properties, never = {}, set()
         for name, subschema in declared.items():
             if name in forbidden or subschema is False:
                 if name in required:
                     raise Unsatisfiable('{} requires {!r}, which it forbids'.format(path, name))
                 continue
-            properties[name] = self.node(subschema, '{}.properties.{}'.format(path, name))
+            gaps = len(self.gaps)
+            try:
+                properties[name] = self.node(subschema, '{}.properties.{}'.format(path, name))
+            except Unsatisfiable:
+                if name in required:
+                    raise
+                del self.gaps[gaps:]   # no value satisfies it: the name is never written (its gaps are moot)
+                never.add(name)
         for name in required:
             if name in properties:
                 continue
@@ -445,7 +463,7 @@ class Rewriter(Merging):
             if name in forbidden or subschema is False:
                 raise Unsatisfiable('{} requires {!r}, which it does not allow'.format(path, name))
             properties[name] = self.node(subschema, '{}.required'.format(path))
-        if open_ and (forbidden or any(subschema is False for subschema in declared.values())):
+        if open_ and (forbidden or never or any(subschema is False for subschema in declared.values())):
             self.gap('not' if forbidden else 'properties', path, 'a forbidden property beside additionalProperties')
         out['properties'] = properties
         if required:
