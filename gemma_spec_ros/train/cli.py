@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gemma_spec_ros.train.corpora import corpus
+from gemma_spec_ros.train.corpora import corpus, planner
 from gemma_spec_ros.train.corpora.data import TokenStream
 from gemma_spec_ros.train.export import save_model, storage_dtype
 from gemma_spec_ros.train.lm import BatchSettings, distill_step, init_for_scratch_training, lm_step, perplexity
@@ -408,19 +408,19 @@ def vision_command(args: argparse.Namespace) -> int:
 
 
 def planner_corpus_command(args: argparse.Namespace) -> int:
-    from gemma_spec_ros.train.corpora import planner
 
     start = time.time()
     tokenizer = load_tokenizer(args.tokenizer)
     texts = [d.text for d in corpus.load_documents(None, 'train')] if args.chat_share else None
-    chars = planner.write_corpus(Path(args.out), args.conversations, args.seed, tokenizer, args.chat_share, texts)
+    weights = planner.parse_kind_weights(args.kind_weights)
+    chars = planner.write_corpus(Path(args.out), args.conversations, args.seed, tokenizer, args.chat_share, texts,
+                                 weights)
     print(f'wrote {args.conversations} robot-task conversations ({chars / 1e6:.1f} M chars) to {args.out} '
           f'in {time.time() - start:.1f} s')
     return 0
 
 
 def eval_planner_command(args: argparse.Namespace) -> int:
-    from gemma_spec_ros.train.corpora import planner
 
     torch.manual_seed(args.seed)
     if args.threads:
@@ -608,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_parser.add_argument('--conversations', type=int, default=6000, help='training conversations to write')
     corpus_parser.add_argument('--tokenizer', default='models/tokenizer', help='tokenizer with the chat template')
     corpus_parser.add_argument('--seed', type=int, default=0, help='random seed')
+    corpus_parser.add_argument('--kind-weights', default='', metavar='KIND=W,...',
+                               help='request kinds weighted otherwise than the held-out evaluation, e.g. where=3 '
+                                    '(more scene look-ups); kinds: ' + ', '.join(planner.KIND_WEIGHTS))
     corpus_parser.add_argument('--chat-share', type=float, default=0.0,
                                help='share of chat turns without tools (continuations of the default corpus)')
     corpus_parser.set_defaults(run=planner_corpus_command)

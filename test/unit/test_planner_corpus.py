@@ -146,3 +146,18 @@ def test_corpus_command_and_whole_conversation_windows(tokenizer, tmp_path):
     windows = random_windows(stream, 64, 1025, torch.Generator().manual_seed(0))
     inside = [w for w in windows if turn in w[:8].tolist()]
     assert inside and all(w[0] == tokenizer.bos_token_id and w[1] == turn for w in inside)
+
+
+def test_kind_weights_shift_the_training_mix(tokenizer):
+    weights = planner.parse_kind_weights('where=30, say=0')
+    assert weights['where'] == 30 and weights['say'] == 0 and weights['move'] == planner.KIND_WEIGHTS['move']
+    rng = random.Random(1)
+    drawn = [planner.training_conversation(rng, tokenizer, weights) for _ in range(60)]
+    first_calls = [c.calls[0][0] for c in drawn]
+    assert first_calls.count('say') > 30   # 'where' answers with a say call; plain 'say' requests are gone
+    assert not any(c.request.startswith(('Say "', 'Tell everyone', 'Please say', 'Announce')) for c in drawn)
+    for text, message in (('fly=2', "unknown request kind 'fly'"), ('where=x', "where='x' is not a number"),
+                          ('where=-1', 'where must not be negative'),
+                          (','.join(f'{kind}=0' for kind in planner.KIND_WEIGHTS), 'at least one kind')):
+        with pytest.raises(ValueError, match='^--kind-weights: ' + re.escape(message)):
+            planner.parse_kind_weights(text)

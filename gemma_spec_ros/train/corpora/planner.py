@@ -121,8 +121,9 @@ class _Draw:
         return self.phrasing == HELD_OUT_PHRASING[self.kind] or any(is_held_out_pair(*p) for p in self.pairs())
 
 
-def _random_draw(rng: random.Random) -> _Draw:
-    kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
+def _random_draw(rng: random.Random, weights: dict[str, float] | None = None) -> _Draw:
+    weights = weights or KIND_WEIGHTS
+    kind = rng.choices(list(weights), weights=list(weights.values()))[0]
     names = rng.sample(objects(), rng.randint(2, 5))
     scene = tuple((name, rng.choice(SURFACES)) for name in names)
     target, source = scene[rng.randrange(len(scene))]
@@ -136,10 +137,11 @@ def _random_draw(rng: random.Random) -> _Draw:
     return _Draw(kind, rng.randrange(len(PHRASINGS[kind])), scene, target, destination)
 
 
-def _follow_up(rng: random.Random, first: _Draw, used: set[str]) -> _Draw | None:
+def _follow_up(rng: random.Random, first: _Draw, used: set[str], weights: dict[str, float] | None = None
+               ) -> _Draw | None:
     """Another request on first's scene about an object no earlier request touched (None if none is found)."""
     for _ in range(20):
-        draw = _random_draw(rng)
+        draw = _random_draw(rng, weights)
         target, source = first.scene[rng.randrange(len(first.scene))]
         destination = draw.destination
         if draw.kind == 'move':
@@ -243,19 +245,21 @@ def _cached_tokenizer():
     return _TOKENIZER[0]
 
 
-def training_conversation(rng: random.Random, tokenizer=None) -> Conversation:
+def training_conversation(rng: random.Random, tokenizer=None, weights: dict[str, float] | None = None
+                          ) -> Conversation:
     """
     Draw a conversation with no held-out combination or phrasing; thinking on for ~THINKING_SHARE of them.
 
     Without thinking, up to MAX_REQUESTS requests follow one another on the same scene (each about an object no
     earlier one touched), so the long system turn is shared by more of what the model must learn to answer.
+    weights: the request kinds' weights (default KIND_WEIGHTS, those of the held-out evaluation).
     """
-    while (draw := _random_draw(rng)).held_out():
+    while (draw := _random_draw(rng, weights)).held_out():
         pass
     thinking = rng.random() < THINKING_SHARE
     later, used = [], {draw.target or draw.kind}
     for _ in range(0 if thinking else rng.randrange(MAX_REQUESTS)):
-        if (follow := _follow_up(rng, draw, used)) is None:
+        if (follow := _follow_up(rng, draw, used, weights)) is None:
             break
         later.append(follow)
         used.add(follow.target or follow.kind)
@@ -306,12 +310,31 @@ def chat_turn(rng: random.Random, texts: list[str], tokenizer=None) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False).removeprefix('<bos>')
 
 
+def parse_kind_weights(text: str) -> dict[str, float]:
+    """Read 'where=3,move=4' over KIND_WEIGHTS (the kinds not named keep their weight); ValueError naming the kind."""
+    weights = dict(KIND_WEIGHTS)
+    for item in filter(None, (part.strip() for part in text.split(','))):
+        kind, _, value = item.partition('=')
+        if kind not in KIND_WEIGHTS:
+            raise ValueError(f'--kind-weights: unknown request kind {kind!r} (kinds: {", ".join(KIND_WEIGHTS)})')
+        try:
+            weights[kind] = float(value)
+        except ValueError:
+            raise ValueError(f'--kind-weights: {kind}={value!r} is not a number') from None
+        if weights[kind] < 0:
+            raise ValueError(f'--kind-weights: {kind} must not be negative')
+    if not any(weights.values()):
+        raise ValueError('--kind-weights: at least one kind needs a positive weight')
+    return weights
+
+
 def write_corpus(out: Path, conversations: int, seed: int, tokenizer=None, chat_share: float = 0.0,
-                 chat_texts: list[str] | None = None) -> int:
+                 chat_texts: list[str] | None = None, weights: dict[str, float] | None = None) -> int:
     """
     Write conversations training conversations as JSONL {"text": ...}; returns the characters written.
 
-    With chat_share, that share of them are chat turns without tools (chat_turn) drawn from chat_texts.
+    With chat_share, that share of them are chat turns without tools (chat_turn) drawn from chat_texts; weights
+    are the request kinds' (training_conversation).
     """
     if chat_share and not chat_texts:
         raise ValueError('chat_share needs chat_texts to draw the chat turns from')
@@ -322,7 +345,7 @@ def write_corpus(out: Path, conversations: int, seed: int, tokenizer=None, chat_
     with out.open('w', encoding='utf-8') as file:
         for _ in range(conversations):
             text = chat_turn(rng, chat_texts, tokenizer) if rng.random() < chat_share else \
-                training_document(training_conversation(rng, tokenizer))
+                training_document(training_conversation(rng, tokenizer, weights))
             chars += len(text)
             file.write(json.dumps({'text': text}, ensure_ascii=False) + '\n')
     return chars
