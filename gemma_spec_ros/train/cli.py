@@ -413,8 +413,10 @@ def planner_corpus_command(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     texts = [d.text for d in corpus.load_documents(None, 'train')] if args.chat_share else None
     weights = planner.parse_kind_weights(args.kind_weights)
+    if not 0 <= args.novel_share <= 1:
+        raise ValueError(f'--novel-share must be within 0 and 1, got {args.novel_share}')
     chars = planner.write_corpus(Path(args.out), args.conversations, args.seed, tokenizer, args.chat_share, texts,
-                                 weights)
+                                 weights, args.novel_share)
     print(f'wrote {args.conversations} robot-task conversations ({chars / 1e6:.1f} M chars) to {args.out} '
           f'in {time.time() - start:.1f} s')
     return 0
@@ -611,6 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_parser.add_argument('--kind-weights', default='', metavar='KIND=W,...',
                                help='request kinds weighted otherwise than the held-out evaluation, e.g. where=3 '
                                     '(more scene look-ups); kinds: ' + ', '.join(planner.KIND_WEIGHTS))
+    corpus_parser.add_argument('--novel-share', type=float, default=0.0,
+                               help='share of scenes drawn with training-only colours, things and surfaces too (the '
+                                    'evaluation never names them): teaches reading the scene over object-place habits')
     corpus_parser.add_argument('--chat-share', type=float, default=0.0,
                                help='share of chat turns without tools (continuations of the default corpus)')
     corpus_parser.set_defaults(run=planner_corpus_command)

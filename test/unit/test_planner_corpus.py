@@ -161,3 +161,17 @@ def test_kind_weights_shift_the_training_mix(tokenizer):
                           (','.join(f'{kind}=0' for kind in planner.KIND_WEIGHTS), 'at least one kind')):
         with pytest.raises(ValueError, match='^--kind-weights: ' + re.escape(message)):
             planner.parse_kind_weights(text)
+
+
+def test_novel_words_train_only(tokenizer):
+    rng = random.Random(3)
+    drawn = [planner.training_conversation(rng, tokenizer, novel_share=1.0) for _ in range(40)]
+    novel = planner.NOVEL_COLOURS + planner.NOVEL_THINGS + planner.NOVEL_SURFACES
+    scenes = [c.messages[1]['content'].split('\n', 1)[0] for c in drawn]
+    assert sum(any(word in scene for word in novel) for scene in scenes) > 30
+    for c in drawn:   # the calls read the scene: the first call goes where the scene puts the object
+        if c.calls[0][0] == 'navigate_to' and c.request.split()[-1] not in ('door.', 'door?'):
+            target = c.calls[1][1]['object']
+            assert f'a {target} on the {c.calls[0][1]["place"]}' in c.messages[1]['content']
+    held = [planner.held_out_conversation(seed, tokenizer) for seed in range(40)]
+    assert not any(word in c.text for c in held for word in novel)

@@ -25,6 +25,11 @@ TOOLS_PATH = Path(__file__).resolve().parents[3] / 'config' / 'robot_tools.json'
 COLOURS = ('red', 'blue', 'green', 'yellow', 'white', 'black')
 THINGS = ('cup', 'bottle', 'apple', 'book', 'bowl', 'mug', 'box', 'pen')
 SURFACES = ('kitchen table', 'counter', 'sink', 'shelf', 'desk', 'sofa')   # where objects stand
+# Training only (--novel-share): colours, things and surfaces the evaluation never names. A scene of them can only
+# be answered by reading it (no object-place statistics to lean on), which teaches the look-up itself.
+NOVEL_COLOURS = ('orange', 'purple', 'grey', 'pink', 'brown', 'silver', 'golden', 'striped')
+NOVEL_THINGS = ('plate', 'spoon', 'phone', 'key', 'ball', 'towel', 'candle', 'glass', 'remote', 'sock')
+NOVEL_SURFACES = ('window sill', 'bench', 'stool', 'bed', 'cabinet', 'armchair', 'dresser', 'side table')
 HELD_OUT_PERCENT = 10
 THINKING_SHARE = 0.3
 MAX_REQUESTS = 3          # requests in one training conversation without thinking (the scene stays the same)
@@ -84,8 +89,10 @@ def robot_tools(path: Path = TOOLS_PATH) -> list[dict]:
     return json.loads(Path(path).read_text())
 
 
-def objects() -> list[str]:
-    return [f'{colour} {thing}' for colour in COLOURS for thing in THINGS]
+def objects(novel: bool = False) -> list[str]:
+    """Return the objects of the evaluation's scenes, or with novel those with the training-only words too."""
+    colours, things = (COLOURS + NOVEL_COLOURS, THINGS + NOVEL_THINGS) if novel else (COLOURS, THINGS)
+    return [f'{colour} {thing}' for colour in colours for thing in things]
 
 
 def is_held_out_pair(thing: str, place: str) -> bool:
@@ -121,15 +128,16 @@ class _Draw:
         return self.phrasing == HELD_OUT_PHRASING[self.kind] or any(is_held_out_pair(*p) for p in self.pairs())
 
 
-def _random_draw(rng: random.Random, weights: dict[str, float] | None = None) -> _Draw:
+def _random_draw(rng: random.Random, weights: dict[str, float] | None = None, novel: bool = False) -> _Draw:
     weights = weights or KIND_WEIGHTS
     kind = rng.choices(list(weights), weights=list(weights.values()))[0]
-    names = rng.sample(objects(), rng.randint(2, 5))
-    scene = tuple((name, rng.choice(SURFACES)) for name in names)
+    surfaces = SURFACES + NOVEL_SURFACES if novel else SURFACES
+    names = rng.sample(objects(novel), rng.randint(2, 5))
+    scene = tuple((name, rng.choice(surfaces)) for name in names)
     target, source = scene[rng.randrange(len(scene))]
     destination = ''
     if kind == 'move':
-        destination = rng.choice([s for s in SURFACES if s != source])
+        destination = rng.choice([s for s in surfaces if s != source])
     elif kind == 'say':
         destination, target = rng.choice(GREETINGS), ''
     elif kind == 'door':
@@ -140,12 +148,14 @@ def _random_draw(rng: random.Random, weights: dict[str, float] | None = None) ->
 def _follow_up(rng: random.Random, first: _Draw, used: set[str], weights: dict[str, float] | None = None
                ) -> _Draw | None:
     """Another request on first's scene about an object no earlier request touched (None if none is found)."""
+    surfaces = SURFACES + NOVEL_SURFACES if any(place in NOVEL_SURFACES or name not in objects()
+                                                for name, place in first.scene) else SURFACES
     for _ in range(20):
         draw = _random_draw(rng, weights)
         target, source = first.scene[rng.randrange(len(first.scene))]
         destination = draw.destination
         if draw.kind == 'move':
-            destination = rng.choice([s for s in SURFACES if s != source])
+            destination = rng.choice([s for s in surfaces if s != source])
         draw = _Draw(draw.kind, draw.phrasing, first.scene, target if draw.target else '', destination)
         if (draw.target or draw.kind) not in used and not draw.held_out():
             return draw
@@ -245,16 +255,18 @@ def _cached_tokenizer():
     return _TOKENIZER[0]
 
 
-def training_conversation(rng: random.Random, tokenizer=None, weights: dict[str, float] | None = None
-                          ) -> Conversation:
+def training_conversation(rng: random.Random, tokenizer=None, weights: dict[str, float] | None = None,
+                          novel_share: float = 0.0) -> Conversation:
     """
     Draw a conversation with no held-out combination or phrasing; thinking on for ~THINKING_SHARE of them.
 
     Without thinking, up to MAX_REQUESTS requests follow one another on the same scene (each about an object no
     earlier one touched), so the long system turn is shared by more of what the model must learn to answer.
-    weights: the request kinds' weights (default KIND_WEIGHTS, those of the held-out evaluation).
+    weights: the request kinds' weights (default KIND_WEIGHTS, those of the held-out evaluation); novel_share: the
+    share of scenes drawn with the training-only words too (NOVEL_*).
     """
-    while (draw := _random_draw(rng, weights)).held_out():
+    novel = rng.random() < novel_share
+    while (draw := _random_draw(rng, weights, novel)).held_out():
         pass
     thinking = rng.random() < THINKING_SHARE
     later, used = [], {draw.target or draw.kind}
@@ -329,12 +341,13 @@ def parse_kind_weights(text: str) -> dict[str, float]:
 
 
 def write_corpus(out: Path, conversations: int, seed: int, tokenizer=None, chat_share: float = 0.0,
-                 chat_texts: list[str] | None = None, weights: dict[str, float] | None = None) -> int:
+                 chat_texts: list[str] | None = None, weights: dict[str, float] | None = None,
+                 novel_share: float = 0.0) -> int:
     """
     Write conversations training conversations as JSONL {"text": ...}; returns the characters written.
 
     With chat_share, that share of them are chat turns without tools (chat_turn) drawn from chat_texts; weights
-    are the request kinds' (training_conversation).
+    and novel_share are training_conversation's.
     """
     if chat_share and not chat_texts:
         raise ValueError('chat_share needs chat_texts to draw the chat turns from')
@@ -345,7 +358,7 @@ def write_corpus(out: Path, conversations: int, seed: int, tokenizer=None, chat_
     with out.open('w', encoding='utf-8') as file:
         for _ in range(conversations):
             text = chat_turn(rng, chat_texts, tokenizer) if rng.random() < chat_share else \
-                training_document(training_conversation(rng, tokenizer, weights))
+                training_document(training_conversation(rng, tokenizer, weights, novel_share))
             chars += len(text)
             file.write(json.dumps({'text': text}, ensure_ascii=False) + '\n')
     return chars
