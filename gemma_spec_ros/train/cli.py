@@ -437,7 +437,8 @@ def eval_planner_command(args: argparse.Namespace) -> int:
     print(f'held-out planner ({report.conversations} conversations, {report.calls} calls): exact call sequences '
           f'{report.exact_sequences:.1%}, schema-valid calls {report.valid_calls:.1%}, exact final answers '
           f'{report.exact_answers:.1%}; expected calls made in place {report.right_calls:.1%}, right first calls '
-          f'{report.first_calls_right:.1%}')
+          f'{report.first_calls_right:.1%}; exact by phrasing: ' + ', '.join(
+              f'{name} {share:.1%} of {n}' for name, (n, share) in report.by_phrasing.items()))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + '\n')

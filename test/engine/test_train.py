@@ -183,6 +183,26 @@ def test_greedy_windows_are_reused_only_when_made_the_same_way(tiny_models, tiny
     assert 'greedy windows: 2 of the 2 in' not in capsys.readouterr().out
 
 
+def test_eval_planner_reports_trained_and_unseen_phrasings_apart(tiny_target, tmp_path, capsys):
+    out = tmp_path / 'planner.json'
+    assert main(['eval-planner', '--target', str(tiny_target), '--conversations', '4', '--max-calls', '1',
+                 '--threads', '1', '--out', str(out)]) == 0
+    report = json.loads(out.read_text())
+    groups = report['exact_by_phrasing']
+    assert set(groups) == {'trained phrasings', 'unseen phrasings'}
+    assert sum(group['conversations'] for group in groups.values()) == report['conversations'] == 4
+    assert 'exact by phrasing: trained phrasings' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--novel-share', '1.5'], '--novel-share must be within 0 and 1'),
+    (['--kind-weights', 'fly=1'], "--kind-weights: unknown request kind 'fly'"),
+])
+def test_planner_corpus_refuses_bad_mixes_naming_the_flag(argv, message, tmp_path, capsys):
+    assert main(['planner-corpus', '--conversations', '2', '--out', str(tmp_path / 'c.jsonl'), *argv]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / 'c.jsonl').exists()
+
+
 @pytest.mark.parametrize('argv, message', [
     (['target', '--input', '/no/such/corpus', '--steps', '1'], 'does not exist'),
     (['target', '--shape', '8x256', '--steps', '1'], 'LAYERSxHIDDENxINTERMEDIATE'),

@@ -15,6 +15,7 @@ a held-out combination or in a held-out phrasing.
     example = held_out_conversation(seed=3)
 """
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -74,6 +75,7 @@ class Conversation:
     answer: str                          # the final sentence of the first request
     text: str                            # the rendered conversation (chat template, thoughts inserted)
     later: tuple = ()                    # training only: further requests on the scene, (request, calls, answer)
+    unseen_phrasing: bool = False        # held out: the request's phrasing was never trained on (else only pairs)
 
     @property
     def prompt_messages(self) -> list[dict]:
@@ -288,7 +290,8 @@ def held_out_conversation(seed: int, tokenizer=None) -> Conversation:
     rng = random.Random(f'held-out planner {seed}')
     while not (draw := _random_draw(rng)).held_out():
         pass
-    return _conversation(draw, rng.random() < THINKING_SHARE, tokenizer)
+    conversation = _conversation(draw, rng.random() < THINKING_SHARE, tokenizer)
+    return dataclasses.replace(conversation, unseen_phrasing=draw.phrasing == HELD_OUT_PHRASING[draw.kind])
 
 
 def training_document(conversation: Conversation) -> str:
@@ -389,9 +392,14 @@ class PlannerReport:
     first_calls_right: float      # share of conversations whose first call is right (where to go first)
     calls: int                    # generated calls
     examples: list[dict]          # a few conversations: request, expected and generated calls, answer
+    # exact call sequences apart: requests in trained phrasings (unseen object-place combinations only), and
+    # requests in a phrasing never trained on: (conversations, exact share)
+    by_phrasing: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {'conversations': self.conversations, 'exact_sequences': round(self.exact_sequences, 3),
+                'exact_by_phrasing': {name: {'conversations': n, 'exact_sequences': round(share, 3)}
+                                      for name, (n, share) in self.by_phrasing.items()},
                 'valid_calls': round(self.valid_calls, 3), 'exact_answers': round(self.exact_answers, 3),
                 'right_calls': round(self.right_calls, 3), 'first_calls_right': round(self.first_calls_right, 3),
                 'calls': self.calls, 'examples': self.examples}
@@ -425,12 +433,13 @@ def run_planner(model, tokenizer, conversation: Conversation, max_calls: int = 8
 def evaluate_planner(model, tokenizer, num_conversations: int, max_calls: int = 8, examples: int = 4,
                      progress=None) -> PlannerReport:
     exact = answers = valid = total_calls = right_calls = expected_calls = first_right = 0
-    shown = []
+    shown, groups = [], {'trained phrasings': [], 'unseen phrasings': []}
     for seed in range(num_conversations):
         conversation = held_out_conversation(seed, tokenizer)
         calls, answer, segments = run_planner(model, tokenizer, conversation, max_calls)
         right = [(n, a) for n, a in calls] == conversation.calls
         exact += right
+        groups['unseen phrasings' if conversation.unseen_phrasing else 'trained phrasings'].append(right)
         right_calls += sum(got == want for got, want in zip(calls, conversation.calls, strict=False))
         expected_calls += len(conversation.calls)
         first_right += bool(calls) and calls[0] == conversation.calls[0]
@@ -446,4 +455,5 @@ def evaluate_planner(model, tokenizer, num_conversations: int, max_calls: int = 
             progress(f'{seed + 1}/{num_conversations}: {"ok " if right else "bad"} {request} -> {calls} | {answer!r}')
     return PlannerReport(num_conversations, exact / max(num_conversations, 1), valid / max(total_calls, 1),
                          answers / max(num_conversations, 1), right_calls / max(expected_calls, 1),
-                         first_right / max(num_conversations, 1), total_calls, shown)
+                         first_right / max(num_conversations, 1), total_calls, shown,
+                         {name: (len(rights), sum(rights) / max(len(rights), 1)) for name, rights in groups.items()})
