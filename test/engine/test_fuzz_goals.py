@@ -7,7 +7,7 @@ A goal goes through a ROS serialization round trip (what reaches the node), ros/
 Engine.validate on the tiny random models (eager), as GoalServer._plan does, and with images in every goal on the
 bundled vision target (its tower reads them); a ValueError is the node's refusal and must name the goal's field at
 fault (or the engine parameter it breaks), anything else is an internal error. One in fuzz.GENERATE valid plans
-also generates up to 4 tokens. The @example goals are defects the fuzz found, kept; the xfail one is still open.
+also generates up to 4 tokens. The @example goals are defects the fuzz found, kept.
 """
 
 from pathlib import Path
@@ -156,14 +156,13 @@ def test_a_random_image_goal_on_a_vision_target_is_planned_or_refused_naming_its
     check_goal(vision_engine, fields, pick)
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, RuntimeError),
-                   reason='known defect, not fixed here (engine/logits/ is being changed): a grammar with a rule that '
-                          'derives no text is planned when its first token has a choice, and decoding dead-ends '
-                          'after it (no token allowed, not even the end): GrammarConstraint.accept asserts (greedy), '
-                          'torch.multinomial raises (sampled)')
+# a grammar whose first token had a choice and then dead-ended (no token allowed, not even the end): planned, then
+# GrammarConstraint.accept asserted (greedy) or torch.multinomial raised (sampled); now refused at planning
 @pytest.mark.parametrize('temperature', [0.0, 1.0])
-def test_a_grammar_that_dead_ends_after_its_first_token_is_refused_or_ends(tiny_engine, temperature):
-    check_goal(tiny_engine, goal(grammar='root ::= "a" b\nb ::= b', temperature=temperature, seed=1), 0)
+def test_a_grammar_that_dead_ends_after_its_first_token_is_refused(tiny_engine, temperature):
+    outcome = check_goal(tiny_engine, goal(grammar='root ::= "a" b\nb ::= b', temperature=temperature, seed=1), 0)
+    assert outcome.plan is None and outcome.field == 'grammar', outcome
+    assert "'root', 'b' derive no finite text" in outcome.message, outcome.message
 
 
 def test_the_fuzz_tallies_a_run(tiny_engine):

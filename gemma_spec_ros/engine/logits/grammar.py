@@ -26,6 +26,7 @@ import xgrammar
 from ..conversation import tools as tool_rules
 from ..conversation.format import ConversationTokens
 from . import schema as schemas
+from .ebnf_rules import ebnf_grammar
 from .unique_tracker import TrackedGrammar, UniqueTracker, Vocabulary
 
 JSON_SCHEMA = schemas.JSON_SCHEMA
@@ -262,7 +263,7 @@ def constraint_grammar(kind: str, text: str, json_free_whitespace: bool = False,
         prepared = schemas.prepare(text, unenforced, tracked)
         build = lambda: _json_schema_grammar(prepared.grammar_text, json_free_whitespace, number_digits)  # noqa: E731
     elif kind == GRAMMAR:
-        build = lambda: xgrammar.Grammar.from_ebnf(text)  # noqa: E731
+        build = lambda: ebnf_grammar(text)  # noqa: E731
     else:
         raise ValueError('unknown constraint kind {!r}; use {!r} or {!r}'.format(kind, JSON_SCHEMA, GRAMMAR))
     try:
