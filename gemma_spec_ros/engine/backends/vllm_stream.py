@@ -144,7 +144,7 @@ class ServerClient:
                     from exc
             if response.status != 200:
                 self._refuse(path, response)
-            self._read_events(response, collected, on_delta)
+            self._read_events(response, collected, on_delta, cancel)
         finally:
             if watch is not None:
                 watch.stop()
@@ -163,8 +163,12 @@ class ServerClient:
             self.url, response.status, response.reason, path, message))
 
     def _read_events(self, response: http.client.HTTPResponse, collected: Collected,
-                     on_delta: DeltaCallback | None) -> None:
+                     on_delta: DeltaCallback | None, cancel: CancelToken | None = None) -> None:
         while True:
+            if cancel is not None and cancel.cancelled:
+                # stop at once: chunks the server sent before the watch closed the connection may sit in the
+                # buffer (a starved client would otherwise read a whole finished reply after the cancel)
+                return
             try:
                 line = response.readline()
             except TimeoutError as exc:
