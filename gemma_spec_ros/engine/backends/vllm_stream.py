@@ -60,18 +60,24 @@ class _CancelWatch:
     def _run(self) -> None:
         while not self._done.wait(self.POLL_SECONDS):
             if self._cancel.cancelled:
-                sock = self._connection.sock
-                if sock is not None:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+                self.shut()
                 return
+
+    def shut(self) -> None:
+        # shutdown, not close: the response still holds the socket, and only a shutdown ends the server's request
+        sock = self._connection.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def stop(self) -> None:
         self._done.set()
         if self._thread is not None:
             self._thread.join()
+        if self._cancel is not None and self._cancel.cancelled:   # the reader saw it first
+            self.shut()
 
 class ServerClient:
     """Calls to one vLLM server; thread-safe (each call opens its own connection)."""
