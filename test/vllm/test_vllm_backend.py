@@ -403,25 +403,31 @@ def test_one_backend_serves_concurrent_goals_exactly(server):
     requests = [GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=TOGETHER_TOKENS),
                 GenerationRequest(prompt=REPETITIVE_PROMPT, max_new_tokens=TOGETHER_TOKENS)]
     alone = [backend.generate(request) for request in requests]
-    arrivals, results, go = [[], []], [None, None], threading.Barrier(2)
 
-    def run(index):
-        go.wait()
-        results[index] = backend.generate(requests[index],
-                                          on_delta=lambda delta: arrivals[index].append(time.monotonic()))
+    def together() -> bool:
+        """Run both at once; assert each equals its run alone; return whether the streams interleaved."""
+        arrivals, results, go = [[], []], [None, None], threading.Barrier(2)
 
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for together, single in zip(results, alone, strict=True):
-        assert together.finish_reason == single.finish_reason == 'length'
-        assert together.token_ids == single.token_ids and together.text == single.text
-    # the streams interleave: each got chunks while the other was streaming
-    for mine, other in ((arrivals[0], arrivals[1]), (arrivals[1], arrivals[0])):
-        assert sum(other[0] < moment < other[-1] for moment in mine) >= 2, 'the goals ran one after the other'
-    assert all(result.server_wide for result in results)
+        def run(index):
+            go.wait()
+            results[index] = backend.generate(requests[index],
+                                              on_delta=lambda delta: arrivals[index].append(time.monotonic()))
+
+        threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for result, single in zip(results, alone, strict=True):
+            assert result.finish_reason == single.finish_reason == 'length'
+            assert result.token_ids == single.token_ids and result.text == single.text
+        assert all(result.server_wide for result in results)
+        # each got chunks while the other was streaming
+        return all(sum(other[0] < moment < other[-1] for moment in mine) >= 2
+                   for mine, other in ((arrivals[0], arrivals[1]), (arrivals[1], arrivals[0])))
+
+    # a thread that starts late on a loaded machine can find the other goal done: up to three tries to overlap
+    assert any(together() for _ in range(3)), 'the goals ran one after the other, three times'
 
 
 def test_tau_equals_tau_from_the_server_counters(backend):
