@@ -5,7 +5,10 @@ Every goal is accepted: an invalid one ends at once with the reason, a full queu
 per running slot (the backend's ``Capabilities.max_concurrent_goals``, set with ``set_max_running``) takes goals from
 the queue, runs each on the backend (``generate`` blocks, so each concurrent goal needs a thread of its own) and
 streams its text as feedback. A timer ends goals past queue.goal_timeout and goals whose every possible receiver
-(the action's feedback and status subscribers at acceptance) left the ROS graph.
+(the action's feedback and status subscribers at acceptance) left the ROS graph. When the last running goal ends
+and none waits, the worker gives the C heap's freed pages back to the OS (malloc_trim, at most once per
+IDLE_TRIM_INTERVAL): glibc keeps what the goals' threads freed resident in each thread's arena, a level that a soak
+saw creep up as rarer peaks came by.
 """
 
 import threading
@@ -18,7 +21,7 @@ from rclpy.action import ActionServer, CancelResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-from gemma_spec_ros.engine.backend import Backend, is_fatal_error
+from gemma_spec_ros.engine.backend import Backend, is_fatal_error, return_freed_memory
 from gemma_spec_ros.engine.types import WarningKind, parameter_name
 from gemma_spec_ros.ros.conversions import ImageLimits, delta_to_feedback, goal_to_request, result_to_msg
 from gemma_spec_ros.ros.diagnostics import GenerationMetrics
@@ -33,6 +36,7 @@ CANCEL_STATE_TIMEOUT = 2.0   # seconds to wait for rclpy to mark a cancelled goa
 RESULT_TIMEOUT = 60.0  # seconds a finished goal's result is kept (rclpy: 900); bounds what busy goals hold
 SUPERVISE_PERIOD = 0.25  # seconds between checks for goals past queue.goal_timeout or without a receiver
 ABORT_OUTCOMES = {'busy': 'busy', 'timeout': 'timed out'}  # finish_reason -> diagnostics outcome
+IDLE_TRIM_INTERVAL = 30.0  # s: the most often an idle node returns freed heap to the OS (a trim takes milliseconds)
 
 
 class GoalServer:
@@ -62,6 +66,9 @@ class GoalServer:
         node.create_timer(SUPERVISE_PERIOD, self._supervise, callback_group=MutuallyExclusiveCallbackGroup())
         self._workers: list[threading.Thread] = []
         self._workers_lock = threading.Lock()
+        self._trim_lock = threading.Lock()
+        self._trimmed_at = time.monotonic()
+        self.idle_trims = 0  # malloc_trim calls when the node went idle
         self.set_max_running(queue.max_running)
 
     def _param(self, name):
@@ -167,6 +174,19 @@ class GoalServer:
                 self._generate(job)
             finally:
                 self._queue.finished(job)
+            self._trim_when_idle()
+
+    def _trim_when_idle(self) -> None:
+        """Return the heap's freed pages to the OS once no goal runs or waits (at most every IDLE_TRIM_INTERVAL)."""
+        if time.monotonic() - self._trimmed_at < IDLE_TRIM_INTERVAL or self._queue.depth() != (0, 0) or \
+                not self._trim_lock.acquire(blocking=False):
+            return
+        try:
+            self._trimmed_at = time.monotonic()
+            return_freed_memory()  # ctypes lets go of the GIL: a goal arriving meanwhile is accepted at once
+            self.idle_trims += 1
+        finally:
+            self._trim_lock.release()
 
     def _generate(self, job: Job):
         def on_delta(delta):

@@ -267,11 +267,13 @@ class GemmaSpecNode(LifecycleNode):
 
     def _memory_task(self, stat):
         device = self._backend.device if self._backend is not None else 'cpu'
-        return diagnostics.fill_memory_status(
+        diagnostics.fill_memory_status(
             stat, diagnostics.read_memory(device),
             rss_budget_mb=self._param('diagnostics.rss_budget_mb'),
             min_mem_available_mb=self._param('diagnostics.min_mem_available_mb'),
             cuda_reserved_budget_mb=self._param('diagnostics.cuda_reserved_budget_mb'))
+        stat.add('heap trims when idle', str(self._goals.idle_trims))  # goal_server.IDLE_TRIM_INTERVAL
+        return stat
 
     # ---- shutdown ----------------------------------------------------------------------------
 

