@@ -300,6 +300,7 @@ STUDIES = {
     'prefix': ('decode.prefix', 'time to first token with a long fixed system prompt: cold, prefix-cache hit, off'),
     'quantization': ('decode.quantization', 'int8 / int4 / float16 weights: speed, quality, the E2B-shaped model'),
     'batching': ('decode.batching', 'continuous batching: N concurrent goals against one at a time'),
+    'drafters': ('decode.drafters', 'the drafters against each other, auto among them, per category'),
     'fast-measure': ('decode.fast_measure', 'decode-path timings: compiled passes, warm-up, threads'),
     'acceptance-map': ('decode.acceptance_map', "how many of each drafter's drafts the target accepts, by position"),
     'adaptive-replay': ('decode.adaptive_replay', 'adaptive K replayed against every fixed K on recorded traces'),

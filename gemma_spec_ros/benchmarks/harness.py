@@ -49,9 +49,10 @@ class Settings:
             raise ValueError('repeats must be >= 1, got {}'.format(self.repeats))
         if not self.ks or min(self.ks) < 1:
             raise ValueError('K values must be >= 1, got {}'.format(self.ks))
-        unknown = [d for d in self.drafters if d not in DRAFTERS or d == 'none']
+        unknown = [d for d in self.drafters if d not in DRAFTERS or d in ('none', 'auto')]
         if unknown:
-            raise ValueError('unknown drafters {}; choose from ngram, draft, mtp'.format(unknown))
+            raise ValueError('unknown drafters {}; choose from ngram, draft, mtp (auto, which transformers lacks: '
+                             'bench drafters)'.format(unknown))
         if self.threads < 1:
             raise ValueError('threads must be >= 1, got {}'.format(self.threads))
         check_compile_modes(self.compile_modes)

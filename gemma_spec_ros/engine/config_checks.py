@@ -9,7 +9,7 @@ The node's parameter callbacks, loading and the request rules go through these; 
 
 import dataclasses
 
-from .types import DRAFTERS, REGISTRY, EngineConfig, parameter_name
+from .types import AUTO, DRAFTERS, REGISTRY, EngineConfig, parameter_name
 
 
 def check_config(config: EngineConfig) -> None:
@@ -17,8 +17,8 @@ def check_config(config: EngineConfig) -> None:
     for field in dataclasses.fields(EngineConfig):
         value, meta, name = getattr(config, field.name), field.metadata, parameter_name(field.name)
         check_parameter(name, value, meta['choices'], meta['limits'])
-    spec = REGISTRY[config.drafter]
-    if spec.path_field and not getattr(config, spec.path_field):
+    spec = REGISTRY.get(config.drafter)  # auto: whatever drafters load
+    if spec is not None and spec.path_field and not getattr(config, spec.path_field):
         raise ValueError('drafter {!r} needs {} (the {} directory)'.format(
             config.drafter, parameter_name(spec.path_field), spec.role))
     check_num_draft_tokens(config.num_draft_tokens, config)
@@ -87,9 +87,11 @@ def check_max_new_tokens(max_new_tokens: int, config: EngineConfig) -> None:
 
 
 def check_drafter(name: str, loaded) -> None:
-    """Raise ValueError when drafter name is unknown or its model was not loaded."""
+    """Raise ValueError when drafter name is unknown or its model was not loaded (auto: when loaded lacks it)."""
     if name not in DRAFTERS:
         raise ValueError('unknown drafter {!r}; choose one of {}'.format(name, ', '.join(DRAFTERS)))
+    if name == AUTO and name not in loaded:
+        raise ValueError('drafter {!r} is not served by this backend'.format(name))
     if name not in loaded:
         raise ValueError('drafter {!r} is not loaded: set {} to its model directory'.format(
             name, parameter_name(REGISTRY[name].path_field)))

@@ -182,6 +182,7 @@ class RoundTally:
     drafted_at: list[int] = field(default_factory=list)    # [K] rounds that drafted position i
     accepted_at: list[int] = field(default_factory=list)   # [K] rounds that accepted position i
     by_draft_length: list[int] = field(default_factory=lambda: [0])  # [K + 1] rounds that drafted k tokens
+    by_drafter: dict[str, int] = field(default_factory=dict)  # rounds by the drafter that drafted ('none': nothing)
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) from the first token on
     image_seconds: float = 0.0      # the vision tower on the goal's images, before the target's prefill
     cached_prompt_tokens: int = 0   # prompt tokens the prefix cache held (not prefilled)
@@ -190,8 +191,11 @@ class RoundTally:
         self.target_passes += 1
         self.arrivals.append((first_token_time, 1))
 
-    def add_round(self, num_drafted: int, num_accepted: int, emitted_time: float) -> None:
+    def add_round(self, num_drafted: int, num_accepted: int, emitted_time: float, drafter: str = 'none') -> None:
+        """Count a decode round: num_accepted of num_drafted drafts (by drafter) kept, emitted at emitted_time."""
         self.rounds += 1
+        name = drafter if num_drafted else 'none'
+        self.by_drafter[name] = self.by_drafter.get(name, 0) + 1
         self.target_passes += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
@@ -219,7 +223,7 @@ def generation_stats(tally: RoundTally, prompt_tokens: int, new_tokens: int, sta
         acceptance_rate=acceptance_rate(tally.accepted, tally.drafted),
         per_position_acceptance=[a / d for a, d in zip(tally.accepted_at, tally.drafted_at, strict=True)],
         mean_num_draft_tokens=tally.drafted / tally.rounds if tally.rounds else 0.0,
-        rounds_by_draft_length=list(tally.by_draft_length),
+        rounds_by_draft_length=list(tally.by_draft_length), rounds_by_drafter=dict(tally.by_drafter),
         draft_cost_ratio=draft_cost_ratio, drafter=drafter, paused_rounds=tally.paused_rounds,
         time_to_first_token=first_token_time - started,
         inter_token_latency_p50=percentile(gaps, 50), inter_token_latency_p95=percentile(gaps, 95),

@@ -47,7 +47,8 @@ REGISTRY = {
     'draft': DrafterSpec('draft_model', 'DraftModelDrafter', 'draft_model_path', 'draft model'),
     'ngram': DrafterSpec('ngram', 'NgramDrafter', '', 'prompt lookup'),
 }
-DRAFTERS = tuple(REGISTRY)
+AUTO = 'auto'  # not a drafter of its own: every round, the loaded drafter expected to be fastest (decoding/auto.py)
+DRAFTERS = tuple(REGISTRY) + (AUTO,)  # what a goal or engine.drafter may name
 
 
 def one_call_per_draft(num_drafts: int) -> int:
@@ -226,7 +227,9 @@ class GenerationStats:
     rounds_by_draft_length: list[int] = field(default_factory=list)  # [max drafts + 1] decode rounds that drafted
                                                                      # k tokens (k = 0: a plain round)
     draft_cost_ratio: float = 0.0      # measured c
-    drafter: str = 'none'              # drafter actually used
+    drafter: str = 'none'              # drafter actually used ('auto': the drafter was chosen per round)
+    rounds_by_drafter: dict[str, int] = field(default_factory=dict)  # decode rounds by the drafter that drafted
+                                                                     # them ('none': rounds that drafted nothing)
     paused_rounds: int = 0             # decode rounds run plain because the profit gate paused speculation
     time_to_first_token: float = 0.0   # seconds
     inter_token_latency_p50: float = 0.0

@@ -11,7 +11,7 @@ before a goal speculated, percentiles of an empty window) is NaN there and shows
 
 import math
 import threading
-from collections import deque
+from collections import Counter, deque
 
 from diagnostic_msgs.msg import DiagnosticStatus
 from diagnostic_updater import FrequencyStatus, FrequencyStatusParam, Updater  # noqa: F401 (Updater: the node's)
@@ -123,7 +123,9 @@ class GenerationMetrics:
                     'decode_time': decode_tokens / stats.tokens_per_second if rate_known else 0.0,
                     # the vision tower's share of the prefill, apart from the text; NaN for a goal without images
                     'image_prefill_ms': stats.image_prefill_ms if stats.image_prefill_ms > 0 else math.nan,
-                    'gaps': gaps})
+                    'gaps': gaps,
+                    # decode rounds by the drafter that drafted them (an auto goal's several; 'none': plain rounds)
+                    'rounds_by_drafter': dict(getattr(stats, 'rounds_by_drafter', None) or {})})
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -144,7 +146,8 @@ class GenerationMetrics:
             queue_wait_p50=percentile(waits, 50), queue_wait_p95=percentile(waits, 95),
             itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95),
             image_prefill_ms_p50=percentile(image_prefills, 50), image_prefill_ms_p95=percentile(image_prefills, 95),
-            image_goals_in_window=len(image_prefills))
+            image_goals_in_window=len(image_prefills),
+            rounds_by_drafter=sum((Counter(g['rounds_by_drafter']) for g in window), Counter()))
         return figures
 
 
@@ -239,7 +242,9 @@ def fill_engine_status(stat, state, error, status, metrics, loading_seconds=0.0,
             ('tau (lifetime)', _figure(status.tau_lifetime)),
             ('acceptance rate (window)', _figure(figures['acceptance_rate'])),
             ('acceptance rate (lifetime)', _figure(status.acceptance_rate_lifetime)),
-            ('drafter fallbacks', figures['drafter_fallbacks'])):
+            ('drafter fallbacks', figures['drafter_fallbacks']),
+            ('rounds by drafter (window)', ', '.join('{} {}'.format(name, rounds) for name, rounds in sorted(
+                figures['rounds_by_drafter'].items())) or '-')):
         stat.add(key, str(value))
     if status.kv_cache_slot_bytes:
         stat.add('KV cache MiB per batch slot (target)', '{:.1f}'.format(mib(status.kv_cache_slot_bytes)))

@@ -169,6 +169,21 @@ def test_tau_and_acceptance_read_a_dash_until_a_goal_speculates():
                                    'acceptance rate (lifetime)')] == ['5.500', '4.000', '0.750', '0.750']
 
 
+def test_the_engine_task_counts_each_drafter_s_rounds_over_the_window():
+    metrics = diagnostics.GenerationMetrics()
+    status = EngineStatus(drafter='auto', speculating=True)
+    empty = values(diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', status, metrics))
+    assert empty['rounds by drafter (window)'] == '-'
+    auto = result(drafter='auto')
+    auto.stats.rounds_by_drafter = {'ngram': 7, 'mtp': 3, 'none': 1}
+    single = result(drafter='mtp')
+    single.stats.rounds_by_drafter = {'mtp': 4}
+    for goal in (auto, single):
+        metrics.record('succeeded', goal)
+    stat = values(diagnostics.fill_engine_status(DiagnosticStatusWrapper(), 'ready', '', status, metrics))
+    assert stat['rounds by drafter (window)'] == 'mtp 7, ngram 7, none 1'
+
+
 def test_generation_task_window_and_latency_budget():
     metrics = diagnostics.GenerationMetrics(window=2)
     metrics.record('succeeded', result(ttft=0.1), [(0.0, 0), (0.1, 1), (0.3, 2), (0.4, 1)])

@@ -1,5 +1,5 @@
 """
-The adaptive speculation controller: K per round, the confidence cut-off, and whether speculating pays at all.
+The adaptive speculation controller: K per round, the cut-off, whether speculating pays, an auto goal's drafter.
 
 All from online measurements, in pure Python (no torch); docs/adaptive-k.md explains the method. The modules:
 
@@ -13,12 +13,14 @@ All from online measurements, in pure Python (no torch); docs/adaptive-k.md expl
 - exploration.py: rounds that draft K + 1 to measure the next position, and what exploring costs.
 - cutoff.py: the confidence cut-off, calibrated by replaying recent uncut rounds.
 - decision.py: Decision, what the controller tells the engine before a round.
+- choice.py: DrafterChoice, the drafter of each round of an auto goal, from its members' controllers.
 """
 
 from .batch_cost import GoalPassCost
+from .choice import DrafterChoice
 from .controller import SpeculationController
 from .cutoff import drafts_under_cutoff
 from .decision import Decision
 from .target_cost import TargetCost
 
-__all__ = ['Decision', 'GoalPassCost', 'SpeculationController', 'TargetCost', 'drafts_under_cutoff']
+__all__ = ['Decision', 'DrafterChoice', 'GoalPassCost', 'SpeculationController', 'TargetCost', 'drafts_under_cutoff']

@@ -32,6 +32,7 @@ class SpeculationController:
         self.cutoffs = CutoffCalibration(self.costs)
         self._exploration = Exploration(self.rates)
         self._pending: Decision | None = None  # the last decision, to account its exploration cost
+        self.rounds_unjudged = 0  # auto goals' rounds since this drafter's drafts were last judged (control.choice)
 
     # ------------------------------------------------------------------------------------------ reading
     @property
@@ -75,24 +76,38 @@ class SpeculationController:
         """Tokens per round a round with k drafts needs to match plain decoding: cost(k) / cost(plain)."""
         return self.costs.break_even_tau(k)
 
+    def expected_rate(self, k: int | None = None, state: int | None = None) -> float | None:
+        """
+        Return the tokens per load-free second a round promises: k drafts or the best K (None: not measured).
+
+        state: the acceptance state to read (estimator.AFTER_MISS or AFTER_FULL; None: the current one).
+        """
+        shape, curve = self.target_cost.relative(), self.acceptance.position_alpha(state)
+        if k is None:
+            return self.rates.best(curve, shape)[1]
+        return self.rates.rate(k, shape, curve)
+
     def may_speculate_next(self) -> bool:
         """Tell whether the next round may draft (False only when decide() will surely run it plain)."""
         return self.gate.may_speculate_next()
 
     # ------------------------------------------------------------------------------------------ requests and rounds
-    def start(self, draft_calls: Callable[[int], int] | None = None, *, pinned_k: bool = False) -> None:
+    def start(self, draft_calls: Callable[[int], int] | None = None, *, pinned_k: bool = False,
+              probe_now: bool = True) -> None:
         """
         Note that a request begins (optional).
 
         draft_calls: how many calls its drafter makes for a round of k drafts (Drafter.draft_calls; None: as
         before). Unless the request pins K, its text may differ from the last one's: the state starts over and a
-        paused gate probes at once. A pinned request is only measured.
+        paused gate probes at once (unless probe_now is False: an auto goal, where other drafters draft meanwhile,
+        probes at the gate's pace). A pinned request is only measured.
         """
         if draft_calls is not None:
             self.costs.set_draft_calls(draft_calls)
         if not pinned_k:
             self.acceptance.start()
-            self.gate.start()
+            if probe_now:
+                self.gate.start()
 
     def decide(self) -> Decision:
         """K (and cut-off) for the next round, applying the profit gate, probes and bounded exploration."""
@@ -111,6 +126,18 @@ class SpeculationController:
         if self._exploration.tries_longer(k, best, curve, shape):
             return Decision(k + 1, True, cutoff, exploring=True)
         return Decision(k, True, cutoff)
+
+    def record_unrun(self, num_drafted: int, num_accepted: int) -> None:
+        """
+        Record the acceptance of a round this drafter did not run, judged exactly from the output (auto goals).
+
+        A greedy target's tokens do not depend on the drafts: a draft the drafter can make at no cost (prompt
+        lookup) is judged against the tokens another drafter's round emitted. Acceptance only: nothing was timed.
+        """
+        if num_drafted == 0:
+            self.acceptance.record_plain(paused=False)
+        else:
+            self.acceptance.record(num_drafted, num_accepted)
 
     def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, *,
                confidences: list[float] | None = None, round_seconds: float | None = None) -> None:

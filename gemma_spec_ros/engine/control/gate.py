@@ -83,6 +83,11 @@ class ProfitGate:
         loss = PROBE_ROUNDS * max(0.0, cost - expected_tokens(rates.acceptance.position_alpha(), k) * plain)
         return min(self.probe_interval, max(MIN_PROBE_EVERY, math.ceil(loss / (PROBE_BUDGET * plain))))
 
+    @property
+    def probing(self) -> bool:
+        """Whether a probe is under way while paused: probe rounds left, or one just ended to be judged."""
+        return not self.speculating and bool(self._probe_left or self._probed)
+
     def may_speculate_next(self) -> bool:
         """Tell whether the next round may draft (False only when decide() will surely run it plain)."""
         if not self.enabled or self.speculating or self._probe_left or self._probed:

@@ -39,13 +39,30 @@ class Rates:
             choices.append((tokens / cost, k, tokens, survive, cost))
         return choices
 
+    def best_choice(self, rates: list[float], shape: list[float | None]) -> tuple | None:
+        """
+        Return max(choices(rates, shape)) without building them all (None: unmeasured).
+
+        Every round asks for it (an auto goal for each of its drafters); ties go to the longer K, as max() does.
+        """
+        if not self.costs.drafting_measured or shape[1] is None:
+            return None
+        best, tokens, survive = None, 1.0, 1.0
+        drafting, overhead = self.costs.drafting_table(), self.costs.overhead
+        for k in range(1, self.max_k + 1):
+            survive *= rates[k - 1]
+            tokens += survive
+            cost = drafting[k] + shape[k + 1] + overhead
+            if best is None or tokens / cost >= best[0]:
+                best = (tokens / cost, k, tokens, survive, cost)
+        return best
+
     def best(self, rates: list[float], shape: list[float | None]) -> tuple[int, float | None]:
         """Return the K >= 1 with the highest expected rate and that rate (max_k // 2, None before measurements)."""
-        choices = self.choices(rates, shape)
-        if choices is None:
+        choice = self.best_choice(rates, shape)
+        if choice is None:
             return max(1, self.max_k // 2), None
-        rate, k, *_ = max(choices)
-        return k, rate
+        return choice[1], choice[0]
 
     def best_k(self) -> int:
         """Return the K >= 1 with the highest expected rate in the current state (max_k // 2 before measurements)."""
@@ -53,11 +70,11 @@ class Rates:
 
     def policy_rate(self, curves: list[list[float]], shape: list[float | None]) -> float | None:
         """Long-run tokens per load-free second of the best K in each state, the states weighted as they occur."""
-        best = [self.choices(curve, shape) for curve in curves]
-        if any(choices is None for choices in best):
+        best = [self.best_choice(curve, shape) for curve in curves]
+        if any(choice is None for choice in best):
             return None
         # per state: the best K's tokens, chance that the next round starts AFTER_FULL, cost
-        _, ks, tokens, survive, costs = zip(*(max(choices) for choices in best), strict=True)
+        _, ks, tokens, survive, costs = zip(*best, strict=True)
         full = [all_kept if k >= FULL_MIN_DRAFTS else 0.0 for k, all_kept in zip(ks, survive, strict=True)]
         share_full = full[AFTER_MISS] / (1 - full[AFTER_FULL] + full[AFTER_MISS])  # stationary two-state chain
         weights = (1 - share_full, share_full)

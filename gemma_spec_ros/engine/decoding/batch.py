@@ -54,8 +54,9 @@ class BatchGoal:
     steps_before: tuple[int, int]
     slot: int = -1                                   # its KV-cache slot once admitted
     admitted: float | None = None                    # when it got its slot
-    pass_cost: GoalPassCost | None = None            # its share of the batched passes (with a controller)
-    idle_controllers: list | None = None             # where its controller goes when it ends (its drafter's)
+    # its controllers (an auto goal: one per member) with their pools, where each goes when it ends (its
+    # drafter's), and their share of the batched passes
+    leases: dict[SpeculationController, tuple[list, GoalPassCost]] = field(default_factory=dict)
     decision: Decision = field(default_factory=lambda: Decision(0, True))  # this round's K
     proposal: Proposal | None = None                 # this round's drafts
     drafts: list[int] = field(default_factory=list)  # ... as token ids
@@ -112,9 +113,9 @@ class BatchScheduler:
                                 goal.decision.speculating, tau(len(goal.run.generated), goal.run.tally.target_passes),
                                 len(goal.run.generated), goal.admitted - goal.started) for goal in goals]
 
-    def takes(self, drafter: Drafter) -> bool:
-        """Whether a goal with this drafter is decoded in the batch (else it runs on the single-goal path)."""
-        return drafter.name in self._drafters
+    def takes(self, run: Run) -> bool:
+        """Whether a goal with these drafters is decoded in the batch (else it runs on the single-goal path)."""
+        return all(drafter.name in self._drafters for drafter in run.drafters())
 
     def generate(self, run: Run, on_delta: DeltaCallback | None, cancel: CancelToken | None,
                  steps_before: tuple[int, int]) -> GenerationResult:
@@ -205,9 +206,7 @@ class BatchScheduler:
                 self._slots[free] = goal
             try:
                 goal.admitted = time.perf_counter()
-                drafter = goal.run.drafter
-                goal.run.drafter = drafter.for_batch(free)
-                self._start_controller(goal, drafter)
+                self._join(goal, free)
                 if goal.cancel is not None and goal.cancel.cancelled:  # cancelled while it waited: nothing runs
                     goal.run.finish = 'cancelled'
                     self._end(goal)
@@ -216,23 +215,34 @@ class BatchScheduler:
             except Exception as exc:  # noqa: BLE001 (the goal's caller gets it; the others go on)
                 self._end(goal, exc)
 
-    def _start_controller(self, goal: BatchGoal, drafter: Drafter) -> None:
+    def _join(self, goal: BatchGoal, slot: int) -> None:
+        """Give the goal its slot's drafters (Drafter.for_batch) and, where it speculates, controllers of its own."""
+        run = goal.run
+        if run.auto is not None:  # each member, with a controller of its own
+            for name, drafter in run.auto.for_batch(slot).items():
+                run.auto.controllers[name] = self._lease(goal, drafter, run.auto.drafters[name])
+            return
+        drafter = run.drafter
+        run.drafter = drafter.for_batch(slot)
+        if run.controller is not None:  # not drafter none, nor one whose model failed to load
+            run.controller = self._lease(goal, drafter, run.drafter)
+
+    def _lease(self, goal: BatchGoal, drafter: Drafter, own: Drafter) -> SpeculationController:
         """
-        Give a speculating goal a controller of its own, on its share of the batched passes.
+        Return a controller of the goal's own for drafter (own: the goal's drafter of it), on its pass share.
 
         One that an earlier goal of its drafter left, if any: what it learned of the drafter's acceptance and
         drafting cost carries over, as the single-goal engine's one controller per drafter does (not that one: its
         costs are single-goal passes). A pinned K is only measured, as on the single-goal path.
         """
-        run = goal.run
-        if run.controller is None:  # drafter none, or its model failed to load
-            return
-        goal.idle_controllers = self._idle_controllers.setdefault(drafter, [])
-        if goal.idle_controllers:
-            run.controller, goal.pass_cost = goal.idle_controllers.pop()
+        pool = self._idle_controllers.setdefault(drafter, [])
+        if pool:
+            controller, pass_cost = pool.pop()
         else:
-            goal.pass_cost = GoalPassCost(self.pass_costs[row_bucket(goal.slot + 1, self.num_slots)])
-            run.controller = self._rounds.new_controller(run.drafter, goal.pass_cost)
+            pass_cost = GoalPassCost(self.pass_costs[row_bucket(goal.slot + 1, self.num_slots)])
+            controller = self._rounds.new_controller(own, pass_cost)
+        goal.leases[controller] = pool, pass_cost
+        return controller
 
     def _prefill(self, goal: BatchGoal) -> None:
         """Put the goal's prompt into its slot and pick (and stream) its first token."""
@@ -304,12 +314,13 @@ class BatchScheduler:
 
     def _share_pass(self, goal: BatchGoal, goals: list[BatchGoal], batch: int) -> None:
         """Price a speculating goal's verify passes at its share of this round's batched pass."""
-        if goal.run.controller is None:
+        if not goal.leases:
             return
         others = [other for other in goals if other is not goal]
         partners = [other for other in others if self._speculates_as_it_chooses(other)]
-        goal.pass_cost.share(self.pass_costs[batch], len(goals), len(partners),
-                             [other.width for other in others if other not in partners])
+        for _, pass_cost in goal.leases.values():
+            pass_cost.share(self.pass_costs[batch], len(goals), len(partners),
+                            [other.width for other in others if other not in partners])
 
     @staticmethod
     def _speculates_as_it_chooses(goal: BatchGoal) -> bool:
@@ -337,10 +348,12 @@ class BatchScheduler:
         cache.crop(-(width - verdict[0] - 1))       # ... the last token and the accepted drafts stay
         own_pass = StepOutput(out.logits[slot:slot + 1, :len(drafts) + 1], out.hidden[slot:slot + 1, :len(drafts) + 1])
         new_tokens = rounds.accept(run, goal.proposal, own_pass, verdict)
-        if run.controller is not None:  # its drafting, its share of the pass, its own work
-            goal.pass_cost.record_pass(goal.width)
+        for _, pass_cost in goal.leases.values():
+            pass_cost.record_pass(goal.width)
+        if run.speculates:  # its drafting, its share of the pass, its own work
+            share = goal.leases[run.controller][1].last_seconds if run.controller in goal.leases else None
             rounds.record(run, goal.proposal, verdict[0], goal.draft_seconds, goal.draft_seconds + (
-                goal.pass_cost.last_seconds or 0.0) + time.perf_counter() - accept_started)
+                share or 0.0) + time.perf_counter() - accept_started)
         self._emit(goal, new_tokens)
 
     def _emit(self, goal: BatchGoal, new_tokens: list[int]) -> None:
@@ -358,8 +371,10 @@ class BatchScheduler:
                 goal.result = self._rounds.result(goal.run, goal.started, goal.steps_before, self.rows.mode)
         except Exception as exc:  # noqa: BLE001 (its caller gets it, never a wait without end)
             error = exc
-        if goal.idle_controllers is not None and goal.run.controller is not None:  # not after a drafter failure
-            goal.idle_controllers.append((goal.run.controller, goal.pass_cost))
+        kept = {controller for _, controller in goal.run.speculators()}  # not after a drafter failure
+        for controller, (pool, pass_cost) in goal.leases.items():
+            if controller in kept:
+                pool.append((controller, pass_cost))
         goal.error = error
         goal.done.set()
 

@@ -19,6 +19,7 @@ from ..runtime.model.prefix_cache import PrefixCache
 from ..runtime.steps import causal_lm
 from ..runtime.steps.warmup import STOP_WAIT_SECONDS, Warmup, order_jobs, step_calls, warm_up_blocking
 from ..types import (
+    AUTO,
     REGISTRY,
     CancelToken,
     DeltaCallback,
@@ -32,7 +33,7 @@ from ..types import (
     WarmupState,
     WarningKind,
 )
-from . import calibration, images
+from . import auto, calibration, images
 from .batch import BatchScheduler, start_batching
 from .loading import load_parts, ready_message
 from .rounds import Rounds
@@ -215,13 +216,14 @@ class Engine(Backend):
                                               "transformers' forward: goals run one at a time"))
         return warnings
 
-    def _usable_drafters(self):
-        return set(self._drafters) | set(self.drafter_errors)  # a broken drafter runs plain, with a warning
+    def _usable_drafters(self):  # a broken drafter runs plain, with a warning; auto chooses among the loaded ones
+        return set(self._drafters) | set(self.drafter_errors) | {AUTO}
 
     def status(self) -> EngineStatus:
         """Return a snapshot for diagnostics (safe from any thread)."""
         name = self._default_drafter
-        path = getattr(self.config, REGISTRY[name].path_field) if REGISTRY[name].path_field else ''
+        spec = REGISTRY.get(name, REGISTRY['none'])  # auto: no model of its own
+        path = getattr(self.config, spec.path_field) if spec.path_field else ''
         warmup = self._warmup_state if self._warmup is None else self._warmup.state()
         tau_lifetime, acceptance_lifetime = self._rounds.lifetime()
         status = EngineStatus(
@@ -233,7 +235,7 @@ class Engine(Backend):
             tau_lifetime=tau_lifetime, acceptance_rate_lifetime=acceptance_lifetime,
             disabled_drafters=list(self.drafter_errors.values()), prefix_cache=self._prefix_status())
         with self._rounds.measure_lock:
-            controller = self._controllers.get(name)
+            controller = self._controllers.get(name) if name != AUTO else auto.preferred(self._controllers)
             if controller is not None:
                 k = self._default_k or controller.best_k()
                 status.num_draft_tokens = k
@@ -268,7 +270,7 @@ class Engine(Backend):
         """Run one request (or a plan from validate); one StreamDelta per verify round. One request at a time."""
         plan = request if isinstance(request, RequestPlan) else self.validate(request)
         run = self._new_run(plan)
-        if self._batch is not None and self._batch.takes(run.drafter) and not plan.images:  # images: one at a time
+        if self._batch is not None and self._batch.takes(run) and not plan.images:  # images: one at a time
             return self._batch.generate(run, on_delta, cancel, step_calls(self._step_runners))
         with self._lock, torch.inference_mode():
             return self._run(run, on_delta, cancel)
@@ -338,6 +340,8 @@ class Engine(Backend):
         if plan.drafter in self.drafter_errors:
             run.warnings.append(GenerationWarning(WarningKind.DRAFTER_FALLBACK, '{}; ran plain decoding'.format(
                 self.drafter_errors[plan.drafter].describe())))
+        elif plan.drafter == AUTO:  # every loaded drafter but none, with its controller (decoding/auto.py)
+            run.auto = auto.AutoDrafting({n: d for n, d in self._drafters.items() if n != 'none'}, self._controllers)
         else:
             run.drafter, run.controller = self._drafters[plan.drafter], self._controllers.get(plan.drafter)
         return run
@@ -355,7 +359,7 @@ class Engine(Backend):
             self._rounds.start(run)
             soft = images.soft_tokens(self._vision, run)
             out, run.tally.cached_prompt_tokens = self._target.prefill_prompt(
-                torch.tensor([run.tokens], device=self._device), self._prefix, 1, run.drafter.needs_target_states,
+                torch.tensor([run.tokens], device=self._device), self._prefix, 1, run.needs_target_states,
                 soft, images.image_keys(run, soft))
             new_tokens = self._rounds.first_token(run, out)
             while not self._rounds.emit(run, new_tokens, on_delta, cancel):
@@ -374,9 +378,7 @@ class Engine(Backend):
 
         # verify: one target pass over [last token, d1..dK]; the MTP drafter reads this pass's hidden state and
         # K/V, unless the next round is surely plain
-        with rounds.measure_lock:
-            may_draft_next = run.controller is None or run.controller.may_speculate_next()
-        want_states = run.drafter.needs_target_states and (run.plan.pinned_k > 0 or may_draft_next)
+        want_states = rounds.wants_states(run)
         pass_tokens = run.last_token if proposal is None else torch.cat([run.last_token, proposal.tokens])
         out = self._target.append(pass_tokens.unsqueeze(0), logits_to_keep=0, want_states=want_states)
         if rounds.takes_pass_verdict(run) and out.greedy_row is not None:

@@ -50,13 +50,15 @@ class Rounds:
 
     # --------------------------------------------------------------------------------------------- the round
     def start(self, run: Run) -> None:
-        """Start the goal's drafter on its prompt and its controller on a new text (before its prefill)."""
-        self.call_drafter(run, lambda: run.drafter.start(run.tokens))
-        if run.controller is not None:
-            with self.measure_lock:
-                # a new text: a gate paused on the previous one probes at once (unless the request pins K)
-                run.controller.start(run.drafter.draft_calls(run.plan.sampling, run.constraint is not None),
-                                     pinned_k=bool(run.plan.pinned_k))
+        """Start the goal's drafters on its prompt and their controllers on a new text (before its prefill)."""
+        for drafter in run.drafters():
+            self.call_drafter(run, lambda drafter=drafter: drafter.start(run.tokens), drafter)
+        with self.measure_lock:
+            for drafter, controller in run.speculators():
+                # a new text: a gate paused on the previous one probes at once (unless the request pins K; an auto
+                # goal's members probe at their gates' pace, the others drafting meanwhile)
+                controller.start(drafter.draft_calls(run.plan.sampling, run.constraint is not None),
+                                 pinned_k=bool(run.plan.pinned_k), probe_now=run.auto is None)
 
     def first_token(self, run: Run, out: StepOutput) -> list[int]:
         """Pick the first token from the prefill pass (its last position in out) and let the drafter see the pass."""
@@ -66,7 +68,8 @@ class Rounds:
         sampling = run.plan.sampling
         run.last_token = logits.argmax(dim=-1) if sampling.greedy else sample(logits_to_probs(logits, sampling),
                                                                               run.generator)
-        self.call_drafter(run, lambda: run.drafter.observe(out, 1, 1))  # out holds the last prompt position
+        for drafter in run.drafters():  # out holds the last prompt position
+            self.call_drafter(run, lambda drafter=drafter: drafter.observe(out, 1, 1), drafter)
         run.tally.add_prefill(time.perf_counter())
         return [run.last_token.item()]
 
@@ -77,9 +80,14 @@ class Rounds:
         The budget leaves room for the round's own next token within max_new_tokens and the context.
         """
         budget = min(run.plan.max_new_tokens - len(run.generated), self.context_limit - len(run.tokens)) - 1
-        if run.controller is None:
+        if run.auto is not None:  # the round's member drafts it, as its controller decides (decoding/auto.py)
+            with self.measure_lock:
+                drafter, run.controller, decision = run.auto.choose(run.tokens, run.plan.pinned_k,
+                                                                    run.plan.sampling.greedy)
+            run.drafter = drafter or self._plain
+        elif run.controller is None:
             return Decision(0, False), 0
-        if run.plan.pinned_k:
+        elif run.plan.pinned_k:
             decision = Decision(run.plan.pinned_k, True)
         else:
             with self.measure_lock:
@@ -97,6 +105,13 @@ class Rounds:
             return None
         context = self.draft_context(run, decision)
         return self.call_drafter(run, lambda: run.drafter.propose(context, k))
+
+    def wants_states(self, run: Run) -> bool:
+        """Whether the round's pass must return what a drafter reads next round (MTP: unless surely plain next)."""
+        if not run.needs_target_states or run.auto is not None or run.plan.pinned_k:
+            return run.needs_target_states
+        with self.measure_lock:
+            return run.controller is None or run.controller.may_speculate_next()
 
     @staticmethod
     def takes_pass_verdict(run: Run) -> bool:
@@ -129,24 +144,32 @@ class Rounds:
         """
         Take a verdict on the host (the accepted count, the drafts, ..., the next token) once the cache kept its K/V.
 
-        The drafter sees the goal's pass (out: its row only) and rolls back likewise. last_token: the next token
-        already on the device, if at hand. Returns the round's tokens: the accepted drafts and the next token.
+        The drafters see the goal's pass (out: its row only; an auto goal's members all do, whoever drafted) and
+        roll back likewise. last_token: the next token already on the device, if at hand. Returns the round's
+        tokens: the accepted drafts and the next token.
         """
-        num_drafted, accepted = self.num_drafted(proposal), verdict[0]
-        self.call_drafter(run, lambda: run.drafter.observe(out, num_drafted + 1, accepted + 1))
+        num_drafted, accepted, name = self.num_drafted(proposal), verdict[0], run.drafter.name
+        for drafter in run.drafters():
+            self.call_drafter(run, lambda drafter=drafter: drafter.observe(out, num_drafted + 1, accepted + 1),
+                              drafter)
         run.last_token = last_token if last_token is not None else torch.tensor(verdict[-1:], device=self.device)
-        run.tally.add_round(num_drafted, accepted, time.perf_counter())
-        return verdict[1:1 + accepted] + verdict[-1:]
+        run.tally.add_round(num_drafted, accepted, time.perf_counter(), name)
+        tokens = verdict[1:1 + accepted] + verdict[-1:]
+        if run.auto is not None:
+            with self.measure_lock:
+                run.auto.after_round(tokens)
+        return tokens
 
     def record(self, run: Run, proposal: Proposal | None, accepted: int, draft_seconds: float,
                round_seconds: float) -> None:
         """Tell the goal's controller how its round went: drafts, accepted ones, drafting time and the round's."""
-        if run.controller is None:
-            return
         confidences = None if proposal is None or proposal.confidences is None else proposal.confidences.tolist()
         with self.measure_lock:
-            run.controller.record(self.num_drafted(proposal), accepted, draft_seconds, confidences=confidences,
-                                  round_seconds=round_seconds)
+            if run.controller is not None:
+                run.controller.record(self.num_drafted(proposal), accepted, draft_seconds, confidences=confidences,
+                                      round_seconds=round_seconds)
+            if run.auto is not None:  # which drafter the round judged, the state it left the text in
+                run.auto.after_record(self.num_drafted(proposal), accepted)
 
     def emit(self, run: Run, new_tokens: list[int], on_delta: DeltaCallback | None,
              cancel: CancelToken | None) -> bool:
@@ -190,13 +213,14 @@ class Rounds:
         mode: the target's compile mode, for the decode path (steps_before: step_calls when the goal started).
         """
         with self.measure_lock:
-            cost_ratio = self.cost_ratio(run.controller) if run.controller is not None else 0.0
-            if run.controller is not None:
+            controller = run.controller if run.auto is None else run.auto.main_controller(run.tally.by_drafter)
+            cost_ratio = self.cost_ratio(controller) if controller is not None else 0.0
+            if run.speculates:
                 for key, value in (('goals', 1), ('tokens', len(run.generated)), ('passes', run.tally.target_passes),
                                    ('drafted', run.tally.drafted), ('accepted', run.tally.accepted)):
                     self._lifetime[key] += value
         stats = generation_stats(run.tally, len(run.plan.prompt_ids), len(run.generated), started,
-                                 time.perf_counter(), run.plan.drafter if run.controller is not None else 'none',
+                                 time.perf_counter(), run.plan.drafter if run.speculates else 'none',
                                  cost_ratio)
         stats.decode_path = decode_path(self.step_runners, steps_before, mode)
         if self.device.type == 'cuda':
@@ -205,16 +229,20 @@ class Rounds:
         return run.result(stats)
 
     # ------------------------------------------------------------------------------------ failures and measures
-    def call_drafter(self, run: Run, drafter_call):
-        """Run a drafter call; a drafter that raises must not fail the goal: plain decoding takes over."""
+    def call_drafter(self, run: Run, drafter_call, drafter: Drafter | None = None):
+        """
+        Run a call of drafter (default: the round's); one that raises must not fail the goal.
+
+        Plain decoding takes over (an auto goal goes on without that member).
+        """
         try:
             return drafter_call()
         except Exception as exc:  # noqa: BLE001 (any drafter failure)
-            self.fall_back(run, exc)
+            self.fall_back(run, exc, drafter)
             return None
 
-    def fall_back(self, run: Run, exc: Exception) -> None:
-        run.fall_back(self._plain, exc)
+    def fall_back(self, run: Run, exc: Exception, drafter: Drafter | None = None) -> None:
+        run.fall_back(self._plain, exc, drafter)
 
     def cost_ratio(self, controller: SpeculationController) -> float:
         """c: the controller's drafting seconds per token over a plain single-goal pass (call under measure_lock)."""

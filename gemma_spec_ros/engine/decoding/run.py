@@ -22,6 +22,7 @@ from ..types import (
     WarningKind,
     structure_incomplete,
 )
+from .auto import AutoDrafting
 from .calibration import Stopwatch
 from .stream import ReplyStream, StopStrings
 
@@ -47,6 +48,26 @@ class Run:
     warnings: list[GenerationWarning] = field(default_factory=list)
     tally: RoundTally = field(default_factory=RoundTally)
     finish: str = ''
+    auto: AutoDrafting | None = None   # drafter auto: its members; drafter and controller are then the round's
+
+    def drafters(self) -> list[Drafter]:
+        """Return the drafters that see the goal's passes: an auto goal's members, else its drafter."""
+        return self.auto.members() if self.auto is not None else [self.drafter]
+
+    def speculators(self) -> list[tuple[Drafter, SpeculationController]]:
+        """Each drafter with its controller: an auto goal's members, else its drafter if it speculates."""
+        if self.auto is not None:
+            return [(self.auto.drafters[name], controller) for name, controller in self.auto.controllers.items()]
+        return [] if self.controller is None else [(self.drafter, self.controller)]
+
+    @property
+    def speculates(self) -> bool:
+        """Whether the goal speculates (False: drafter none, or after a fallback)."""
+        return self.auto is not None or self.controller is not None
+
+    @property
+    def needs_target_states(self) -> bool:
+        return any(drafter.needs_target_states for drafter in self.drafters())
 
     def result(self, stats: GenerationStats) -> GenerationResult:
         """Return the generation's result: text, thoughts, tool calls, and whether its structure completed."""
@@ -77,11 +98,17 @@ class Run:
                                                                           self.tally.target_passes),
                                  thought, list(calls or ())))
 
-    def fall_back(self, plain: Drafter, exc: Exception) -> None:
-        """Continue this request with plain decoding after the drafter raised."""
-        self.warnings.append(GenerationWarning(WarningKind.DRAFTER_FALLBACK, 'drafter {!r} failed ({}: {}); fell back '
-                                               'to plain decoding'.format(self.drafter.name, type(exc).__name__, exc)))
-        self.drafter, self.controller = plain, None
+    def fall_back(self, plain: Drafter, exc: Exception, drafter: Drafter | None = None) -> None:
+        """Continue with plain decoding after the drafter raised (an auto goal: without that member, if one)."""
+        drafter = drafter or self.drafter
+        member = self.auto is not None and self.auto.drop(drafter)
+        self.warnings.append(GenerationWarning(WarningKind.DRAFTER_FALLBACK, 'drafter {!r} failed ({}: {}); {}'.format(
+            drafter.name, type(exc).__name__, exc, 'auto goes on without it' if member else
+            'fell back to plain decoding')))
+        if not member:
+            self.auto = None
+        if not member or drafter is self.drafter:
+            self.drafter, self.controller = plain, None
 
 
 def end_of_output(new_tokens: list[int], eos_ids: set[int], num_generated: int, max_new: int,

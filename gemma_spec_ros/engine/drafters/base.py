@@ -104,6 +104,10 @@ class Drafter(ABC):
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         """Up to k tokens that continue context.tokens, or None for a plain round."""
 
+    def has_proposal(self, tokens: list[int]) -> bool:
+        """Whether a round after tokens may draft anything: cheap, and exact where the drafter can tell (n-gram)."""
+        return True
+
     def draft_calls(self, sampling: SamplingParams, constrained: bool) -> Callable[[int], int]:
         """How many calls a round of k drafts makes in a request sampled so (under a grammar or not): one per draft."""
         return one_call_per_draft

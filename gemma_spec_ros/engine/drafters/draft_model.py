@@ -19,6 +19,8 @@ from .base import (
     grammar_lookahead,
 )
 
+CATCH_UP_AFTER = 2  # a goal's slot lacks one or two tokens after a round of its own; more are fed apart, eager
+
 
 class DraftModelDrafter(Drafter):
     """
@@ -149,8 +151,9 @@ class DraftModelRows(DraftRows):
     """
     Draft-model drafting for a batch: each step runs the draft model for every row at once (runtime.FastRows).
 
-    The first step of a round feeds each row what its slot lacks (one or two tokens, padded to the longest), the
-    others one draft each; each goal draws as on its own (DraftRound), greedy rows without a grammar from one argmax.
+    The first step of a round feeds each row what its slot lacks (one or two tokens, padded to the longest; a slot
+    further behind catches up first, on its own), the others one draft each; each goal draws as on its own
+    (DraftRound), greedy rows without a grammar from one argmax.
     """
 
     def __init__(self, runner: FastRows):
@@ -161,6 +164,10 @@ class DraftModelRows(DraftRows):
         runner, device = self.runner, self.runner.lean.device
         caches = {request.slot: request.drafter.cache for request in requests}
         feeds = {request.slot: request.context.tokens[caches[request.slot].length:] for request in requests}
+        for slot, feed in feeds.items():  # behind by more than a round (other drafters' rounds, plain ones): catch up
+            if len(feed) > CATCH_UP_AFTER:
+                runner.extend(slot, torch.tensor([feed[:-1]], device=device))
+                feeds[slot] = feed[-1:]
         with RowDraws(requests) as draws:
             drafting = [request.slot for request in requests]
             while drafting:

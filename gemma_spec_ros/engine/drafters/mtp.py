@@ -104,6 +104,9 @@ class MtpDrafter(Drafter):
             kv = {kind: (keys[..., :-drop, :], values[..., :-drop, :]) for kind, (keys, values) in kv.items()}
         self._shared_kv = kv
 
+    def has_proposal(self, tokens: list[int]) -> bool:
+        return self._hidden is not None  # the last pass returned its states
+
     def _drafts_in_calls(self, sampling: SamplingParams, constrained: bool) -> bool:
         """Greedy rounds on the fast path, with nothing to decide between steps, run several steps per call."""
         return self._fast is not None and sampling.greedy and not constrained
@@ -170,6 +173,9 @@ class MtpGoalDrafter(Drafter):
 
     def observe(self, target_out, num_fed: int, num_kept: int) -> None:
         self.hidden = None if target_out.hidden is None else target_out.hidden[:, num_kept - 1:num_kept]
+
+    def has_proposal(self, tokens: list[int]) -> bool:
+        return self.hidden is not None
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         raise NotImplementedError('a goal in a batch drafts through its rows (MtpRows.propose_rows): the assistant '

@@ -44,18 +44,24 @@ class NgramDrafter(Drafter):
         self._indexed = 0
 
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
-        tokens = context.tokens
+        draft = self.lookup(context.tokens, k)
+        if draft and context.constraint is not None:  # cut at the first token the grammar refuses
+            draft = draft[:context.constraint.allowed_prefix_len(draft)]
+        return Proposal(torch.tensor(draft, device=self._device), None) if draft else None
+
+    def has_proposal(self, tokens: list[int]) -> bool:
+        return bool(self.lookup(tokens, 1))
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching n-gram ([]: none)."""
         self._index_until(tokens, len(tokens))
         for n in self._sizes:
             if len(tokens) <= n:
                 continue
             follow = self._continuation.get(tuple(tokens[-n:]))
             if follow is not None:
-                draft = self._continue(tokens, follow, k, self._placeholders)
-                if context.constraint is not None:  # cut at the first token the grammar refuses
-                    draft = draft[:context.constraint.allowed_prefix_len(draft)]
-                return Proposal(torch.tensor(draft, device=self._device), None) if draft else None
-        return None
+                return self._continue(tokens, follow, k, self._placeholders)
+        return []
 
     @staticmethod
     def _continue(tokens: list[int], follow: int, k: int, placeholders: frozenset[int]) -> list[int]:

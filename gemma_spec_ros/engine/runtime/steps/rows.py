@@ -105,6 +105,12 @@ class FastRows(_Shadowed):
         return prefix_cache.prefill(self.lean, cache, input_ids, 1, soft, image_keys)
 
     @torch.inference_mode()
+    def extend(self, slot: int, input_ids: torch.Tensor) -> StepOutput:
+        """Append input_ids [1, n] (any n) at a slot's end, eager: a goal's tokens its slot has not seen."""
+        cache = self.cache.slots[slot]
+        return self.lean.prefill(input_ids, cache, cache.length, 1)
+
+    @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, starts: list[int]) -> StepOutput:
         """
         Run rows input_ids [B, Q] (B a row bucket), row b at positions starts[b].. in slot b; logits [B, Q, vocab].
