@@ -10,6 +10,7 @@ acceptance as engine.stats defines them.
 import abc
 import ctypes
 import gc
+import os
 import sys
 from dataclasses import dataclass
 
@@ -120,6 +121,29 @@ def return_freed_memory() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+HEAP_ARENAS = 2  # glibc malloc arenas of the node process (bound_heap_arenas); MALLOC_ARENA_MAX in the environment wins
+M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
+
+
+def bound_heap_arenas(arenas: int = HEAP_ARENAS) -> bool:
+    """
+    Cap glibc's malloc arenas of this process before it starts its threads; True when set (the node does at start).
+
+    glibc gives each thread that allocates an arena of its own, up to 8 per core, and each arena keeps resident what
+    its thread freed. The node's threads (the executor's pool, which grows to its peak concurrency, the goal workers,
+    the batch scheduler) each kept their goals' freed memory, so a soak's RSS crept up as rarer peaks came by on
+    other threads; two arenas bound that (the soak row of bench faults). Nothing where the C library is not glibc,
+    or where MALLOC_ARENA_MAX is set (glibc read it at start).
+    """
+    if 'MALLOC_ARENA_MAX' in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return mallopt(M_ARENA_MAX, arenas) == 1
 
 
 def release_memory() -> None:

@@ -164,6 +164,11 @@ def read_process_memory() -> dict[str, int]:
     return memory
 
 
+def process_rss_bytes() -> int:
+    """Bytes of this process resident now (VmRSS; 0 where /proc is not there)."""
+    return read_process_memory().get('VmRSS', 0)
+
+
 def process_peak_rss_bytes() -> int:
     """Process resident-set high-water mark since the process started (VmHWM, else getrusage)."""
     peak = read_process_memory().get('VmHWM')

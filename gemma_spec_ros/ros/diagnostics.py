@@ -125,7 +125,7 @@ class GenerationMetrics:
                     'image_prefill_ms': stats.image_prefill_ms if stats.image_prefill_ms > 0 else math.nan,
                     'gaps': gaps,
                     # decode rounds by the drafter that drafted them (an auto goal's several; 'none': plain rounds)
-                    'rounds_by_drafter': dict(getattr(stats, 'rounds_by_drafter', None) or {})})
+                    'rounds_by_drafter': dict(stats.rounds_by_drafter)})
 
     def snapshot(self) -> dict:
         with self._lock:

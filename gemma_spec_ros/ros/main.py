@@ -1,7 +1,5 @@
 """``python -m gemma_spec_ros node``: run the node until SIGINT or SIGTERM, then let its last results go out."""
 
-import ctypes
-import os
 import signal
 import sys
 import threading
@@ -13,33 +11,11 @@ from rclpy.executors import MultiThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
+from gemma_spec_ros.engine.backend import bound_heap_arenas
 from gemma_spec_ros.ros import diagnostics, parameters
 from gemma_spec_ros.ros.node import EXECUTOR_THREADS, GemmaSpecNode
 
 RESULT_GRACE = 0.3  # seconds the executor keeps serving after shutdown: result requests already on their way
-HEAP_ARENAS = 2  # glibc malloc arenas of the node process (bound_heap_arenas); MALLOC_ARENA_MAX in the environment wins
-M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
-
-
-def bound_heap_arenas(arenas: int = HEAP_ARENAS) -> bool:
-    """
-    Cap glibc's malloc arenas of this process before the node starts its threads; True when set.
-
-    glibc gives each thread that allocates an arena of its own, up to 8 per core, and each arena keeps resident what
-    its thread freed. The node's threads (the executor's pool, which grows to its peak concurrency, the goal workers,
-    the batch scheduler) each kept their goals' freed memory, so a soak's RSS crept up as rarer peaks came by on
-    other threads; two arenas bound that (the soak row of bench faults). Nothing where the C library is not glibc,
-    or where MALLOC_ARENA_MAX is set (glibc read it at start).
-    """
-    if 'MALLOC_ARENA_MAX' in os.environ:
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return mallopt(M_ARENA_MAX, arenas) == 1
-
-
 def main(argv=None) -> int:
     """Run the node: ``python -m gemma_spec_ros node --ros-args ...``; exit code 2 for invalid parameters."""
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -24,7 +24,7 @@ from rclpy.node import Node
 
 from gemma_spec_ros.engine.backend import release_memory
 from gemma_spec_ros.engine.factory import open_backend
-from gemma_spec_ros.engine.stats import mib, read_process_memory
+from gemma_spec_ros.engine.stats import mib, process_rss_bytes
 from gemma_spec_ros.ros import diagnostics, parameters
 from gemma_spec_ros.ros.goal_queue import MAX_RUNNING_LIMIT, GoalQueue
 from gemma_spec_ros.ros.goal_server import GoalServer
@@ -105,7 +105,7 @@ class GemmaSpecNode(LifecycleNode):
         self._lifecycle = 'configuring'
         self._queue.set_loading()
         self._load_started, self._load_progress, self._fault = time.monotonic(), '', ''
-        rss_before = _rss()
+        rss_before = process_rss_bytes()
         try:
             config = parameters.engine_config(self)
             if config.backend == 'local':
@@ -126,7 +126,8 @@ class GemmaSpecNode(LifecycleNode):
         self._backend = backend
         slots = self._goals.set_max_running(backend.capabilities.max_concurrent_goals)
         logger.info('configured in {:.1f} s: {}, {} goal(s) at once (process RSS {:.0f} -> {:.0f} MiB)'.format(
-            time.monotonic() - self._load_started, backend.describe(), slots, mib(rss_before), mib(_rss())))
+            time.monotonic() - self._load_started, backend.describe(), slots, mib(rss_before),
+            mib(process_rss_bytes())))
         self._queue.set_configured(INACTIVE_REASON.format(self.get_fully_qualified_name()))
         self._lifecycle = 'inactive'
         return TransitionCallbackReturn.SUCCESS
@@ -287,7 +288,3 @@ class GemmaSpecNode(LifecycleNode):
         self.shutdown()
         self._goals.destroy()
         return super().destroy_node()
-
-
-def _rss() -> int:
-    return read_process_memory().get('VmRSS', 0)

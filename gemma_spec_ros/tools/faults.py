@@ -117,57 +117,6 @@ def hit(client: GenerateClient, pid: int, fault: str, stall_seconds: float, goal
     return row
 
 
-class KillableServer:
-    """
-    A vLLM server (VllmServer's command, environment and port) that can be killed with SIGKILL and started again.
-
-    VllmServer.stop() ends a server gracefully; a fault needs the process group (the API server and its engine core)
-    gone at once, as a crash or the OOM killer leaves it, and a restart on the same port, where the node still points.
-    """
-
-    def __init__(self, config: VllmServerConfig):
-        self.server = VllmServer(config)
-        self._process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def start(self, timeout: float = 900.0) -> float:
-        """Start the server and wait until /v1/models answers; its start-up seconds, or RuntimeError with its log."""
-        if not self.server.python.exists():
-            raise RuntimeError('no vLLM environment at {}: run scripts/setup_vllm.sh'.format(self.server.config.venv))
-        started = time.monotonic()
-        with open(self.server.log_path, 'ab') as log:
-            self._process = subprocess.Popen(self.server.command(), stdout=log, stderr=subprocess.STDOUT,
-                                             env=self.server.environment(), start_new_session=True)
-        while not self.server.ready():
-            if self._process.poll() is not None or time.monotonic() - started > timeout:
-                self.stop()
-                raise RuntimeError('vLLM server did not start ({}):\n{}'.format(
-                    'exit code {}'.format(self._process.returncode) if self._process.returncode is not None
-                    else 'not ready after {:.0f} s'.format(timeout), self.server.log_tail()))
-            time.sleep(0.25)
-        return time.monotonic() - started
-
-    def kill(self) -> None:
-        """SIGKILL to the server's process group (the API server and its engine core)."""
-        os.killpg(self._process.pid, signal.SIGKILL)
-
-    def stop(self) -> None:
-        if self._process is None:
-            return
-        for sig, wait in ((signal.SIGINT, 30.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self._process.pid, sig)
-                self._process.wait(wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-
-
 class FirstError:
     """When the node's /diagnostics engine status first turned ERROR after a moment (polled every 50 ms)."""
 
@@ -190,7 +139,7 @@ class FirstError:
         return self.seen_at
 
 
-def hit_vllm(client: GenerateClient, listener: DiagnosticsListener, server: KillableServer,
+def hit_vllm(client: GenerateClient, listener: DiagnosticsListener, server: VllmServer,
              goal_timeout: float) -> dict:
     """Send VLLM_GOALS long goals, kill the server at the first feedback; measure the ends, the refusal, recovery."""
     killed = threading.Event()
@@ -230,7 +179,8 @@ def hit_vllm(client: GenerateClient, listener: DiagnosticsListener, server: Kill
     down = client.send(SHORT_GOAL, timeout=goal_timeout)
     row['down_goal'] = {'status': down.status, 'after_s': round(time.monotonic() - started, 3),
                         'error': down.result.error[:120] if down.result is not None else ''}
-    row['server_restart_s'] = round(server.start(), 1)
+    server.stop()   # closes the dead server's log; start() appends to it
+    row['server_restart_s'] = round(server.start(timeout=900.0).startup_seconds, 1)
     back = time.monotonic()
     row['refused_after_restart'] = []   # goals that did not succeed once the server answered again
     while time.monotonic() - back < goal_timeout:   # recovery: the same node serves a goal again
@@ -253,13 +203,13 @@ def hit_vllm(client: GenerateClient, listener: DiagnosticsListener, server: Kill
 
 def vllm_kill(repeats: int, goal_timeout: float) -> list[dict]:
     """Run the vllm-kill fault: a server, the node on it, `repeats` kills; one row per kill."""
-    server = KillableServer(VllmServerConfig(speculative_config=ngram_speculative_config(4), log_requests=False))
+    server = VllmServer(VllmServerConfig(speculative_config=ngram_speculative_config(4), log_requests=False))
     domain = str(120 + os.getpid() % 80)
     os.environ['ROS_DOMAIN_ID'] = domain
     rows, node = [], None
     try:
         print('vllm-kill: vLLM server on {} ready after {:.0f} s (log {})'.format(
-            server.url, server.start(), server.server.log_path), flush=True)
+            server.url, server.start(timeout=900.0).startup_seconds, server.log_path), flush=True)
         node = NodeProcess(default_params_file(), VLLM_NODE_PARAMS + ['vllm.url:=' + server.url])
         rclpy.init(args=['faults'], signal_handler_options=SignalHandlerOptions.NO)
         monitor = rclpy.create_node('faults_monitor')

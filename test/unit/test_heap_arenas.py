@@ -1,4 +1,4 @@
-"""The node caps glibc's malloc arenas at start (ros/main.bound_heap_arenas), unless MALLOC_ARENA_MAX is set."""
+"""The node caps glibc's malloc arenas at start (engine.backend.bound_heap_arenas), unless MALLOC_ARENA_MAX is set."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-CODE = 'from gemma_spec_ros.ros.main import bound_heap_arenas; print(bound_heap_arenas())'
+CODE = 'from gemma_spec_ros.engine.backend import bound_heap_arenas; print(bound_heap_arenas())'
 
 
 def _glibc() -> bool:

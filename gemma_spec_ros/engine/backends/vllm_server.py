@@ -144,7 +144,7 @@ class VllmServer:
         if not self.python.exists():
             raise RuntimeError('no vLLM environment at {}: run scripts/setup_vllm.sh'.format(self.config.venv))
         started = time.monotonic()
-        self._log = open(self.log_path, 'wb')  # noqa: SIM115 (closed in stop)
+        self._log = open(self.log_path, 'ab' if self._process is not None else 'wb')  # noqa: SIM115 (closed in stop)
         self._process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                          env=self.environment(), start_new_session=True)
         progress('vllm server: starting on {} (pid {}, log {})'.format(self.url, self._process.pid, self.log_path))
@@ -177,6 +177,15 @@ class VllmServer:
     @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
+
+    def kill(self) -> None:
+        """
+        SIGKILL to the server's process group at once, as a crash or the OOM killer would (tools.faults).
+
+        stop() then closes its log, and start() starts it again on the same port, its log appended to.
+        """
+        if self._process is not None:
+            os.killpg(self._process.pid, signal.SIGKILL)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the server and its engine process: SIGINT to the group, SIGKILL after timeout."""

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...stats import mib, read_process_memory
+from ...stats import mib, process_rss_bytes
 from ...types import EngineConfig, WarmupState
 from ..ops.compile_cache import compile_cache_dir
 from .runner import GraphJob
@@ -123,7 +123,8 @@ class Warmup:
         self._compiler: CompileProcess | None = None
         self._stop = threading.Event()
         self._started = time.perf_counter()
-        self._rss_started = _rss()  # each built graph stays resident (its code, guards, torch's metadata of it)
+        # each built graph stays resident (its code, guards, torch's metadata of it): the log says how much
+        self._rss_started = process_rss_bytes()
         self._finished: float | None = None
         self._thread: threading.Thread | None = None
         self._use_graphs: bool | None = None  # a change of use_graphs, applied at the next adopt
@@ -134,7 +135,7 @@ class Warmup:
     def start(self) -> None:
         """Start building in a worker thread (daemon: a process may exit while it compiles)."""
         self._started = time.perf_counter()
-        self._rss_started = _rss()
+        self._rss_started = process_rss_bytes()
         threads = torch.get_num_threads()  # compiled CPU kernels keep the thread count they were compiled for
         self._thread = threading.Thread(target=self._work, args=(threads,), name='gemma_spec_warmup', daemon=True)
         self._thread.start()
@@ -211,7 +212,7 @@ class Warmup:
             self._progress('warm-up: {} ready{} ({} of {} graphs, {:.1f} s for it, {:.0f} s so far, process RSS '
                            '{:.0f} MiB)'.format(job.name, '' if built else ' but not callable directly (stays eager)',
                                                 self._ready, self._total, time.perf_counter() - started,
-                                                time.perf_counter() - self._started, mib(_rss())))
+                                                time.perf_counter() - self._started, mib(process_rss_bytes())))
         if not any(other.owner is job.owner for other in self._pending):
             job.owner.release_shadow()
         if self._default_path_done is None and self._default_path.isdisjoint(self._pending):
@@ -278,12 +279,7 @@ class Warmup:
                        'warm-up, goals served meanwhile included)'.format(
                            self._finished - self._started, self._ready,
                            ', {} failed'.format(len(self._failed)) if self._failed else '', mib(self._rss_started),
-                           mib(_rss())))
-
-
-def _rss() -> int:
-    """Bytes of this process resident now (0 where /proc is not there)."""
-    return read_process_memory().get('VmRSS', 0)
+                           mib(process_rss_bytes())))
 
 
 def _stop_before_exit(warmup_ref: 'weakref.ref[Warmup]') -> None:
