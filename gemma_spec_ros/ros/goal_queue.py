@@ -6,11 +6,14 @@ serves one generation at a time, more for one that batches); up to ``max_waiting
 accepted; one that finds the queue full ends at once as busy (``Job.finish_reason == 'busy'``).
 
 Fair admission (clients named by the goal's ``client_id``): a client refused as busy holds a claim for
-``fair_claim`` seconds after its last refusal. A free slot goes to the claims in the order they were made, so a
-client that just got its result cannot take the slot back ahead of clients that were refused; it queues a claim
-of its own. Waiting goals run round-robin: the next goal is the oldest one of the client that started a goal
-least recently. Goals without a client_id count as one anonymous client. Each running goal is on its own: a
-cancel, a time limit or an orphaned client stops that goal and leaves the others running.
+``fair_claim`` seconds after its last refusal, or for CLAIM_PACE_FACTOR times its usual gap between a refusal and
+its retry where that is longer (a loaded client or node takes seconds to deliver a refusal and send the retry; a
+fixed life would drop such a client's claim before every retry and send it to the back each time). A free slot
+goes to the claims in the order they were made, so a client that just got its result cannot take the slot back
+ahead of clients that were refused; it queues a claim of its own. Waiting goals run round-robin: the next goal is
+the oldest one of the client that started a goal least recently. Goals without a client_id count as one anonymous
+client. Each running goal is on its own: a cancel, a time limit or an orphaned client stops that goal and leaves
+the others running.
 
 Preemption (policy 'preempt'): a new goal aborts every waiting goal and, when every running slot is held by a goal
 that is not already stopping, the running goal that started first. The preempted goal hands its slot to the new
@@ -35,6 +38,9 @@ ORPHANED_REASON = ('no client is left to receive this goal: every feedback and s
                    'was accepted has left the ROS graph')
 LISTENER_GRACE = 2.0   # seconds after acceptance in which the goal's possible receivers are still collected
 MAX_REMEMBERED_CLIENTS = 256
+CLAIM_PACE_FACTOR = 2.0    # a claim outlives its client's usual refusal-to-retry gap by this factor
+MAX_CLAIM_LIFE = 30.0      # s: the longest a claim lives, however slowly its client retries
+PACE_WEIGHT = 0.5          # weight of the newest gap in a client's usual refusal-to-retry gap
 
 
 @dataclass(eq=False)
@@ -87,6 +93,8 @@ class GoalQueue:
         self._jobs: dict[bytes, Job] = {}
         self._early_cancels: set[bytes] = set()
         self._claims: dict[str, float] = {}       # client -> last busy refusal, in the order claims were made
+        self._refused: dict[str, float] = {}      # client -> last busy refusal, kept after its claim lapsed
+        self._pace: dict[str, float] = {}         # client -> usual seconds from a busy refusal to its next goal
         self._last_start: dict[str, float] = {}   # client -> when its last goal started running
 
     # ---- the node's state: unconfigured -> loading -> inactive <-> ready; failed; shutdown
@@ -195,8 +203,9 @@ class GoalQueue:
 
     def _busy(self, client: str, now: float) -> str:
         """'' when the client's goal may take a slot, else why not (lock held); a refusal records a claim."""
+        self._note_pace(client, now)
         for other, refused_at in list(self._claims.items()):
-            if now - refused_at > self.fair_claim:
+            if now - refused_at > self._claim_life(other):
                 del self._claims[other]
         capacity = self.max_running + self.limit
         free = capacity - self._admitted
@@ -209,12 +218,27 @@ class GoalQueue:
             return ''
         if self.fair_claim > 0:
             self._claims[client] = now   # a client that already claims keeps its place
+            self._refused[client] = now
+            _forget_oldest(self._refused)
         taken = '{} of {} slots taken ({} running + up to queue.max_length {} waiting)'.format(
             self._admitted, capacity, self.max_running, self.limit)
         if free <= 0:
             return 'busy: {}; retry later'.format(taken)
         return 'busy: {}, and the free slot is held for {} client(s) refused earlier (queue.fair_claim {:g} s); ' \
                'retry later'.format(taken, len(ahead), self.fair_claim)
+
+    def _note_pace(self, client: str, now: float) -> None:
+        """Fold the gap since the client's last refusal into its usual refusal-to-retry gap (lock held)."""
+        refused_at = self._refused.pop(client, None)
+        if refused_at is None or now - refused_at > MAX_CLAIM_LIFE:   # not a retry: a later visit
+            return
+        gap, usual = now - refused_at, self._pace.pop(client, None)
+        self._pace[client] = gap if usual is None else PACE_WEIGHT * gap + (1 - PACE_WEIGHT) * usual
+        _forget_oldest(self._pace)
+
+    def _claim_life(self, client: str) -> float:
+        """Seconds a client's claim lives after its last refusal (lock held)."""
+        return min(MAX_CLAIM_LIFE, max(self.fair_claim, CLAIM_PACE_FACTOR * self._pace.get(client, 0.0)))
 
     def job(self, key: bytes) -> Job:
         with self._lock:
@@ -322,9 +346,9 @@ class GoalQueue:
             job = min(self._waiting, key=lambda j: (self._last_start.get(j.client, float('-inf')), j.accepted_at))
             self._waiting.remove(job)
             job.started_at = time.monotonic()
+            self._last_start.pop(job.client, None)
             self._last_start[job.client] = job.started_at
-            if len(self._last_start) > MAX_REMEMBERED_CLIENTS:
-                del self._last_start[min(self._last_start, key=self._last_start.get)]
+            _forget_oldest(self._last_start)
             self._running.append(job)
             return job
 
@@ -369,3 +393,9 @@ class GoalQueue:
         """Wait until every admitted goal's execute callback returned; False on timeout."""
         with self._lock:
             return self._lock.wait_for(lambda: self._admitted <= 0, timeout)
+
+
+def _forget_oldest(by_client: dict[str, float]) -> None:
+    """Keep at most MAX_REMEMBERED_CLIENTS clients: drop the one written longest ago (the first in the dict)."""
+    if len(by_client) > MAX_REMEMBERED_CLIENTS:
+        del by_client[next(iter(by_client))]

@@ -33,7 +33,10 @@ FEEDBACK_QUEUE_DEPTH = 1000  # KEEP_LAST depth for feedback: one message per rou
 # back); every request must reach the queue, which answers each (busy when full).
 SERVICE_QUEUE_DEPTH = 1000
 CANCEL_STATE_TIMEOUT = 2.0   # seconds to wait for rclpy to mark a cancelled goal CANCELING
-RESULT_TIMEOUT = 60.0  # seconds a finished goal's result is kept (rclpy: 900); bounds what busy goals hold
+# seconds a finished goal's result is kept (rclpy: 900); clients ask for it as soon as the goal is accepted. Every
+# status message lists each kept goal and every action client decodes each message, so under a flood of busy goals
+# a long keep slows every client's round trip
+RESULT_TIMEOUT = 10.0
 SUPERVISE_PERIOD = 0.25  # seconds between checks for goals past queue.goal_timeout or without a receiver
 ABORT_OUTCOMES = {'busy': 'busy', 'timeout': 'timed out'}  # finish_reason -> diagnostics outcome
 IDLE_TRIM_INTERVAL = 30.0  # s: the most often an idle node returns freed heap to the OS (a trim takes milliseconds)

@@ -328,12 +328,11 @@ def test_a_flood_of_goals_from_twenty_clients_all_end_fairly_and_each_refusal_sa
     assert not others and len(served) == FLOOD_CLIENTS * FLOOD_GOALS
     assert refusals and all(r.startswith('busy: ') and 'queue.max_length 4' in r for r in refusals), refusals[:3]
     # fair admission: over the first half of the served goals (by when each began streaming: a result or feedback
-    # late on the client's side must not count against the node), the clients' shares are within 20 % of a fair
-    # share (5) on average, and none is served more than twice its share. Open defect, not asserted: in CI, after
-    # the rest of the suite, one client got 1 or 0 of its 5 in the first half ([5, 5, 5, 5, 6, 5, 5, 5, 6, 5, 5,
-    # 5, 0, ...]) while the others took turns exactly; running this test alone never showed it.
+    # late on the client's side must not count against the node), each client's share is within 20 % of a fair
+    # share (5). With 20 clients in this process a refusal's round trip takes about a second, more after the rest
+    # of the suite: a claim must outlive its client's retry (queue.fair_claim follows each client's pace), or that
+    # client goes to the back of the claims before every retry and is starved.
     first_half = [client for _, client in sorted(served)[:len(served) // 2]]
     shares = [first_half.count(client) for client in range(FLOOD_CLIENTS)]
     fair = len(first_half) / FLOOD_CLIENTS
-    deviation = sum(abs(share - fair) for share in shares) / len(shares)
-    assert deviation <= 0.2 * fair and max(shares) <= 2 * fair, str(shares)
+    assert all(abs(share - fair) <= 0.2 * fair for share in shares), str(shares)

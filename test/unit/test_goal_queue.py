@@ -76,6 +76,43 @@ def test_claims_expire():
     assert accept(queue, b'5', 'a', now=1.5)                                   # b did not come back in time
 
 
+def test_a_client_that_retries_slowly_keeps_its_claim_for_twice_its_usual_gap():
+    # a loaded client hears it was busy and retries 1.5 s later each time: a fixed 1 s claim lapses before every
+    # retry and a client that just got its result takes the slot ahead of it
+    queue = GoalQueue(max_waiting=0, fair_claim=1.0)
+    queue.set_loading()
+    queue.set_ready()
+    accept(queue, b'a1', 'a', now=0.0)
+    assert queue.register(b'b1', client='b', now=0.1).finish_reason == 'busy'
+    assert queue.register(b'b2', client='b', now=1.6).finish_reason == 'busy'   # its usual gap is 1.5 s now
+    queue.release(b'a1')
+    assert queue.register(b'a2', client='a', now=3.5).finish_reason == 'busy'   # b's claim lives 3 s after 1.6
+    assert accept(queue, b'b3', 'b', now=3.6)
+
+
+def test_a_claim_lives_at_most_max_claim_life():
+    queue = GoalQueue(max_waiting=0, fair_claim=1.0)
+    queue.set_loading()
+    queue.set_ready()
+    accept(queue, b'a1', 'a', now=0.0)
+    assert queue.register(b'b1', client='b', now=0.0).finish_reason == 'busy'
+    assert queue.register(b'b2', client='b', now=20.0).finish_reason == 'busy'   # twice a 20 s gap: 40 s
+    queue.release(b'a1')
+    assert queue.register(b'a2', client='a', now=49.0).finish_reason == 'busy'
+    assert accept(queue, b'a3', 'a', now=50.5)                                   # 30.5 s after b's refusal
+
+
+def test_a_goal_long_after_a_refusal_is_a_new_visit_not_a_slow_retry():
+    queue = GoalQueue(max_waiting=0, fair_claim=1.0)
+    queue.set_loading()
+    queue.set_ready()
+    accept(queue, b'a1', 'a', now=0.0)
+    assert queue.register(b'b1', client='b', now=0.5).finish_reason == 'busy'
+    assert queue.register(b'b2', client='b', now=40.0).finish_reason == 'busy'   # 39.5 s later: no pace learned
+    queue.release(b'a1')
+    assert accept(queue, b'a2', 'a', now=41.1)                                   # b's claim lived fair_claim
+
+
 def test_first_come_without_fair_claim():
     queue = GoalQueue(max_waiting=0, fair_claim=0.0)
     queue.set_loading()
