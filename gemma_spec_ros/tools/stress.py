@@ -90,6 +90,8 @@ class ClientTally:
     kinds: Counter = field(default_factory=Counter)        # goals sent per kind
     mismatch_examples: list = field(default_factory=list)  # (result text, streamed text) of the first mismatches
     errors: Counter = field(default_factory=Counter)       # aborted (not busy): error -> count
+    served_at: list = field(default_factory=list)          # monotonic time each goal not ended busy was served:
+                                                           # its first feedback, else its result
 
 
 def run_client(client, index, args, deadline, tally: ClientTally, stop: threading.Event):
@@ -101,6 +103,7 @@ def run_client(client, index, args, deadline, tally: ClientTally, stop: threadin
         goal = goal_of_kind(kind, rng, rng.randint(8, args.max_new_tokens), rng.random() < 0.3)
         cancel_after = rng.uniform(0.05, args.cancel_window) if rng.random() < args.cancel else 0.0
         for _ in range(args.max_retries + 1):
+            sent_at = time.monotonic()
             outcome = client.send(goal, cancel_after_seconds=cancel_after, timeout=args.goal_timeout)
             if not outcome.busy:
                 break
@@ -113,6 +116,7 @@ def run_client(client, index, args, deadline, tally: ClientTally, stop: threadin
             tally.hangs += 1
             continue
         tally.states[outcome.status] += 1
+        tally.served_at.append(sent_at + (outcome.feedback_times[0] if outcome.feedback_times else outcome.result_time))
         if outcome.result is not None and outcome.result.text != outcome.streamed_text:
             tally.mismatches += 1
             if len(tally.mismatch_examples) < 2:
@@ -192,6 +196,13 @@ def p50_p95(values) -> str:
     return '{} / {} s'.format(*(format_figure(percentile(values, q)) for q in (50, 95)))
 
 
+def fair_shares(tallies) -> tuple[list[int], float]:
+    """Each client's goals among the first half of all served goals (by when each was served), and the fair share."""
+    served = sorted((at, index) for index, tally in enumerate(tallies) for at in tally.served_at)
+    first_half = [index for _, index in served[:len(served) // 2]]
+    return [first_half.count(index) for index in range(len(tallies))], len(first_half) / max(1, len(tallies))
+
+
 def report(tallies, rss: RssTrend, latest, node_name, elapsed) -> bool:
     """Print the figures; True when every goal ended and every streamed text matched its result."""
     print('\n=== stress: {} clients, {:.1f} min ==='.format(len(tallies), elapsed / 60.0))
@@ -218,6 +229,10 @@ def report(tallies, rss: RssTrend, latest, node_name, elapsed) -> bool:
     mean_busy = sum(busy) / len(busy)
     print('busy per client: mean {:.1f}, max {} ({:.2f}x the mean)'.format(
         mean_busy, max(busy), max(busy) / mean_busy if mean_busy else 0.0))
+    shares, fair = fair_shares(tallies)
+    if fair:
+        print('first half of the served goals per client: {} to {} of a fair {:.1f} (at most {:.0f} % off)'.format(
+            min(shares), max(shares), fair, 100 * max(abs(share - fair) for share in shares) / fair))
     for error, count in total.errors.most_common(5):
         print('aborted x{}: {}'.format(count, error))
     print('cancel -> result p50 / p95: {} ({} cancels, at most {} tokens after the cancel)'.format(

@@ -1,6 +1,6 @@
-"""The stress tool's RSS trend after the warm-up: the background warm-up's graphs must not read as a leak."""
+"""The stress tool's figures: the RSS trend after the warm-up (its graphs must not read as a leak), fair shares."""
 
-from gemma_spec_ros.tools.stress import AFTER_WARMUP_SETTLE, RssTrend
+from gemma_spec_ros.tools.stress import AFTER_WARMUP_SETTLE, ClientTally, RssTrend, fair_shares
 
 
 class _Silent:
@@ -38,3 +38,10 @@ def test_no_trend_after_a_warm_up_that_did_not_end_or_ended_too_late():
     samples = [(float(t), 1000.0) for t in range(0, 600, 5)]
     assert _trend(samples, warm_at=None).after_warmup().startswith('none: the warm-up was not done')
     assert 'too late' in _trend(samples, warm_at=500.0).after_warmup()   # 40 s of samples after it
+
+
+def test_fair_shares_count_each_clients_goals_among_the_first_half_served():
+    # client 0 served at 0, 1, 2, 3; client 1 at 10, 11; client 2 at 4, 5: the first half is 0, 1, 2, 3
+    tallies = [ClientTally(served_at=[0.0, 1.0, 2.0, 3.0]), ClientTally(served_at=[10.0, 11.0]),
+               ClientTally(served_at=[4.0, 5.0])]
+    assert fair_shares(tallies) == ([4, 0, 0], 4 / 3)

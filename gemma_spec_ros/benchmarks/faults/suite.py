@@ -119,6 +119,9 @@ def stressed(name: str, arguments: list[str], timeout: float) -> Row:
     busy = re.search(r'busy per client: mean ([\d.]+), max (\d+)', out)
     if busy:
         notes.append('busy retries per client mean {}, max {}'.format(*busy.groups()))
+    shares = re.search(r'first half of the served goals per client: (.*)', out)
+    if shares:
+        notes.append('first half of the served goals per client ' + shares.group(1))
     return Row(name, goals, ended, goals - ended - hangs, hangs, '-', '; '.join(notes), code == 0 and goals > 0)
 
 
