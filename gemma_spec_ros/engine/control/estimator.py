@@ -11,7 +11,11 @@ counts: it was measured on older text, and held at full weight it keeps K low on
 more. A position without recent evidence falls back to the pooled estimate.
 
 A two-sided CUSUM test on the accepted counts notices when the text changes character (code to prose) and rebuilds
-the recent counts from the rounds since the change, so the profit gate reacts within a few rounds.
+the recent counts from the rounds since the change, so the profit gate reacts within a few rounds. It judges a round
+against the current estimates, except in the first HISTORY rounds of a new text: those are judged against the
+estimates the text began with. Estimates that move with each round shrink the deviations of a lasting change, and a
+text unlike the last ones (one that accepts nothing after one that accepted most) carried the old estimates for
+dozens of rounds without an alarm: a cheap drafter kept drafting K = 8 into misses.
 """
 
 import math
@@ -112,6 +116,8 @@ class AcceptanceEstimator:
         self._history: deque[tuple[int, int, int]] = deque(maxlen=HISTORY)  # (state, drafted, accepted)
         self._change = ChangeDetector()
         self._curves: list[list[float] | None] = [None, None]  # cached position_alpha per state
+        self._prior_curves: list[list[float]] | None = None     # the estimates a new text began with (change test)
+        self._prior_until = 0                                   # self.rounds up to which the test judges against them
         self._pooled_rates: list[float] | None = None          # cached pooled rates, the states' common prior
 
     @property
@@ -137,9 +143,13 @@ class AcceptanceEstimator:
         self._curves, self._pooled_rates = [None, None], None
 
     def start(self) -> None:
-        """Begin a new text: it starts AFTER_MISS."""
+        """Begin a new text: it starts AFTER_MISS; its first HISTORY rounds are judged against the estimates now."""
         self.state = AFTER_MISS
         self._forget_curves()
+        if self.rounds:
+            self._prior_curves = [self.position_alpha(AFTER_MISS), self.position_alpha(AFTER_FULL)]
+            self._prior_until = self.rounds + HISTORY
+            self._change = ChangeDetector()   # sums over the last text's rounds would date a change into it
 
     def record_plain(self, paused: bool) -> None:
         """Record a plain round; while the gate pauses, old evidence fades with each, so that probes soon decide."""
@@ -169,8 +179,11 @@ class AcceptanceEstimator:
 
     def _detect_change(self, num_drafted: int, num_accepted: int) -> None:
         """Test the accepted count against the current estimates; on a change, rebuild from the rounds since."""
+        judged_against = self.position_alpha()
+        if self._prior_curves is not None and self.rounds < self._prior_until:
+            judged_against = self._prior_curves[self.state]
         survive, mean, second = 1.0, 0.0, 0.0
-        for j, rate in enumerate(self.position_alpha()[:num_drafted], start=1):
+        for j, rate in enumerate(judged_against[:num_drafted], start=1):
             survive *= rate        # P(accepted >= j)
             mean += survive
             second += (2 * j - 1) * survive
@@ -184,3 +197,4 @@ class AcceptanceEstimator:
             self._add(state, drafted, accepted)
         for counts in (self.pooled, *self.long):
             counts.fade(CHANGE_KEEP)
+        self._prior_curves = None
