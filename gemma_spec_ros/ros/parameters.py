@@ -36,8 +36,10 @@ NODE_PARAMETERS = {
                                              choices=DEACTIVATE_POLICIES),
     'queue.max_length': NodeParameter(4, 'goals that may wait behind the running one; more end at once with '
                                       "finish_reason 'busy'", (0, QUEUE_MAX_LENGTH_LIMIT)),
-    'queue.fair_claim': NodeParameter(2.0, 'seconds a client refused as busy keeps its claim on the next free slot '
-                                      '(fair admission by goal client_id; 0 = first come, first served)',
+    'queue.fair_claim': NodeParameter(2.0, 'seconds at least a client refused as busy keeps its claim on the next '
+                                      'free slot (twice its usual gap between a busy result and its retry where '
+                                      'that is longer, at most 30 s; fair admission by goal client_id; 0 = first '
+                                      'come, first served)',
                                       (0.0, 600.0)),
     'queue.goal_timeout': NodeParameter(0.0, "seconds from acceptance after which a goal ends with finish_reason "
                                         "'timeout' and its partial text (0 = off)", (0.0, 86400.0)),
