@@ -17,6 +17,14 @@ def accept(queue, key, client='', **kwargs):
     return job
 
 
+def ready_queue(**kwargs) -> GoalQueue:
+    """Return a queue whose node is active, so that goals are admitted or refused as busy."""
+    queue = GoalQueue(**kwargs)
+    queue.set_loading()
+    queue.set_ready()
+    return queue
+
+
 def test_fifo_order_and_busy_admission():
     queue = GoalQueue(max_waiting=1)
     queue.set_loading()
@@ -79,9 +87,7 @@ def test_claims_expire():
 def test_a_client_that_retries_slowly_keeps_its_claim_for_twice_its_usual_gap():
     # a loaded client hears it was busy and retries 1.5 s later each time: a fixed 1 s claim lapses before every
     # retry and a client that just got its result takes the slot ahead of it
-    queue = GoalQueue(max_waiting=0, fair_claim=1.0)
-    queue.set_loading()
-    queue.set_ready()
+    queue = ready_queue(max_waiting=0, fair_claim=1.0)
     accept(queue, b'a1', 'a', now=0.0)
     assert queue.register(b'b1', client='b', now=0.1).finish_reason == 'busy'
     assert queue.register(b'b2', client='b', now=1.6).finish_reason == 'busy'   # its usual gap is 1.5 s now
@@ -91,9 +97,7 @@ def test_a_client_that_retries_slowly_keeps_its_claim_for_twice_its_usual_gap():
 
 
 def test_a_claim_lives_at_most_max_claim_life():
-    queue = GoalQueue(max_waiting=0, fair_claim=1.0)
-    queue.set_loading()
-    queue.set_ready()
+    queue = ready_queue(max_waiting=0, fair_claim=1.0)
     accept(queue, b'a1', 'a', now=0.0)
     assert queue.register(b'b1', client='b', now=0.0).finish_reason == 'busy'
     assert queue.register(b'b2', client='b', now=20.0).finish_reason == 'busy'   # twice a 20 s gap: 40 s
@@ -103,9 +107,7 @@ def test_a_claim_lives_at_most_max_claim_life():
 
 
 def test_a_goal_long_after_a_refusal_is_a_new_visit_not_a_slow_retry():
-    queue = GoalQueue(max_waiting=0, fair_claim=1.0)
-    queue.set_loading()
-    queue.set_ready()
+    queue = ready_queue(max_waiting=0, fair_claim=1.0)
     accept(queue, b'a1', 'a', now=0.0)
     assert queue.register(b'b1', client='b', now=0.5).finish_reason == 'busy'
     assert queue.register(b'b2', client='b', now=40.0).finish_reason == 'busy'   # 39.5 s later: no pace learned
