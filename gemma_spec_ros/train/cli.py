@@ -23,7 +23,14 @@ import torch
 from gemma_spec_ros.train.corpora import corpus, planner
 from gemma_spec_ros.train.corpora.data import TokenStream
 from gemma_spec_ros.train.export import save_model, storage_dtype
-from gemma_spec_ros.train.lm import BatchSettings, distill_step, init_for_scratch_training, lm_step, perplexity
+from gemma_spec_ros.train.lm import (
+    ArgumentWeight,
+    BatchSettings,
+    distill_step,
+    init_for_scratch_training,
+    lm_step,
+    perplexity,
+)
 from gemma_spec_ros.train.loop import LoopResult, LoopSettings, train_loop
 from gemma_spec_ros.train.shapes import ModelShape, assistant_config, parameter_count, text_config
 
@@ -160,6 +167,7 @@ def target_command(args: argparse.Namespace) -> int:
 
     device = common_setup(args)
     tokenizer = load_tokenizer(args.tokenizer)
+    weight = ArgumentWeight.parse(args.argument_weight, tokenizer) if args.argument_weight else None
     shape = ModelShape.parse(args.shape, sliding_window=args.sliding_window)
     train, held = streams(args, tokenizer)
     before = {}
@@ -175,7 +183,7 @@ def target_command(args: argparse.Namespace) -> int:
         shape_text = args.shape
     print(f'target {shape_text}: {parameter_count(model) / 1e6:.2f} M parameters')
     batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
-    result = train_loop(model, lm_step(model, train, batch, device), loop_settings(args), 'target')
+    result = train_loop(model, lm_step(model, train, batch, device, weight), loop_settings(args), 'target')
     ppl = held_out_perplexity(model, held, args, device)
     print(f'held-out perplexity: {ppl}')
     report = training_report(args, result, shape=shape_text, parameters=parameter_count(model),
@@ -416,7 +424,7 @@ def planner_corpus_command(args: argparse.Namespace) -> int:
     if not 0 <= args.novel_share <= 1:
         raise ValueError(f'--novel-share must be within 0 and 1, got {args.novel_share}')
     chars = planner.write_corpus(Path(args.out), args.conversations, args.seed, tokenizer, args.chat_share, texts,
-                                 weights, args.novel_share)
+                                 weights, args.novel_share, args.requests, args.fresh_scenes)
     print(f'wrote {args.conversations} robot-task conversations ({chars / 1e6:.1f} M chars) to {args.out} '
           f'in {time.time() - start:.1f} s')
     return 0
@@ -437,8 +445,8 @@ def eval_planner_command(args: argparse.Namespace) -> int:
     print(f'held-out planner ({report.conversations} conversations, {report.calls} calls): exact call sequences '
           f'{report.exact_sequences:.1%}, schema-valid calls {report.valid_calls:.1%}, exact final answers '
           f'{report.exact_answers:.1%}; expected calls made in place {report.right_calls:.1%}, right first calls '
-          f'{report.first_calls_right:.1%}; exact by phrasing: ' + ', '.join(
-              f'{name} {share:.1%} of {n}' for name, (n, share) in report.by_phrasing.items()))
+          f'{report.first_calls_right:.1%}; exact by group: ' + ', '.join(
+              f'{name} {share:.1%} of {n}' for name, (n, share) in report.by_group.items()))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
@@ -500,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument('--shape', default='12x192x768', help='LAYERSxHIDDENxINTERMEDIATE')
     target.add_argument('--sliding-window', type=int, default=128, help='sliding attention window')
     target.add_argument('--init', help='fine-tune an existing target directory instead of building --shape')
+    target.add_argument('--argument-weight', default='', metavar='NAME.KEY=W',
+                        help="loss weight W on the value of call NAME's first argument KEY (e.g. navigate_to.place=8: "
+                             'where a planner drives first)')
     target.set_defaults(run=target_command)
 
     draft = commands.add_parser('draft', help='distill a smaller Gemma4ForCausalLM draft model from a target')
@@ -617,6 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_parser.add_argument('--novel-share', type=float, default=0.0,
                                help='share of scenes drawn with training-only colours, things and surfaces too (the '
                                     'evaluation never names them): teaches reading the scene over object-place habits')
+    corpus_parser.add_argument('--requests', type=int, default=planner.MAX_REQUESTS,
+                               help='most requests in one conversation without thinking')
+    corpus_parser.add_argument('--fresh-scenes', action='store_true',
+                               help='each request in a conversation has a scene of its own, and as many as fit '
+                                    'come (more look-ups of where an object stands per training token)')
     corpus_parser.add_argument('--chat-share', type=float, default=0.0,
                                help='share of chat turns without tools (continuations of the default corpus)')
     corpus_parser.set_defaults(run=planner_corpus_command)

@@ -47,12 +47,66 @@ def init_for_scratch_training(text_model) -> None:
     text_model.embed_tokens.weight.normal_(0.0, text_model.config.hidden_size ** -0.5)
 
 
-def lm_step(model: Gemma4ForCausalLM, stream: TokenStream, batch: BatchSettings, device: torch.device):
-    """Next-token cross-entropy on a random batch."""
+@dataclass(frozen=True)
+class ArgumentWeight:
+    """
+    A heavier loss on the string value of one call argument: `call:NAME{KEY:<|"|>` ... `<|"|>`.
+
+    A planner fine-tune spends most of its tokens on text the model already predicts (the tool declarations, the
+    call syntax); the few tokens that carry the task's hard part (where to drive first: the object's surface,
+    looked up in the scene) get this weight instead of 1. KEY must be the call's first argument.
+    """
+
+    opener: tuple[int, ...]   # the tokens of `call:NAME{KEY:` and the <|"|> token
+    quote: int                # the <|"|> token that closes the value
+    weight: float
+
+    @classmethod
+    def parse(cls, text: str, tokenizer) -> 'ArgumentWeight':
+        """Read NAME.KEY=W (e.g. navigate_to.place=8); ValueError naming the flag."""
+        target, _, value = text.partition('=')
+        name, _, key = target.partition('.')
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not name or not key or weight <= 0:
+            raise ValueError(f'--argument-weight: expected NAME.KEY=W with W > 0 (e.g. navigate_to.place=8), '
+                             f'got {text!r}')
+        quote = tokenizer.convert_tokens_to_ids('<|"|>')
+        opener = tuple(tokenizer(f'call:{name}{{{key}:', add_special_tokens=False)['input_ids']) + (quote,)
+        return cls(opener, quote, weight)
+
+    def weights(self, labels: torch.Tensor) -> torch.Tensor:
+        """[B, T] loss weights for labels [B, T]: self.weight on the argument's value tokens, else 1."""
+        out = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
+        n = len(self.opener)
+        if labels.shape[1] < n:
+            return out
+        windows = labels.unfold(1, n, 1)   # [B, T - n + 1, n]
+        starts = (windows == torch.tensor(self.opener, device=labels.device)).all(-1).nonzero().tolist()
+        rows = labels.tolist()
+        for row, at in starts:
+            for position in range(at + n, len(rows[row])):
+                if rows[row][position] == self.quote:
+                    break
+                out[row, position] = self.weight
+        return out
+
+
+def lm_step(model: Gemma4ForCausalLM, stream: TokenStream, batch: BatchSettings, device: torch.device,
+            argument_weight: ArgumentWeight | None = None):
+    """Next-token cross-entropy on a random batch (a weighted mean with argument_weight)."""
     def step(index: int) -> tuple[torch.Tensor, int]:
         ids = random_windows(stream, batch.batch_size, batch.seq_len + 1, batch.generator(index)).to(device)
         logits = model(input_ids=ids[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        labels = ids[:, 1:]
+        if argument_weight is None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        else:
+            losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction='none')
+            weights = argument_weight.weights(labels).flatten()
+            loss = (losses * weights).sum() / weights.sum()
         return loss, ids[:, :-1].numel()
     return step
 

@@ -183,15 +183,16 @@ def test_greedy_windows_are_reused_only_when_made_the_same_way(tiny_models, tiny
     assert 'greedy windows: 2 of the 2 in' not in capsys.readouterr().out
 
 
-def test_eval_planner_reports_trained_and_unseen_phrasings_apart(tiny_target, tmp_path, capsys):
+def test_eval_planner_reports_phrasings_and_thinking_apart(tiny_target, tmp_path, capsys):
     out = tmp_path / 'planner.json'
     assert main(['eval-planner', '--target', str(tiny_target), '--conversations', '4', '--max-calls', '1',
                  '--threads', '1', '--out', str(out)]) == 0
     report = json.loads(out.read_text())
-    groups = report['exact_by_phrasing']
-    assert set(groups) == {'trained phrasings', 'unseen phrasings'}
-    assert sum(group['conversations'] for group in groups.values()) == report['conversations'] == 4
-    assert 'exact by phrasing: trained phrasings' in capsys.readouterr().out
+    groups = report['exact_by_group']
+    assert set(groups) == {'trained phrasings', 'unseen phrasings', 'thinking', 'no thinking'}
+    for pair in (('trained phrasings', 'unseen phrasings'), ('thinking', 'no thinking')):
+        assert sum(groups[name]['conversations'] for name in pair) == report['conversations'] == 4
+    assert 'exact by group: trained phrasings' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('argv, message', [

@@ -175,3 +175,36 @@ def test_novel_words_train_only(tokenizer):
             assert f'a {target} on the {c.calls[0][1]["place"]}' in c.messages[1]['content']
     held = [planner.held_out_conversation(seed, tokenizer) for seed in range(40)]
     assert not any(word in c.text for c in held for word in novel)
+
+
+def test_fresh_scenes_give_each_request_its_own_scene_and_fit_the_window(tokenizer):
+    rng = random.Random(4)
+    drawn = [planner.training_conversation(rng, tokenizer, requests=8, fresh_scenes=True) for _ in range(30)]
+    several = [c for c in drawn if c.later]
+    assert len(several) > 10 and not any(c.later for c in drawn if c.thinking)
+    for c in drawn:
+        users = [m['content'] for m in c.messages if m['role'] == 'user']
+        assert len(users) == 1 + len(c.later)
+        assert len(tokenizer(c.text, add_special_tokens=False)['input_ids']) <= planner.MAX_TOKENS or not c.later
+        for user, (_, calls, _) in zip(users[1:], c.later, strict=True):
+            if calls[0][0] == 'navigate_to' and calls[1][0] == 'pick':   # each goes where its own scene says
+                assert f'a {calls[1][1]["object"]} on the {calls[0][1]["place"]}' in user
+    assert len({m['content'].split('\n', 1)[0] for c in several for m in c.messages if m['role'] == 'user'}) > \
+        len(several) + 5   # scenes differ within conversations
+    with pytest.raises(ValueError, match='requests must be at least 1'):
+        planner.training_conversation(rng, tokenizer, requests=0)
+
+
+def test_argument_weight_marks_only_the_value_of_that_argument(tokenizer):
+    from gemma_spec_ros.train.lm import ArgumentWeight
+
+    weight = ArgumentWeight.parse('navigate_to.place=8', tokenizer)
+    conversation = planner.training_conversation(random.Random(3), tokenizer)
+    ids = torch.tensor([tokenizer(conversation.text, add_special_tokens=False)['input_ids']])
+    marked = weight.weights(ids)[0]
+    values = ''.join(tokenizer.decode(ids[0, i]) for i in (marked == 8).nonzero().flatten().tolist())
+    assert values == ''.join(args['place'] for name, args in all_calls(conversation) if name == 'navigate_to')
+    assert set(marked.unique().tolist()) == {1.0, 8.0}
+    for text in ('navigate_to=8', 'navigate_to.place', 'navigate_to.place=0', 'navigate_to.place=x'):
+        with pytest.raises(ValueError, match='^--argument-weight: expected NAME.KEY=W'):
+            ArgumentWeight.parse(text, tokenizer)

@@ -231,6 +231,8 @@ def _conversation(draw: _Draw, thinking: bool, tokenizer=None, later: tuple[_Dra
     calls, answer, thought = _plan(draw)
     messages, scene = [{'role': 'system', 'content': SYSTEM}], draw.scene
     for request in (draw, *later):
+        if request.scene != draw.scene:   # a follow-up with its own scene (fresh_scenes): the robot is elsewhere
+            scene = request.scene
         messages.append({'role': 'user', 'content': user_text(request, scene)})
         scene = after(request, scene)
         for name, arguments in _plan(request)[0]:
@@ -258,31 +260,44 @@ def _cached_tokenizer():
 
 
 def training_conversation(rng: random.Random, tokenizer=None, weights: dict[str, float] | None = None,
-                          novel_share: float = 0.0) -> Conversation:
+                          novel_share: float = 0.0, requests: int = MAX_REQUESTS,
+                          fresh_scenes: bool = False) -> Conversation:
     """
     Draw a conversation with no held-out combination or phrasing; thinking on for ~THINKING_SHARE of them.
 
-    Without thinking, up to MAX_REQUESTS requests follow one another on the same scene (each about an object no
-    earlier one touched), so the long system turn is shared by more of what the model must learn to answer.
+    Without thinking, up to `requests` requests follow one another, so the long system turn is shared by more of
+    what the model must learn to answer. By default they share the first scene (each about an object no earlier
+    one touched) and their number is drawn; with fresh_scenes each has a scene of its own and as many as fit
+    MAX_TOKENS come, so every request is another look-up of where its object stands.
     weights: the request kinds' weights (default KIND_WEIGHTS, those of the held-out evaluation); novel_share: the
     share of scenes drawn with the training-only words too (NOVEL_*).
     """
+    if requests < 1:
+        raise ValueError(f'requests must be at least 1, got {requests}')
     novel = rng.random() < novel_share
-    while (draw := _random_draw(rng, weights, novel)).held_out():
-        pass
+    draw = _training_draw(rng, weights, novel)
     thinking = rng.random() < THINKING_SHARE
     later, used = [], {draw.target or draw.kind}
-    for _ in range(0 if thinking else rng.randrange(MAX_REQUESTS)):
-        if (follow := _follow_up(rng, draw, used, weights)) is None:
+    for _ in range(0 if thinking else requests - 1 if fresh_scenes else rng.randrange(requests)):
+        if fresh_scenes:
+            later.append(_training_draw(rng, weights, rng.random() < novel_share))
+        elif (follow := _follow_up(rng, draw, used, weights)) is not None:
+            later.append(follow)
+            used.add(follow.target or follow.kind)
+        else:
             break
-        later.append(follow)
-        used.add(follow.target or follow.kind)
     tokenizer = tokenizer or _cached_tokenizer()
     while True:
         conversation = _conversation(draw, thinking, tokenizer, tuple(later))
         if not later or len(tokenizer(conversation.text, add_special_tokens=False)['input_ids']) <= MAX_TOKENS:
             return conversation
         later.pop()
+
+
+def _training_draw(rng: random.Random, weights: dict[str, float] | None, novel: bool) -> _Draw:
+    while (draw := _random_draw(rng, weights, novel)).held_out():
+        pass
+    return draw
 
 
 def held_out_conversation(seed: int, tokenizer=None) -> Conversation:
@@ -345,12 +360,12 @@ def parse_kind_weights(text: str) -> dict[str, float]:
 
 def write_corpus(out: Path, conversations: int, seed: int, tokenizer=None, chat_share: float = 0.0,
                  chat_texts: list[str] | None = None, weights: dict[str, float] | None = None,
-                 novel_share: float = 0.0) -> int:
+                 novel_share: float = 0.0, requests: int = MAX_REQUESTS, fresh_scenes: bool = False) -> int:
     """
     Write conversations training conversations as JSONL {"text": ...}; returns the characters written.
 
-    With chat_share, that share of them are chat turns without tools (chat_turn) drawn from chat_texts; weights
-    and novel_share are training_conversation's.
+    With chat_share, that share of them are chat turns without tools (chat_turn) drawn from chat_texts; weights,
+    novel_share, requests and fresh_scenes are training_conversation's.
     """
     if chat_share and not chat_texts:
         raise ValueError('chat_share needs chat_texts to draw the chat turns from')
@@ -361,7 +376,7 @@ def write_corpus(out: Path, conversations: int, seed: int, tokenizer=None, chat_
     with out.open('w', encoding='utf-8') as file:
         for _ in range(conversations):
             text = chat_turn(rng, chat_texts, tokenizer) if rng.random() < chat_share else \
-                training_document(training_conversation(rng, tokenizer, weights, novel_share))
+                training_document(training_conversation(rng, tokenizer, weights, novel_share, requests, fresh_scenes))
             chars += len(text)
             file.write(json.dumps({'text': text}, ensure_ascii=False) + '\n')
     return chars
@@ -393,13 +408,13 @@ class PlannerReport:
     calls: int                    # generated calls
     examples: list[dict]          # a few conversations: request, expected and generated calls, answer
     # exact call sequences apart: requests in trained phrasings (unseen object-place combinations only), and
-    # requests in a phrasing never trained on: (conversations, exact share)
-    by_phrasing: dict = dataclasses.field(default_factory=dict)
+    # requests in a phrasing never trained on; conversations with thinking on and off: (conversations, exact share)
+    by_group: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {'conversations': self.conversations, 'exact_sequences': round(self.exact_sequences, 3),
-                'exact_by_phrasing': {name: {'conversations': n, 'exact_sequences': round(share, 3)}
-                                      for name, (n, share) in self.by_phrasing.items()},
+                'exact_by_group': {name: {'conversations': n, 'exact_sequences': round(share, 3)}
+                                      for name, (n, share) in self.by_group.items()},
                 'valid_calls': round(self.valid_calls, 3), 'exact_answers': round(self.exact_answers, 3),
                 'right_calls': round(self.right_calls, 3), 'first_calls_right': round(self.first_calls_right, 3),
                 'calls': self.calls, 'examples': self.examples}
@@ -433,13 +448,14 @@ def run_planner(model, tokenizer, conversation: Conversation, max_calls: int = 8
 def evaluate_planner(model, tokenizer, num_conversations: int, max_calls: int = 8, examples: int = 4,
                      progress=None) -> PlannerReport:
     exact = answers = valid = total_calls = right_calls = expected_calls = first_right = 0
-    shown, groups = [], {'trained phrasings': [], 'unseen phrasings': []}
+    shown, groups = [], {'trained phrasings': [], 'unseen phrasings': [], 'thinking': [], 'no thinking': []}
     for seed in range(num_conversations):
         conversation = held_out_conversation(seed, tokenizer)
         calls, answer, segments = run_planner(model, tokenizer, conversation, max_calls)
         right = [(n, a) for n, a in calls] == conversation.calls
         exact += right
         groups['unseen phrasings' if conversation.unseen_phrasing else 'trained phrasings'].append(right)
+        groups['thinking' if conversation.thinking else 'no thinking'].append(right)
         right_calls += sum(got == want for got, want in zip(calls, conversation.calls, strict=False))
         expected_calls += len(conversation.calls)
         first_right += bool(calls) and calls[0] == conversation.calls[0]
