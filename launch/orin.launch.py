@@ -63,7 +63,8 @@ def generate_launch_description():
         DeclareLaunchArgument('device', default_value='',
                               description="override engine.device: auto|cpu|cuda ('' = keep the params file's)"),
         DeclareLaunchArgument('drafter', default_value='',
-                              description="override engine.drafter: none|mtp|draft|ngram|auto ('' = keep the file's)"),
+                              description='override engine.drafter: none|mtp|draft|ngram|lookahead|auto '
+                                          "('' = keep the file's)"),
         DeclareLaunchArgument('compile', default_value='',
                               description='override engine.compile: auto|inductor|inductor-gemm|cudagraph|eager|'
                                           "transformers ('' = keep the file's)"),

@@ -46,6 +46,7 @@ REGISTRY = {
     'mtp': DrafterSpec('mtp', 'MtpDrafter', 'assistant_path', 'MTP assistant'),
     'draft': DrafterSpec('draft_model', 'DraftModelDrafter', 'draft_model_path', 'draft model'),
     'ngram': DrafterSpec('ngram', 'NgramDrafter', '', 'prompt lookup'),
+    'lookahead': DrafterSpec('lookahead', 'LookaheadDrafter', '', 'lookahead (the target\'s own predictions)'),
 }
 AUTO = 'auto'  # not a drafter of its own: every round, the loaded drafter expected to be fastest (decoding/auto.py)
 DRAFTERS = tuple(REGISTRY) + (AUTO,)  # what a goal or engine.drafter may name
@@ -85,8 +86,8 @@ class EngineConfig:
     num_draft_tokens: int = config_field(0, 'K, tokens drafted per round; 0 = adaptive (changeable at run time)',
                                        limits=(0, 64), runtime=True)
     max_draft_tokens: int = config_field(8, 'upper bound for adaptive K', limits=(1, 64))
-    ngram_min: int = config_field(1, 'smallest n-gram the prompt-lookup drafter matches', limits=(1, 64))
-    ngram_max: int = config_field(3, 'largest n-gram the prompt-lookup drafter matches', limits=(1, 64))
+    ngram_min: int = config_field(1, 'smallest n-gram the prompt-lookup and lookahead drafters match', limits=(1, 64))
+    ngram_max: int = config_field(3, 'largest n-gram the prompt-lookup and lookahead drafters match', limits=(1, 64))
     profit_gate: bool = config_field(True, 'pause speculation while no K >= 1 beats plain decoding')
     probe_interval: int = config_field(32, 'most verify rounds between probes while speculation is paused (a cheap '
                                          'drafter probes sooner)',

@@ -207,6 +207,8 @@ def test_greedy_goals_in_a_batch_match_plain_decoding(batch_engine, reference, k
         'story-ngram': GenerationRequest(prompt=STORY_PROMPT + ' then', max_new_tokens=30, drafter='ngram',
                                          num_draft_tokens=k),
         'code-mtp': GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=20, drafter='mtp', num_draft_tokens=k),
+        'code-lookahead': GenerationRequest(prompt=CODE_PROMPT + ' x', max_new_tokens=30, drafter='lookahead',
+                                            num_draft_tokens=k),
         'story-draft': GenerationRequest(prompt=STORY_PROMPT, max_new_tokens=20, drafter='draft',
                                          num_draft_tokens=k),
     }

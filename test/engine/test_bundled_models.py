@@ -124,3 +124,28 @@ def test_chat_prompt_generates_text(engine):
         engine.tokenizer.eos_token, '<turn|>')
     assert result.finish_reason == ('stop' if ended_by_the_model else 'length')
     assert ended_by_the_model or len(result.token_ids) == 8
+
+
+def test_sampled_lookahead_follows_the_target_distribution(engine):
+    # lookahead drafts only what its pool knows (the text, the target's predictions): on lines that repeat, the
+    # trained target samples tokens its pool holds, so its drafts are taken and refused
+    from collections import Counter
+
+    from conftest import chi_squared_p_value, target_distribution
+
+    from gemma_spec_ros.engine import GenerationRequest
+
+    temperature, top_k, length, samples = 1.5, 3, 3, 300
+    prompt_ids = engine.tokenizer('import os\nimport sys\nimport json\nimport os\nimport sys\nimport').input_ids
+    expected = target_distribution(engine.target_lm.model, prompt_ids, temperature, top_k, length)
+    assert sum(p * samples >= 5 for p in expected.values()) >= 8  # bins enough for power
+    observed, drafted, accepted = Counter(), 0, 0
+    for seed in range(samples):
+        result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=length,
+                                                   temperature=temperature, top_k=top_k, seed=seed,
+                                                   drafter='lookahead', num_draft_tokens=2))
+        observed[tuple(result.token_ids)] += 1
+        drafted += result.stats.drafted_tokens
+        accepted += result.stats.accepted_tokens
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert chi_squared_p_value(observed, expected) > 1e-3

@@ -29,12 +29,12 @@ def ids_of(engine, prompt):
 
 
 @pytest.mark.parametrize('path', ['fast', 'transformers'])
-@pytest.mark.parametrize(('drafter', 'k'), [('none', 0)] + [(drafter, k) for drafter in ('ngram', 'draft', 'mtp')
-                                                            for k in range(1, 9)])
+@pytest.mark.parametrize(('drafter', 'k'), [('none', 0)] + [(drafter, k) for drafter in ('ngram', 'lookahead', 'draft',
+                                                                                         'mtp') for k in range(1, 9)])
 def test_greedy_parity_with_transformers(request, reference, path, drafter, k):
     # the fast path (lean forward, static cache) and engine.compile off (transformers' forward, DynamicCache)
     tiny_engine = request.getfixturevalue('tiny_engine' if path == 'fast' else 'tiny_engine_off')
-    prompt = CODE_PROMPT if drafter == 'ngram' else STORY_PROMPT
+    prompt = CODE_PROMPT if drafter in ('ngram', 'lookahead') else STORY_PROMPT
     expected = reference(ids_of(tiny_engine, prompt), LONG)
     result = tiny_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=LONG, drafter=drafter,
                                                     num_draft_tokens=k))
@@ -42,7 +42,7 @@ def test_greedy_parity_with_transformers(request, reference, path, drafter, k):
     assert result.stats.drafter == drafter and not result.warnings
 
 
-@pytest.mark.parametrize('drafter', ['ngram', 'draft', 'mtp'])
+@pytest.mark.parametrize('drafter', ['ngram', 'lookahead', 'draft', 'mtp'])
 def test_greedy_parity_adaptive_k(tiny_engine, reference, drafter):
     expected = reference(ids_of(tiny_engine, CODE_PROMPT), LONG)
     for _ in range(2):  # the second request starts from the controller's learned state
@@ -90,7 +90,7 @@ def test_ordered_embedding_assistant_parity(ordered_engine, reference):
         assert result.token_ids == expected and result.stats.drafter == 'mtp'
 
 
-@pytest.mark.parametrize('drafter', ['none', 'ngram', 'draft', 'mtp'])
+@pytest.mark.parametrize('drafter', ['none', 'ngram', 'lookahead', 'draft', 'mtp'])
 def test_seed_determinism_and_sampling_stats(tiny_engine, drafter):
     request = GenerationRequest(prompt=CODE_PROMPT, max_new_tokens=40, temperature=0.8, top_p=0.9, top_k=50, seed=3,
                                 drafter=drafter, num_draft_tokens=3)
@@ -321,6 +321,39 @@ def test_ngram_proposals():
     drafter.start([])
     assert propose([1, 2, 3], 2) is None
     assert propose([1, 2, 3, 4, 2], 3) == [3, 4, 2]  # index extended incrementally; latest match wins
+
+
+def test_lookahead_drafts_from_the_text_and_from_the_target_predictions_of_its_passes():
+    from gemma_spec_ros.engine.drafters.base import DraftContext
+    from gemma_spec_ros.engine.drafters.lookahead import LookaheadDrafter
+    from gemma_spec_ros.engine.logits.sampling import SamplingParams
+    from gemma_spec_ros.engine.runtime import StepOutput
+
+    drafter = LookaheadDrafter(1, 2, torch.device('cpu'), placeholders=frozenset({99}))
+    drafter.start([])
+
+    def propose(tokens, k):
+        proposal = drafter.propose(DraftContext(tokens, torch.tensor(tokens[-1:]), SamplingParams(), None), k)
+        return None if proposal is None else proposal.tokens.tolist()
+
+    def pass_predicting(predicted, vocab=100):
+        return StepOutput(torch.nn.functional.one_hot(torch.tensor([predicted]), vocab).float(), None)
+
+    assert propose([1, 2, 3], 2) is None   # nothing seen after 3
+    drafter.start([])
+    assert propose([5, 6, 7, 5, 6], 3) == [7, 5, 6]   # the text's n-grams, walked: (5, 6) 7, (6, 7) 5, (7, 5) 6
+    # the pass fed 6, 7, 5, 6; the target predicted 7, 8, 40, 41: 7 kept, 8 next, behind the cut 40 and 41
+    drafter.observe(pass_predicting([7, 8, 40, 41]), num_fed=4, num_kept=2)
+    # after the new last token 8 the pool knows nothing: the Jacobi guesses behind the cut
+    assert propose([5, 6, 7, 5, 6, 7, 8], 2) == [40, 41]
+    drafter.observe(pass_predicting([40, 42, 43]), num_fed=3, num_kept=2)
+    # the first pass's rejected position taught (7, 5) -> 40, over the text's (7, 5) -> 6
+    assert propose([5, 6, 7, 5, 6, 7, 8, 40, 42, 7, 5], 1) == [40]
+    drafter.observe(pass_predicting([50]), num_fed=1, num_kept=1)   # a pass of another drafter: nothing pooled
+    assert propose([5, 6, 7, 5, 6, 7, 8, 40, 42, 7, 5, 50], 2) is None
+    drafter.start([])   # a new request forgets the pool
+    assert propose([8, 40], 1) is None
+    assert propose([8, 40, 99, 8], 2) == [40]   # never an image placeholder
 
 
 def test_mtp_drafter_drops_rejected_kv(tiny_engine_off):

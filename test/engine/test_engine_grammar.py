@@ -14,7 +14,7 @@ from gemma_spec_ros.engine.types import WarningKind
 
 PROMPT = 'Plan for the robot: '
 MAX_NEW = 400  # random weights write long numbers and strings but close in time
-DRAFTERS = ('none', 'ngram', 'draft', 'mtp')
+DRAFTERS = ('none', 'ngram', 'lookahead', 'draft', 'mtp')
 OBJECT = 'object'
 NAME = {'type': 'string', 'pattern': '^[a-z][a-z_ ]{0,11}$'}  # ASCII: random byte tokens cannot break UTF-8
 STEP = {'type': OBJECT, 'properties': {'action': {'enum': ['navigate', 'pick', 'place']}, 'target': NAME},
@@ -89,7 +89,7 @@ def test_ebnf_grammar_output_matches(tiny_engine, drafter):
         assert SKILL_PATTERN.fullmatch(result.text), result.text
 
 
-@pytest.mark.parametrize('drafter', ['ngram', 'draft', 'mtp'])
+@pytest.mark.parametrize('drafter', ['ngram', 'lookahead', 'draft', 'mtp'])
 def test_constrained_greedy_speculation_equals_constrained_plain(tiny_engine, drafter):
     for request in (constrained(SCHEMAS['plan']), constrained(grammar=SKILLS)):
         plain = tiny_engine.generate(GenerationRequest(**{**request.__dict__, 'drafter': 'none'}))
@@ -101,7 +101,7 @@ def test_constrained_greedy_speculation_equals_constrained_plain(tiny_engine, dr
             assert speculative.text == plain.text and speculative.structure_complete
 
 
-@pytest.mark.parametrize('drafter', ['ngram', 'draft', 'mtp'])
+@pytest.mark.parametrize('drafter', ['ngram', 'lookahead', 'draft', 'mtp'])
 def test_drafters_propose_only_what_the_grammar_allows(tiny_engine, monkeypatch, drafter):
     drafts = []
     masks_along = GrammarConstraint.masks_along

@@ -24,7 +24,7 @@ TOOLS = [
 ]
 SCHEMAS = {tool.get('function', tool)['name']: tool.get('function', tool)['parameters'] for tool in TOOLS}
 MESSAGES = [{'role': 'system', 'content': 'You plan for a robot.'}, {'role': 'user', 'content': 'Bring the cup.'}]
-DRAFTERS = ('none', 'ngram', 'draft', 'mtp')
+DRAFTERS = ('none', 'ngram', 'lookahead', 'draft', 'mtp')
 
 
 def request(**fields) -> GenerationRequest:
@@ -57,7 +57,7 @@ def test_required_calls_are_valid_and_greedy_equals_plain(tiny_engine, drafter):
     assert plain.token_ids[0] == tokens.call_open and plain.token_ids[-1] == tokens.response_open
 
 
-@pytest.mark.parametrize('drafter', ['ngram', 'draft', 'mtp'])
+@pytest.mark.parametrize('drafter', ['ngram', 'lookahead', 'draft', 'mtp'])
 def test_drafters_propose_only_what_the_reply_allows(tiny_engine, monkeypatch, drafter):
     drafts = []
     masks_along = ReplyConstraint.masks_along

