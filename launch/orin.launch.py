@@ -63,7 +63,7 @@ def generate_launch_description():
         DeclareLaunchArgument('device', default_value='',
                               description="override engine.device: auto|cpu|cuda ('' = keep the params file's)"),
         DeclareLaunchArgument('drafter', default_value='',
-                              description='override engine.drafter: none|mtp|draft|ngram|lookahead|auto '
+                              description='override engine.drafter: none|mtp|draft|ngram|lookahead|eagle3|auto '
                                           "('' = keep the file's)"),
         DeclareLaunchArgument('compile', default_value='',
                               description='override engine.compile: auto|inductor|inductor-gemm|cudagraph|eager|'

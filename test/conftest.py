@@ -186,6 +186,7 @@ class TinyModels:
     assistant: str           # Gemma4AssistantForCausalLM matching target (backbone 64, same head dims / KV heads)
     assistant_ordered: str   # same, with the ordered-embedding (centroid) head and a permuted token_ordering
     draft: str               # smaller Gemma4ForCausalLM
+    eagle3: str              # an EAGLE-3 head (runtime.model.eagle) for target, tapping layers 0 and 1
     sliding_window: int = SLIDING_WINDOW
 
 
@@ -255,6 +256,14 @@ def build_tiny_models(root: Path) -> TinyModels:
     torch.manual_seed(7)
     draft = Gemma4ForCausalLM(_text_config(vocab, 32, [sliding, full])).eval()
     paths['draft'] = _save(draft, tokenizer, root / 'draft')
+
+    from gemma_spec_ros.engine.runtime.model.eagle import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(11)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, hidden_size=48, intermediate_size=96,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    head.save(root / 'eagle3', torch.float32)
+    paths['eagle3'] = str(root / 'eagle3')
     return TinyModels(**paths)
 
 
@@ -299,7 +308,8 @@ def tiny_engine_config(tiny_models):
     from gemma_spec_ros.engine.types import EngineConfig
 
     return EngineConfig(target_path=tiny_models.target, drafter='ngram', assistant_path=tiny_models.assistant,
-                        draft_model_path=tiny_models.draft, compile=TEST_COMPILE, **ON_TEST_DEVICE)
+                        draft_model_path=tiny_models.draft, eagle3_path=tiny_models.eagle3, compile=TEST_COMPILE,
+                        **ON_TEST_DEVICE)
 
 
 @pytest.fixture(scope='session')
@@ -312,12 +322,12 @@ def tiny_engine(tiny_engine_config):
 
 @pytest.fixture(scope='session')
 def tiny_engine_off(tiny_engine_config):
-    """Load the same engine on transformers' forward and a DynamicCache (engine.compile off)."""
+    """Load the same engine on transformers' forward and a DynamicCache (engine.compile off; no EAGLE-3 head)."""
     import dataclasses
 
     from gemma_spec_ros.engine import Engine
 
-    return Engine.from_config(dataclasses.replace(tiny_engine_config, compile='transformers'))
+    return Engine.from_config(dataclasses.replace(tiny_engine_config, compile='transformers', eagle3_path=''))
 
 
 @pytest.fixture(scope='session')

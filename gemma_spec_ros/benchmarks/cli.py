@@ -28,7 +28,7 @@ from gemma_spec_ros.benchmarks.report import SCHEMA, machine_description, markdo
 from gemma_spec_ros.benchmarks.systems import System
 
 BUNDLED = {'target': 'models/gemma4-spec-target', 'draft': 'models/gemma4-spec-draft',
-           'assistant': 'models/gemma4-spec-assistant'}
+           'assistant': 'models/gemma4-spec-assistant', 'eagle3': 'models/gemma4-spec-eagle3'}
 # (full run, --quick) defaults; an explicit option wins.
 DEFAULTS = {'max_new_tokens': (96, 16), 'repeats': (2, 1), 'per_category': (0, 1), 'ks': ('1,2,4,8', '2'),
             'probe_repeats': (10, 2), 'threads': (0, 1)}
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--target', help='target model directory (default: bundled {})'.format(BUNDLED['target']))
     parser.add_argument('--draft', help='draft model directory (default: bundled)')
     parser.add_argument('--assistant', help='Gemma 4 assistant (MTP) directory (default: bundled)')
+    parser.add_argument('--eagle3', help='EAGLE-3 head directory (default: bundled; --drafters eagle3 with --planner)')
     parser.add_argument('--prompts', help='JSONL with "prompt" and "category" per line (default: bench/prompts.jsonl)')
     parser.add_argument('--per-category', type=int, help='prompts per category, 0 = all (default 0; quick 1)')
     parser.add_argument('--max-new-tokens', type=int, help='new tokens per generation (default 96; quick 16)')
@@ -146,7 +147,10 @@ def run(args, argv: list[str]) -> Path:
         drafters=_parse_list(args.drafters, str.strip, '--drafters'),
         threads=_option(args, 'threads') or torch.get_num_threads(),
         probe_repeats=_option(args, 'probe_repeats'), seed=args.seed,
-        compile_modes=_parse_list(args.compile, str.strip, '--compile'))
+        compile_modes=_parse_list(args.compile, str.strip, '--compile'), eagle3=_model_path(args.eagle3, 'eagle3'))
+    if 'eagle3' in settings.drafters and args.planner is None:
+        raise ValueError('--drafters eagle3: transformers has no EAGLE-3 head to run beside it; measure it with '
+                         '`bench --planner` or `bench drafters`')
     if args.constrained is not None:
         spec = (default_prompts_path(constrained.DEFAULT_SPEC, '--constrained') if
                 args.constrained == constrained.DEFAULT_SPEC else args.constrained)

@@ -40,6 +40,7 @@ class Settings:
     probe_repeats: int             # cost-probe rounds before and after the run (plus one after each prompt)
     seed: int
     compile_modes: list[str] = field(default_factory=lambda: ['auto'])  # one engine per mode; the first is "ours"
+    eagle3: str = ''               # EAGLE-3 head (drafter eagle3: bench --planner only; transformers has none)
 
     def check(self) -> None:
         if self.max_new_tokens < 2:
@@ -156,6 +157,7 @@ def load_engine(settings: Settings, progress: Callable[[str], None], compile_mod
         target_path=settings.target, drafter='none',
         assistant_path=settings.assistant if 'mtp' in settings.drafters else '',
         draft_model_path=settings.draft if 'draft' in settings.drafters else '',
+        eagle3_path=settings.eagle3 if 'eagle3' in settings.drafters else '',
         device='cpu', dtype='float32', max_draft_tokens=max(settings.ks),
         max_new_tokens_limit=max(2048, settings.max_new_tokens), num_threads=settings.threads,
         compile=compile_mode, warmup='blocking'), progress=progress)  # measured at full speed

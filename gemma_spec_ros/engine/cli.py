@@ -22,6 +22,8 @@ from .types import (
 DEFAULT_TARGET = 'models/gemma4-spec-target'
 DEFAULT_ASSISTANT = 'models/gemma4-spec-assistant'
 DEFAULT_DRAFT = 'models/gemma4-spec-draft'
+DEFAULT_EAGLE3 = 'models/gemma4-spec-eagle3'
+PATH_FIELDS = {'mtp': 'assistant_path', 'draft': 'draft_model_path', 'eagle3': 'eagle3_path'}  # --drafter-path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--config', help="node params YAML (e.g. config/orin.yaml); reads its 'engine:' group")
     parser.add_argument('--target', help='target model directory')
     parser.add_argument('--drafter', choices=DRAFTERS, help='drafter (default: from the config, else mtp)')
-    parser.add_argument('--drafter-path', help='model directory of the drafter (assistant for mtp, model for draft)')
+    parser.add_argument('--drafter-path', help='model directory of the drafter (assistant for mtp, model for draft, head for eagle3)')
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument('--prompt', help='prompt text')
     prompt.add_argument('--prompt-ids', help='comma-separated token ids, e.g. 2,651,1234')
@@ -80,15 +82,17 @@ def _engine_overrides(args) -> dict:
     if not args.config:
         # the bundled drafters belong to the bundled target; with --target only --drafter-path adds one
         overrides['target_path'] = args.target or DEFAULT_TARGET
-        for field, default in (('assistant_path', DEFAULT_ASSISTANT), ('draft_model_path', DEFAULT_DRAFT)):
+        for field, default in (('assistant_path', DEFAULT_ASSISTANT), ('draft_model_path', DEFAULT_DRAFT),
+                               ('eagle3_path', DEFAULT_EAGLE3)):
             bundled = not args.target and Path(resolve_model_path(default)).is_dir()
-            overrides[field] = default if bundled else ''
+            lean = args.compile != 'transformers' or field != 'eagle3_path'  # the head reads the lean forward's taps
+            overrides[field] = default if bundled and lean else ''
         overrides['drafter'] = args.drafter or ('mtp' if overrides['assistant_path'] else 'ngram')
     if args.drafter_path:
         drafter = args.drafter or 'mtp'
-        if drafter not in ('mtp', 'draft'):
-            raise ValueError('--drafter-path needs --drafter mtp or --drafter draft')
-        overrides['assistant_path' if drafter == 'mtp' else 'draft_model_path'] = args.drafter_path
+        if drafter not in PATH_FIELDS:
+            raise ValueError('--drafter-path needs --drafter mtp, draft or eagle3')
+        overrides[PATH_FIELDS[drafter]] = args.drafter_path
         overrides['drafter'] = drafter
     return overrides
 

@@ -47,6 +47,7 @@ REGISTRY = {
     'draft': DrafterSpec('draft_model', 'DraftModelDrafter', 'draft_model_path', 'draft model'),
     'ngram': DrafterSpec('ngram', 'NgramDrafter', '', 'prompt lookup'),
     'lookahead': DrafterSpec('lookahead', 'LookaheadDrafter', '', 'lookahead (the target\'s own predictions)'),
+    'eagle3': DrafterSpec('eagle3', 'Eagle3Drafter', 'eagle3_path', 'EAGLE-3 head'),
 }
 AUTO = 'auto'  # not a drafter of its own: every round, the loaded drafter expected to be fastest (decoding/auto.py)
 DRAFTERS = tuple(REGISTRY) + (AUTO,)  # what a goal or engine.drafter may name
@@ -75,6 +76,7 @@ class EngineConfig:
                               choices=DRAFTERS, runtime=True)
     assistant_path: str = config_field('', 'Gemma4AssistantForCausalLM directory for drafter mtp')
     draft_model_path: str = config_field('', 'smaller Gemma4ForCausalLM directory for drafter draft')
+    eagle3_path: str = config_field('', 'EAGLE-3 head directory (train eagle3) for drafter eagle3')
     device: str = config_field('auto', 'auto|cpu|cuda or cuda:N (auto: cuda when available)')
     dtype: str = config_field('auto', 'auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)',
                             choices=DTYPES)

@@ -103,7 +103,7 @@ def build_parser():
     parser.add_argument('--top-k', type=int, default=0, help='0 = off')
     parser.add_argument('--stop', action='append', default=[], help='stop string, repeatable')
     parser.add_argument('--seed', type=int, default=-1, help='-1 = random')
-    parser.add_argument('--drafter', default='', help="none|mtp|draft|ngram|lookahead|auto ('' = node default)")
+    parser.add_argument('--drafter', default='', help="none|mtp|draft|ngram|lookahead|eagle3|auto ('' = node default)")
     parser.add_argument('--num-draft-tokens', type=int, default=0, help='K, 0 = adaptive')
     parser.add_argument('--json-schema', metavar='FILE', help='JSON Schema file the output must match')
     parser.add_argument('--grammar', metavar='FILE', help='EBNF grammar file (xgrammar syntax, rule root)')

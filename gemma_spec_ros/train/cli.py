@@ -277,6 +277,56 @@ def assistant_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def eagle3_command(args: argparse.Namespace) -> int:
+    import shutil
+
+    from gemma_spec_ros.engine.runtime.model.eagle import Eagle3Config, Eagle3Head
+    from gemma_spec_ros.train import eagle3
+
+    device = common_setup(args)
+    tokenizer = load_tokenizer(args.target)
+    target = load_frozen(args.target, device, 'target')
+    target_config = target.config.get_text_config()
+    if args.init:
+        head = Eagle3Head.load(args.init, device, torch.float32).requires_grad_(True)
+        head.check_fits(target_config, args.init)
+    else:
+        layers, hidden, intermediate = (int(part) for part in args.shape.split('x'))
+        if layers != 1:
+            raise ValueError(f'an EAGLE-3 head has one decoder layer: --shape 1xHIDDENxINTERMEDIATE, got {args.shape}')
+        head = eagle3.initial_head(Eagle3Config.for_target(target_config, hidden_size=hidden,
+                                                           intermediate_size=intermediate), target)
+    head.to(device)
+    train, held = streams(args, tokenizer)
+    print(f'EAGLE-3 head: {parameter_count(head) / 1e6:.2f} M parameters, target layers '
+          f'{head.config.feature_layers} tapped, {args.depth} drafted depths')
+    batch = BatchSettings(args.batch_size, args.seq_len, args.seed)
+    greedy = None
+    if args.greedy_windows:
+        greedy = cached_greedy_windows(Path(args.greedy_cache or Path(args.run_dir) / 'greedy_windows.pt'), args,
+                                       target, train, device)
+    step_fn = eagle3.eagle3_step(head, target, train, greedy, batch, args.depth, args.depth_decay, device)
+    result = train_loop(head, step_fn, loop_settings(args), 'eagle3')
+    accuracy = {}
+    for kind, stream in held.items():
+        if len(stream) > args.seq_len:
+            ids = stream.ids[:len(stream) // args.seq_len * args.seq_len].view(-1, args.seq_len)
+            accuracy[kind] = [round(a, 3) for a in eagle3.draft_accuracy(
+                head, target, ids[:args.eval_windows // 4 or 1].long().to(device), args.depth)]
+    print(f'held-out teacher-forced draft accuracy per depth: {accuracy}')
+    report = training_report(args, result, shape=args.shape if not args.init else f'init from {args.init}',
+                             parameters=parameter_count(head), target=args.target, held_out_draft_accuracy=accuracy,
+                             greedy_windows=args.greedy_windows, **initial_report(args.init))
+    out = Path(args.out)
+    head.save(out, storage_dtype(args.storage_dtype))
+    (out / 'training.json').write_text(json.dumps(report, indent=1) + '\n')
+    for name in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja'):
+        if (Path(args.target) / name).exists():
+            shutil.copy(Path(args.target) / name, out / name)
+    print(f'saved {args.out}')
+    return 0
+
+
 def ordered_head_command(args: argparse.Namespace) -> int:
     import json
 
@@ -537,6 +587,20 @@ def build_parser() -> argparse.ArgumentParser:
                            help='greedy windows file, reused when it holds enough windows (default: RUN_DIR/'
                                 'greedy_windows.pt)')
     assistant.set_defaults(run=assistant_command)
+
+    head = commands.add_parser('eagle3', help='train an EAGLE-3 draft head (one layer on three target states)')
+    add_corpus_args(head)
+    add_training_args(head, out='models/gemma4-spec-eagle3', run_dir='runs/eagle3', steps=600, lr=2e-3)
+    head.add_argument('--target', default='models/gemma4-spec-target', help='any Gemma 4 target directory')
+    head.add_argument('--shape', default='1x192x2048', help='1xHIDDENxINTERMEDIATE (the head has one layer)')
+    head.add_argument('--init', help='go on training an existing head directory instead of building --shape')
+    head.add_argument('--depth', type=int, default=4, help='drafted depths trained at once (training-time test)')
+    head.add_argument('--depth-decay', type=float, default=0.8, help='loss weight decay per depth')
+    head.add_argument('--greedy-windows', type=int, default=256,
+                      help='windows of target greedy continuations mixed into training (half of each batch)')
+    head.add_argument('--greedy-prompt-len', type=int, default=32, help='corpus prompt tokens per greedy window')
+    head.add_argument('--greedy-cache', default='', help='greedy windows file (as for train assistant)')
+    head.set_defaults(run=eagle3_command)
 
     ordered = commands.add_parser('ordered-head', help="fit the MTP assistant's ordered-embedding (centroid) head")
     add_corpus_args(ordered)

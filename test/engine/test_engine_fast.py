@@ -101,7 +101,7 @@ def test_mtp_assistant_reads_only_the_kept_target_cache(tiny_engine, reference):
     assert max(checked) > 2 * SLIDING_WINDOW  # past the window: the ring has wrapped
 
 
-@pytest.mark.parametrize('drafter', ['draft', 'mtp'])  # drafters with draft_probs; test_verify: one-hot
+@pytest.mark.parametrize('drafter', ['draft', 'mtp', 'eagle3'])  # drafters with draft_probs; test_verify: one-hot
 def test_sampled_speculation_follows_the_target_distribution(tiny_engine, drafter):
     temperature = 2.0  # spreads the random target's top 3
     prompt_ids = tiny_engine.tokenizer(SAMPLING_PROMPT).input_ids
@@ -134,9 +134,11 @@ def test_chi_squared_detects_a_wrong_distribution(tiny_engine):
 def test_status_reports_the_path_and_its_memory(tiny_engine, tiny_engine_off):
     fast, off = tiny_engine.status(), tiny_engine_off.status()
     assert (fast.compile_mode, off.compile_mode) == (TEST_COMPILE, 'transformers')
-    assert fast.weights_bytes == off.weights_bytes > 0
+    head = tiny_engine.drafter('eagle3')  # the fast path's alone (it reads the lean forward's taps)
+    assert fast.weights_bytes == off.weights_bytes + head.weights_bytes and off.weights_bytes > 0
     target_cache = tiny_engine.target_lm.cache
-    assert fast.kv_cache_bytes == target_cache.nbytes + tiny_engine.drafter('draft').kv_cache_bytes
+    assert fast.kv_cache_bytes == (target_cache.nbytes + tiny_engine.drafter('draft').kv_cache_bytes
+                                   + head.kv_cache_bytes)
     assert target_cache.context_limit == 1024  # engine.context_limit 4096, the tiny models' 1024 positions
     assert off.kv_cache_bytes == 0
 

@@ -107,6 +107,24 @@ def test_assistant_trains_for_any_gemma4_target(tiny_models, tiny_corpus, tmp_pa
     assert (tmp_path / 'run' / 'greedy_windows.pt').exists()
 
 
+def test_eagle3_head_trains_for_a_target_and_the_engine_drafts_with_it(tiny_models, tiny_corpus, tmp_path):
+    from gemma_spec_ros.engine import Engine, EngineConfig, GenerationRequest
+
+    out = tmp_path / 'eagle3'
+    assert main(['eagle3', '--target', tiny_models.target, '--input', str(tiny_corpus), '--shape', '1x48x96',
+                 '--eval-input', str(STDLIB / 'glob.py'), '--steps', '3', '--greedy-windows', '2', '--greedy-prompt-len', '8', '--depth', '3',
+                 '--out', str(out), '--run-dir', str(tmp_path / 'run'), *TINY]) == 0
+    report = json.loads((out / 'training.json').read_text())
+    assert report['steps'] == 3 and len(report['held_out_draft_accuracy']['code']) == 3
+    engine = Engine.from_config(EngineConfig(target_path=tiny_models.target, drafter='eagle3', eagle3_path=str(out),
+                                             compile='eager', device='cpu'))
+    result = engine.generate(GenerationRequest(prompt='def f(x):\n', max_new_tokens=12, num_draft_tokens=3))
+    plain = engine.generate(GenerationRequest(prompt='def f(x):\n', max_new_tokens=12, drafter='none'))
+    assert result.token_ids == plain.token_ids and result.stats.drafted_tokens > 0
+    assert main(['eagle3', '--target', tiny_models.target, '--input', str(tiny_corpus), '--shape', '2x48x96',
+                 '--steps', '1', '--out', str(tmp_path / 'bad'), '--run-dir', str(tmp_path / 'run2'), *TINY]) == 2
+
+
 def test_assistant_training_forward_matches_inference(tiny_models):
     """Each query of the batched training forward equals the one-token call the engine makes at inference."""
     from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM

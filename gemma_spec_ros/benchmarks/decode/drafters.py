@@ -32,7 +32,7 @@ from gemma_spec_ros.benchmarks.prompts import categories_of, default_prompts_pat
 from gemma_spec_ros.benchmarks.report import machine_description
 
 BUNDLED = {'target': 'models/gemma4-spec-target', 'assistant': 'models/gemma4-spec-assistant',
-           'draft': 'models/gemma4-spec-draft'}
+           'draft': 'models/gemma4-spec-draft', 'eagle3': 'models/gemma4-spec-eagle3'}
 AUTO = 'auto'
 
 
@@ -45,6 +45,8 @@ def load_engines(args, systems: list[str]) -> dict:
         print('drafters: loading the {} engine'.format(group), file=sys.stderr, flush=True)
         loaded[group] = Engine.from_config(EngineConfig(
             target_path=args.target, assistant_path=args.assistant, draft_model_path=args.draft,
+            # the head makes every target pass tap its states: loaded only where it is measured
+            eagle3_path=args.eagle3 if 'eagle3' in systems else '',
             drafter=AUTO if group == AUTO else 'none', device='cpu', dtype='float32', compile=args.compile,
             num_threads=args.threads, warmup='blocking', max_new_tokens_limit=max(2048, args.max_new_tokens)))
     return {system: loaded[AUTO if system == AUTO else 'single'] for system in systems}
@@ -133,8 +135,10 @@ def main(argv=None) -> int:
     parser.add_argument('--target', default=BUNDLED['target'])
     parser.add_argument('--assistant', default=BUNDLED['assistant'], help='MTP assistant (drafter mtp)')
     parser.add_argument('--draft', default=BUNDLED['draft'], help='draft model (drafter draft)')
+    parser.add_argument('--eagle3', default=BUNDLED['eagle3'], help='EAGLE-3 head (drafter eagle3)')
     parser.add_argument('--drafters', default='ngram,lookahead,mtp,draft,auto',
-                        help='drafters to measure besides plain decoding (none, ngram, lookahead, mtp, draft, auto)')
+                        help='drafters to measure besides plain decoding (none, ngram, lookahead, mtp, draft, '
+                             'eagle3, auto)')
     parser.add_argument('--prompts', default=None, help='JSONL prompts (default: the held-out set)')
     parser.add_argument('--per-category', type=int, default=4, help='prompts per category (0: all)')
     parser.add_argument('--max-new-tokens', type=int, default=96)

@@ -7,4 +7,5 @@ The lean Gemma 4 forward and what it reads: the models, their weights and their 
 - cache.py: the static KV cache, and its slotted form (a slot per goal of a batch).
 - prefix_cache.py: KV blocks of prompt prefixes kept across goals (engine.prefix_cache_mb).
 - vision.py: a multimodal target's vision tower, run once per image goal before the prefill.
+- eagle.py: an EAGLE-3 draft head over the target's tapped states, its checkpoint and its own K/V.
 """

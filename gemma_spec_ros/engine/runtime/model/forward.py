@@ -16,7 +16,7 @@ This module holds the lean models (LeanGemma4, LeanAssistant) and the pass that 
 layers.py the arithmetic of one layer, weights.py the loading of the weights into flat buffers.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from .layers import (
     _linear,
     _project,
     _rms_norm,
+    _Rope,
     _step_layer,
     _step_layer_rows,
 )
@@ -46,27 +47,8 @@ class StepOutput:
     shared_kv_states: dict | None = None  # transformers' forward only: {layer_type: (keys, values)} for its assistant
     greedy_row: torch.Tensor | None = None  # [n + 2] a fast verify pass's greedy verify() of its tokens after the
     #                                         first as drafts: accepted count, the n - 1 drafts, -1, next token
-
-
-class _Rope:
-    """cos/sin per layer type from the model's inverse frequencies, computed as transformers computes them."""
-
-    def __init__(self, rotary_emb, layer_types, dtype: torch.dtype, tensors: FlatTensors):
-        self.dtype = dtype
-        self.tensors = tensors
-        self.inv_freq = {kind: tensors.add(getattr(rotary_emb, '{}_inv_freq'.format(kind)))
-                         for kind in sorted(set(layer_types))}
-        self.scaling = {kind: getattr(rotary_emb, '{}_attention_scaling'.format(kind)) for kind in self.inv_freq}
-
-    def at(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """{layer_type: (cos, sin)} each [q, 1, head_dim] for positions [q]."""
-        rope = {}
-        for kind, handle in self.inv_freq.items():
-            freqs = positions[:, None].float() * self.tensors[handle].float()[None, :]
-            angles = torch.cat((freqs, freqs), dim=-1)[:, None]
-            scaling = self.scaling[kind]
-            rope[kind] = ((angles.cos() * scaling).to(self.dtype), (angles.sin() * scaling).to(self.dtype))
-        return rope
+    features: torch.Tensor | None = None  # [1, fed, (taps + 1) * hidden] every fed position's residual stream after
+    #                                       each of LeanGemma4.feature_layers and its final-norm state (EAGLE-3)
 
 
 # A layer is compiled once per layer shape and reused (hierarchical compilation), which keeps the compile time
@@ -101,6 +83,7 @@ class _Pass:
     kv_len: int                                       # full layers read slots 0..kv_len-1
     # prefill only: new sliding K/V per cache buffer, read beside the old ring and written into it after the pass
     pending: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    taps: list[torch.Tensor] = field(default_factory=list)  # the hidden after each of _Decoder.feature_layers
 
 
 class _Decoder:
@@ -108,6 +91,7 @@ class _Decoder:
 
     layers: list[_Layer]
     tensors: FlatTensors
+    feature_layers: tuple[int, ...] = ()  # layers whose output a pass taps (StepOutput.features; set before warm-up)
 
     @property
     def inlines_layers(self) -> bool:
@@ -131,6 +115,7 @@ class _Decoder:
             if state.pending is None:
                 hidden = step_layer(layer.shape, weights, hidden, per_layer_input, cos, sin, state.masks[kind],
                                     keys, values, slots[kind])
+                state.taps += [hidden] if index in self.feature_layers else []
                 continue
             # prefill: full layers write all new K/V first; sliding layers read the old ring beside the new K/V,
             # which go into the ring after the pass
@@ -149,6 +134,7 @@ class _Decoder:
             hidden = _finish(layer.shape, weights, hidden, _attend(query, keys, values, state.masks[kind],
                                                                    layer.shape.attention_dtype),
                              per_layer_input)
+            state.taps += [hidden] if index in self.feature_layers else []
         return hidden
 
     def _layers_rows(self, hidden: torch.Tensor, cache: SlottedKvCache, positions: torch.Tensor,
@@ -276,12 +262,18 @@ class LeanGemma4(_Decoder):
                                  self.per_layer_projection_norm, self.eps)
         return embeds, (context_part + token_part) * self.per_layer_input_scale
 
-    def _head(self, hidden: torch.Tensor) -> StepOutput:
+    def _head(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> StepOutput:
         hidden = _rms_norm(hidden, self.final_norm, self.eps)
         logits = _linear(hidden, self.lm_head, None, self.row_product_max_rows)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return StepOutput(logits.unsqueeze(0), hidden.unsqueeze(0))
+        return StepOutput(logits.unsqueeze(0), hidden.unsqueeze(0), features=features)
+
+    def _features(self, state: _Pass, hidden: torch.Tensor) -> torch.Tensor | None:
+        """StepOutput.features of a pass over every fed position (None unless feature_layers asks for them)."""
+        if not self.feature_layers:
+            return None
+        return torch.cat([*state.taps, _rms_norm(hidden, self.final_norm, self.eps)], dim=-1).unsqueeze(0)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticKvCache, kv_len: int,
              logits_to_keep: int) -> StepOutput:
@@ -299,8 +291,9 @@ class LeanGemma4(_Decoder):
         ring = cache.ring_positions[None, :]
         masks = {FULL: cache.key_positions[None, :kv_len] <= query_positions,
                  SLIDING: (ring <= query_positions) & (ring > query_positions - self.sliding_window)}
-        hidden = self._layers(hidden, _Pass(cache, positions, self.rope.at(positions), masks, kv_len), per_layer)
-        return self._head(hidden[-logits_to_keep:])
+        state = _Pass(cache, positions, self.rope.at(positions), masks, kv_len)
+        hidden = self._layers(hidden, state, per_layer)
+        return self._head(hidden[-logits_to_keep:], self._features(state, hidden))
 
     def new_slotted_cache(self, num_slots: int, context_limit: int, max_query: int) -> SlottedKvCache:
         """Make a cache of num_slots sequences for batched steps (step_rows)."""
@@ -358,7 +351,7 @@ class LeanGemma4(_Decoder):
             cache.values[kv_index].index_copy_(1, slots, new_values[:, -cache.ring_size:])
         cache.ring_positions.index_copy_(0, slots, kept)
         cache.advance(start, count)
-        return self._head(hidden[-logits_to_keep:])
+        return self._head(hidden[-logits_to_keep:], self._features(state, hidden))
 
 
 class LeanAssistant(_Decoder):

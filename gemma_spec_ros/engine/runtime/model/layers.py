@@ -298,3 +298,24 @@ def _step_layer_rows(shape: _Shape, w: _Weights, hidden: torch.Tensor, per_layer
     return _finish(shape, w, hidden, _attend_rows(query, _slot_rows(keys, rows, per_slot, length),
                                                   _slot_rows(values, rows, per_slot, length), mask,
                                                   shape.attention_dtype), per_layer_input)
+
+
+class _Rope:
+    """cos/sin per layer type from the model's inverse frequencies, computed as transformers computes them."""
+
+    def __init__(self, rotary_emb, layer_types, dtype: torch.dtype, tensors):  # tensors: weights.FlatTensors
+        self.dtype = dtype
+        self.tensors = tensors
+        self.inv_freq = {kind: tensors.add(getattr(rotary_emb, '{}_inv_freq'.format(kind)))
+                         for kind in sorted(set(layer_types))}
+        self.scaling = {kind: getattr(rotary_emb, '{}_attention_scaling'.format(kind)) for kind in self.inv_freq}
+
+    def at(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer_type: (cos, sin)} each [q, 1, head_dim] for positions [q]."""
+        rope = {}
+        for kind, handle in self.inv_freq.items():
+            freqs = positions[:, None].float() * self.tensors[handle].float()[None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+            scaling = self.scaling[kind]
+            rope[kind] = ((angles.cos() * scaling).to(self.dtype), (angles.sin() * scaling).to(self.dtype))
+        return rope

@@ -215,19 +215,19 @@ class PrefixCache:
         reused = self.restore(tokens, cache, images, logits_to_keep)
         complete = len(tokens) // self.block_tokens * self.block_tokens
         reader = _KvReader(cache, reused, complete)
-        kept, first_kept = [], len(tokens) - logits_to_keep
+        kept, first_kept, features = [], len(tokens) - logits_to_keep, []
         for start, end in _chunks(reused, len(tokens), self.chunk_tokens(cache.sliding_window), images):
             wanted = end - max(start, first_kept)  # of the positions kept, those in this chunk
             soft_part = _soft_slice(soft, tokens, start, end)
             out = lean.prefill(input_ids[:, start:end], cache, start, max(1, wanted), soft_part)
             if wanted > 0:
                 kept.append(out)
+            features += [] if out.features is None else [out.features]  # of the prefilled positions, not the reused
             reader.capture(start, end)
         self._store(tokens, cache, images, reader)
-        if len(kept) == 1:
-            return kept[0], reused
         return StepOutput(torch.cat([out.logits for out in kept], dim=1),
-                          torch.cat([out.hidden for out in kept], dim=1)), reused
+                          torch.cat([out.hidden for out in kept], dim=1),
+                          features=torch.cat(features, dim=1) if features else None), reused
 
     def _keys(self, tokens: list[int], images: tuple[ImageKey, ...], count: int):
         """Yield (key, tokens, images) of blocks 0..count-1 of a prompt; a key chains its parent's."""

@@ -224,10 +224,11 @@ class FastCausalLM(_Shadowed):
         positions = torch.arange(start, start + q, device=self.lean.device)
         kv_positions = self.cache.key_positions[:self._steps.key_length(start + q)]
         key = self._step_key(q, logits_to_keep)
-        logits, hidden, *greedy_row = self._steps.run(key, lambda: self._step_function(*key),
-                                                      (input_ids, positions), kv_positions, dynamic_dims=(1, 0))
+        logits, hidden, *rest = self._steps.run(key, lambda: self._step_function(*key),
+                                                (input_ids, positions), kv_positions, dynamic_dims=(1, 0))
         self.cache.advance(start, q)
-        return StepOutput(logits, hidden, greedy_row=greedy_row[0] if greedy_row else None)
+        features = rest.pop(0) if self.lean.feature_layers else None
+        return StepOutput(logits, hidden, greedy_row=rest[0] if rest else None, features=features)
 
     @staticmethod
     def _step_key(q: int, logits_to_keep: int) -> tuple[int, bool]:
@@ -240,8 +241,9 @@ class FastCausalLM(_Shadowed):
 
         def step(input_ids, positions, kv_positions):
             out = lean.step(input_ids, positions, cache, kv_positions.shape[0], keep)
+            tapped = () if out.features is None else (out.features,)  # lean.feature_layers: an EAGLE-3 head reads
             if not verifying:
-                return out.logits, out.hidden
+                return out.logits, out.hidden, *tapped
             # a verify pass: greedy verification inside the graph saves the round ~10 eager ops (README). Its drafts
             # get one more that is never accepted (-1) and the logits one more row: the same verdict, without a
             # (q - 1)-long tensor, which would make torch.compile specialise q = 2
@@ -251,7 +253,7 @@ class FastCausalLM(_Shadowed):
             else:
                 logits = torch.cat([out.logits, out.logits[:, -1:]], dim=1)                      # [1, q + 1, vocab]
                 num_accepted, next_token = verify(drafts, logits, None, greedy=True)
-            return out.logits, out.hidden, torch.cat([num_accepted, drafts[0], next_token])
+            return out.logits, out.hidden, *tapped, torch.cat([num_accepted, drafts[0], next_token])
         return step
 
     @torch.inference_mode()
