@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--config', help="node params YAML (e.g. config/orin.yaml); reads its 'engine:' group")
     parser.add_argument('--target', help='target model directory')
     parser.add_argument('--drafter', choices=DRAFTERS, help='drafter (default: from the config, else mtp)')
-    parser.add_argument('--drafter-path', help='model directory of the drafter (assistant for mtp, model for draft, head for eagle3)')
+    parser.add_argument('--drafter-path',
+                        help='model directory of the drafter (assistant for mtp, model for draft, head for eagle3)')
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument('--prompt', help='prompt text')
     prompt.add_argument('--prompt-ids', help='comma-separated token ids, e.g. 2,651,1234')

@@ -112,7 +112,8 @@ def test_eagle3_head_trains_for_a_target_and_the_engine_drafts_with_it(tiny_mode
 
     out = tmp_path / 'eagle3'
     assert main(['eagle3', '--target', tiny_models.target, '--input', str(tiny_corpus), '--shape', '1x48x96',
-                 '--eval-input', str(STDLIB / 'glob.py'), '--steps', '3', '--greedy-windows', '2', '--greedy-prompt-len', '8', '--depth', '3',
+                 '--eval-input', str(STDLIB / 'glob.py'), '--steps', '3', '--greedy-windows', '2',
+                 '--greedy-prompt-len', '8', '--depth', '3',
                  '--out', str(out), '--run-dir', str(tmp_path / 'run'), *TINY]) == 0
     report = json.loads((out / 'training.json').read_text())
     assert report['steps'] == 3 and len(report['held_out_draft_accuracy']['code']) == 3
