@@ -110,7 +110,7 @@ def test_the_heads_entries_are_the_kept_tokens_true_entries(tiny_engine, referen
         cache.reset(1)
         with torch.no_grad():
             cache.enter(target.lean.embed_tokens(torch.tensor(context.tokens[1:]))[None], head.fuse_target(features))
-        held = drafter._cache
+        held = drafter._runner.cache
         assert held.start == 1 and held.length >= last
         torch.testing.assert_close(held.keys[:, :, :last], cache.keys[:, :, :last], atol=1e-4, rtol=1e-4)
         checked.append(last)

@@ -3,8 +3,9 @@
 import torch
 
 from ..runtime import FastCausalLM
-from ..runtime.model.eagle import Eagle3Cache, Eagle3Head
+from ..runtime.model.eagle import Eagle3Head
 from ..runtime.steps import causal_lm
+from ..runtime.steps.eagle import FastEagle3
 from .base import DraftContext, Drafter, DraftRound, LoadContext, Proposal, grammar_lookahead
 
 
@@ -17,20 +18,21 @@ class Eagle3Drafter(Drafter):
     token per step, each step entering the last draft with the head's own output as its feature. The drafted entries
     are rolled back before the next round: the head's cache holds true entries only between rounds.
 
-    A prompt restored from the prefix cache has no states for its reused positions: the head's entries then start
-    after them (its drafts see less of the prompt; the output does not change). Runs on the lean forward (any
-    engine.compile but transformers), eager: the head is one layer; its weights stay in the engine's float dtype
-    under engine.quantization.
+    Its steps run in the target's compile mode (runtime.steps.eagle.FastEagle3). A prompt restored from the prefix
+    cache has no states for its reused positions: the head's entries then start after them (its drafts see less of
+    the prompt; the output does not change). Needs the lean forward (any engine.compile but transformers); its
+    weights stay in the engine's float dtype under engine.quantization; the goals of a batch draft one at a time.
     """
 
     name = 'eagle3'
     needs_target_states = True
 
-    def __init__(self, head: Eagle3Head, target_lm: FastCausalLM, capacity: int):
+    def __init__(self, head: Eagle3Head, target_lm: FastCausalLM, capacity: int, max_query: int):
         self._head = head
         self._target_lm = target_lm
         self._lean = target_lm.lean
-        self._cache = Eagle3Cache(head, capacity, target_lm.lean.device, target_lm.lean.dtype)
+        self._runner = FastEagle3(head, target_lm, capacity, max_query)
+        self._cache = self._runner.cache
         self.weights_bytes = causal_lm.parameter_bytes(head)
         self.kv_cache_bytes = self._cache.nbytes
         self._states: torch.Tensor | None = None  # [n, 3 * target_hidden] the target's states not yet entered
@@ -52,7 +54,14 @@ class Eagle3Drafter(Drafter):
             raise ValueError('EAGLE-3 head {} taps target layers {}; the target already taps {}'.format(
                 path, head.config.feature_layers, lean.feature_layers))
         lean.feature_layers = head.config.feature_layers  # before any step is traced (warm-up follows the loads)
-        return cls(head, context.target_lm, context.context_limit + context.config.max_draft_tokens + 1)
+        max_draft = context.config.max_draft_tokens
+        return cls(head, context.target_lm, context.context_limit + max_draft + 1, max_draft + 1)
+
+    def warmup(self, progress) -> int:
+        return self._runner.warmup(progress).graphs
+
+    def graph_jobs(self) -> list:
+        return self._runner.graph_jobs(self.name)
 
     def start(self, prompt_ids: list[int]) -> None:
         self._states, self._states_end, self._prompt = None, 0, prompt_ids
@@ -83,19 +92,19 @@ class Eagle3Drafter(Drafter):
     def propose(self, context: DraftContext, k: int) -> Proposal | None:
         if self._states is None:
             return None
-        hidden = self._catch_up(context.tokens, keep=0)
+        hidden, logits = self._catch_up(context.tokens, keep=0)
         with grammar_lookahead(context) as look:
             drafts = DraftRound(context, context.min_confidence, look)
             for step in range(k):
-                token, more = drafts.draw(self._head.logits(hidden[:, -1]))
+                token, more = drafts.draw(logits)
                 if not more or step == k - 1:
                     break
-                hidden = self._cache.enter(self._lean.embed_tokens(token)[None], hidden)
+                hidden, logits = self._runner.enter(self._lean.embed_tokens(token)[None], hidden[:, -1:])
         return drafts.proposal()
 
-    def _catch_up(self, tokens: list[int], keep: int) -> torch.Tensor | None:
+    def _catch_up(self, tokens: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """
-        Enter the true entries the waiting states allow, but for the last `keep` of them; return the last output.
+        Enter the true entries the waiting states allow, but for the last `keep` of them; return the last outputs.
 
         Entry p takes token p and the state of p - 1: the states of positions a..b give entries a+1..b+1, and
         tokens must reach b + 1 for all of them.
@@ -107,7 +116,8 @@ class Eagle3Drafter(Drafter):
         if count <= 0:
             return None
         ids = torch.tensor(tokens[first_state + 1:first_state + 1 + count], device=self._states.device)
-        hidden = self._cache.enter(self._lean.embed_tokens(ids)[None],
-                                   self._head.fuse_target(self._states[None, :count]))[:, -1:]
+        with torch.inference_mode():
+            features = self._head.fuse_target(self._states[None, :count])
+            out = self._runner.enter(self._lean.embed_tokens(ids)[None], features)
         self._states = self._states[count:] if keep else None
-        return hidden
+        return out

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .layers import ROW_PRODUCT_MAX_ROWS, _linear
+
 CONFIG_NAME = 'eagle3.json'
 WEIGHTS_NAME = 'model.safetensors'
 
@@ -101,6 +103,7 @@ class Eagle3Head(nn.Module):
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
         self.register_buffer('inv_freq', inv_freq, persistent=False)
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # frozen: (q|k|v, gate|up) in one matrix each
+        self.row_product_max_rows = ROW_PRODUCT_MAX_ROWS  # the engine's: compiled passes this short are row products
 
     def train(self, mode: bool = True) -> 'Eagle3Head':
         self._packed = None
@@ -117,10 +120,15 @@ class Eagle3Head(nn.Module):
         return packed
 
     # ------------------------------------------------------------------------------------------- the arithmetic
+    def _product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """X [..., in] times weight [out, in] transposed, as the lean forward multiplies (compiled: row products)."""
+        return _linear(x.reshape(-1, x.shape[-1]), weight, None, self.row_product_max_rows).view(*x.shape[:-1], -1)
+
     def fuse_target(self, features: torch.Tensor) -> torch.Tensor:
         """Target states [..., 3 * target_hidden] (StepOutput.features) -> the head's feature [..., hidden]."""
         parts = features.split(self.config.target_hidden_size, dim=-1)
-        return self.fuse(torch.cat([norm(part) for norm, part in zip(self.tap_norms, parts, strict=True)], dim=-1))
+        return self._product(torch.cat([norm(part) for norm, part in zip(self.tap_norms, parts, strict=True)], dim=-1),
+                             self.fuse.weight)
 
     def project(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor):
         """
@@ -129,12 +137,12 @@ class Eagle3Head(nn.Module):
         embeds [B, T, target_hidden] are the tokens' scaled target embeddings, features [B, T, hidden] the features
         of the positions before them, positions [T].
         """
-        x = self.pre(torch.cat([self.embed_norm(embeds), self.feature_norm(features)], dim=-1))
+        x = self._product(torch.cat([self.embed_norm(embeds), self.feature_norm(features)], dim=-1), self.pre.weight)
         h = self.attn_norm(x)
         batch, length, _ = h.shape
         config = self.config
         head_dim, kv_width = config.head_dim, config.num_key_value_heads * config.head_dim
-        query, key, value = F.linear(h, self._matrices()[0]).split(
+        query, key, value = self._product(h, self._matrices()[0]).split(
             [config.num_attention_heads * head_dim, kv_width, kv_width], dim=-1)
         query = query.view(batch, length, -1, head_dim).transpose(1, 2)
         key = key.view(batch, length, -1, head_dim).transpose(1, 2)
@@ -148,13 +156,13 @@ class Eagle3Head(nn.Module):
                mask: torch.Tensor) -> torch.Tensor:
         """Attention over keys/values [B, kv_heads, S, d] where mask [T, S] (or [B, 1, T, S]) allows, then the MLP."""
         attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-        x = x + self.o_proj(attended.transpose(1, 2).flatten(2))
-        gate, up = F.linear(self.mlp_norm(x), self._matrices()[1]).chunk(2, dim=-1)
-        return x + self.down_proj(F.gelu(gate, approximate='tanh') * up)
+        x = x + self._product(attended.transpose(1, 2).flatten(2), self.o_proj.weight)
+        gate, up = self._product(self.mlp_norm(x), self._matrices()[1]).chunk(2, dim=-1)
+        return x + self._product(F.gelu(gate, approximate='tanh') * up, self.down_proj.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Map the head's output [..., hidden] to logits [..., vocab]."""
-        return self.lm_head(self.final_norm(hidden))
+        return self._product(self.final_norm(hidden), self.lm_head.weight)
 
     # ------------------------------------------------------------------------------------------- the checkpoint
     def save(self, directory: str | Path, dtype: torch.dtype = torch.float16) -> None:
@@ -245,16 +253,38 @@ class Eagle3Cache:
         """Keep the entries before position end."""
         self.length = max(0, min(self.length, end - self.start))
 
-    def enter(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """Enter the next embeds [1, q, target_hidden] with features [1, q, hidden]; return outputs [1, q, hidden]."""
-        count = embeds.shape[1]
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the tensors a compiled step writes (a shadow's are rebound to these)."""
+        return self.keys, self.values
+
+    def inputs(self, count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check that count more entries fit; return their positions and slots [count] (enter_entries)."""
         if self.length + count > self.capacity:
             raise ValueError('the EAGLE-3 head holds {} entries; {} more do not fit'.format(self.capacity, count))
-        positions = torch.arange(self.end, self.end + count, device=embeds.device)
-        x, query, key, value = self.head.project(embeds, features, positions)
-        self.keys[:, :, self.length:self.length + count] = key
-        self.values[:, :, self.length:self.length + count] = value
-        self.length += count
-        rows = self.length - count + torch.arange(count, device=embeds.device)  # each new entry's own slot
-        seen = torch.arange(self.length, device=embeds.device)[None, :] <= rows[:, None]
-        return self.head.finish(x, query, self.keys[:, :, :self.length], self.values[:, :, :self.length], seen)
+        offsets = torch.arange(count, device=device)
+        return self.end + offsets, self.length + offsets
+
+    def enter(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Enter the next embeds [1, q, target_hidden] with features [1, q, hidden] eager; return [1, q, hidden]."""
+        positions, slots = self.inputs(embeds.shape[1], embeds.device)
+        kv_slots = torch.arange(self.length + embeds.shape[1], device=embeds.device)
+        hidden, _ = enter_entries(self.head, self.keys, self.values, embeds, features, positions, slots, kv_slots)
+        self.length += embeds.shape[1]
+        return hidden
+
+
+def enter_entries(head: Eagle3Head, keys: torch.Tensor, values: torch.Tensor, embeds: torch.Tensor,
+                  features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  kv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Write entries' K/V at slots [q] of keys/values and run them: their outputs [1, q, hidden] and last logits [1, V].
+
+    kv_slots [n] = 0..n-1, n past the last slot written: the slots read (static shapes but n, compiled or eager).
+    """
+    x, query, key, value = head.project(embeds, features, positions)
+    keys.index_copy_(2, slots, key)
+    values.index_copy_(2, slots, value)
+    seen = kv_slots[None, :] <= slots[:, None]
+    length = kv_slots.shape[0]
+    hidden = head.finish(x, query, keys[:, :, :length], values[:, :, :length], seen)
+    return hidden, head.logits(hidden[0, -1:])

@@ -1,0 +1,97 @@
+"""
+The EAGLE-3 head's runner (FastEagle3): its entries as step functions per entry count over its static K/V.
+
+A round enters its true entries (the accepted tokens: 1..K+1) and then one drafted entry per draft, each a step of
+the head's one layer. Compiled, a step is one graph (inductor on CPU, with the head's products as row products, or
+captured on CUDA); entries beyond max_query (a prompt's) run eager.
+"""
+
+import functools
+import time
+
+import torch
+
+from ..model.eagle import Eagle3Cache, Eagle3Head, enter_entries
+from .runner import FastCausalLM, GraphJob, Progress, WarmupReport, _Shadowed, _stage_shadow_graphs
+from .tables import _Steps, query_variant_ends
+
+
+class FastEagle3(_Shadowed):
+    """Eagle3Head entries through per-q step functions in the target's compile mode, on an Eagle3Cache."""
+
+    def __init__(self, head: Eagle3Head, target: FastCausalLM, capacity: int, max_query: int):
+        self.head = head
+        self.mode = target.mode
+        self.device, self.dtype = target.lean.device, target.lean.dtype
+        head.row_product_max_rows = target.row_product_max_rows
+        self.cache = Eagle3Cache(head, capacity, self.device, self.dtype)
+        self.max_query = max_query
+        self._slots = torch.arange(capacity, device=self.device)  # kv_slots are its prefixes
+        self._steps = self._new_steps()
+
+    def _new_steps(self) -> _Steps:
+        return _Steps(self.mode, self.device, self.cache.capacity, True, self.head.row_product_max_rows)
+
+    @torch.inference_mode()
+    def enter(self, embeds: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Enter embeds [1, q, target_hidden], features [1, q, hidden]: outputs [1, q, hidden], last logits [1, V]."""
+        count = embeds.shape[1]
+        cache = self.cache
+        positions, slots = cache.inputs(count, self.device)
+        kv_slots = self._slots[:self._steps.key_length(cache.length + count)]
+        if count > self.max_query or kv_slots.shape[0] > cache.capacity:  # a prompt's entries: eager
+            hidden, logits = enter_entries(self.head, cache.keys, cache.values, embeds, features, positions, slots,
+                                           self._slots[:cache.length + count])
+        else:
+            hidden, logits = self._steps.run(('enter',), self._step_function, (embeds, features, positions, slots),
+                                             kv_slots, dynamic_dims=(1, 1, 0, 0))
+        cache.length += count
+        return hidden, logits
+
+    def _step_function(self):
+        head, cache = self.head, self.cache
+
+        def step(embeds, features, positions, slots, kv_slots):
+            return enter_entries(head, cache.keys, cache.values, embeds, features, positions, slots, kv_slots)
+        return step
+
+    def _run_once(self, count: int) -> None:
+        """Enter count blank entries from an empty cache (a warm-up's call; the cache is reset after)."""
+        config = self.head.config
+        self.cache.reset(1)
+        self.enter(torch.zeros((1, count, config.target_hidden_size), dtype=self.dtype, device=self.device),
+                   torch.zeros((1, count, config.hidden_size), dtype=self.dtype, device=self.device))
+        self.cache.reset(0)
+
+    @torch.inference_mode()
+    def warmup(self, progress: Progress | None = None) -> WarmupReport:
+        """Create the step variants of 1..max_query entries."""
+        started = time.perf_counter()
+        if self.mode != 'eager':
+            for ends in query_variant_ends(self.max_query, self.head.row_product_max_rows):
+                for count in ends:
+                    self._run_once(count)
+        seconds = time.perf_counter() - started
+        if progress is not None:
+            progress('warm-up: EAGLE-3 head ({} mode, {:.1f} s)'.format(self.mode, seconds))
+        return WarmupReport(self.mode, self._steps.count, seconds, self._steps.direct_count)
+
+    def graph_jobs(self, role: str) -> list[GraphJob]:
+        """List the step graphs a background warm-up builds (none unless steps compile on CPU): one entry first."""
+        if not self._steps.dynamic:
+            return []
+        return [GraphJob('{} q={}'.format(role, ends[0]), self, self._steps,
+                         (self._steps.variant_key(('enter',), ends[0], 0),),
+                         functools.partial(self._build_on_shadow, ends))
+                for ends in query_variant_ends(self.max_query, self.head.row_product_max_rows)]
+
+    @torch.inference_mode()
+    def _build_on_shadow(self, ends: tuple[int, ...]) -> int:
+        """Compile the variant serving ends' entry counts on the shadow; stage it here."""
+        shadow = self.shadow()
+        for count in ends:
+            shadow._run_once(count)
+        return _stage_shadow_graphs(self._steps, shadow._steps, self.cache, shadow.cache)
+
+    def _give_shadow_a_cache(self, shadow: 'FastEagle3') -> None:
+        shadow.cache = Eagle3Cache(self.head, self.cache.capacity, self.device, self.dtype)
