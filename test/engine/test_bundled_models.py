@@ -8,8 +8,8 @@ import pytest
 import torch
 
 MODELS = Path(__file__).resolve().parents[2] / 'models'
-TARGET, ASSISTANT, DRAFT = (MODELS / name for name in ('gemma4-spec-target', 'gemma4-spec-assistant',
-                                                        'gemma4-spec-draft'))
+TARGET, ASSISTANT, DRAFT, EAGLE3 = (MODELS / name for name in ('gemma4-spec-target', 'gemma4-spec-assistant',
+                                                                'gemma4-spec-draft', 'gemma4-spec-eagle3'))
 SIZE_BUDGET_BYTES = 40 * 1024 * 1024
 
 
@@ -34,16 +34,26 @@ def engine():
                                            profit_gate=False, warmup='blocking'))
 
 
+@pytest.fixture(scope='module')
+def eagle3_engine():
+    # eager steps: the head makes the target tap its states, so compiled steps would be graphs of their own
+    from gemma_spec_ros.engine import Engine, EngineConfig
+
+    return Engine.from_config(EngineConfig(target_path=str(TARGET), eagle3_path=str(EAGLE3), drafter='eagle3',
+                                           device='cpu', dtype='float32', compile='eager', profit_gate=False))
+
+
 def test_models_fit_the_size_budget():
     total = sum(f.stat().st_size for f in MODELS.rglob('*') if f.is_file())
     assert total <= SIZE_BUDGET_BYTES, f'models/ holds {total / 2**20:.1f} MiB'
 
 
-@pytest.mark.parametrize('path', [TARGET, ASSISTANT, DRAFT])
+@pytest.mark.parametrize('path', [TARGET, ASSISTANT, DRAFT, EAGLE3])
 def test_model_dir_is_self_contained(path):
     from transformers import AutoTokenizer
 
-    for name in ('config.json', 'model.safetensors', 'tokenizer.json', 'training.json'):
+    for name in ('eagle3.json' if path == EAGLE3 else 'config.json', 'model.safetensors', 'tokenizer.json',
+                 'training.json'):
         assert (path / name).exists(), name
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) == (0, 1, 2)
@@ -144,6 +154,40 @@ def test_sampled_lookahead_follows_the_target_distribution(engine):
         result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=length,
                                                    temperature=temperature, top_k=top_k, seed=seed,
                                                    drafter='lookahead', num_draft_tokens=2))
+        observed[tuple(result.token_ids)] += 1
+        drafted += result.stats.drafted_tokens
+        accepted += result.stats.accepted_tokens
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert chi_squared_p_value(observed, expected) > 1e-3
+
+
+def test_the_eagle3_head_drafts_what_plain_greedy_decoding_gives(eagle3_engine):
+    from gemma_spec_ros.engine import GenerationRequest
+
+    prompt = 'def read_config(path):\n    """Read a JSON config file and return a dict."""\n'
+    plain = eagle3_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=32, drafter='none'))
+    for k in (1, 4, 8):
+        result = eagle3_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=32, num_draft_tokens=k))
+        assert result.token_ids == plain.token_ids and result.stats.drafter == 'eagle3' and not result.warnings
+        assert result.stats.tau > 1.2  # the trained head's drafts are taken
+
+
+def test_sampled_eagle3_follows_the_target_distribution(eagle3_engine):
+    from collections import Counter
+
+    from conftest import chi_squared_p_value, target_distribution
+
+    from gemma_spec_ros.engine import GenerationRequest
+
+    temperature, top_k, length, samples = 1.5, 3, 3, 300
+    prompt_ids = eagle3_engine.tokenizer('import os\nimport sys\nimport json\nimport os\nimport sys\nimport').input_ids
+    expected = target_distribution(eagle3_engine.target_lm.model, prompt_ids, temperature, top_k, length)
+    assert sum(p * samples >= 5 for p in expected.values()) >= 8  # bins enough for power
+    observed, drafted, accepted = Counter(), 0, 0
+    for seed in range(samples):
+        result = eagle3_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=length,
+                                                          temperature=temperature, top_k=top_k, seed=seed,
+                                                          num_draft_tokens=2))
         observed[tuple(result.token_ids)] += 1
         drafted += result.stats.drafted_tokens
         accepted += result.stats.accepted_tokens
