@@ -99,7 +99,7 @@ class Eagle3Drafter(Drafter):
                 token, more = drafts.draw(logits)
                 if not more or step == k - 1:
                     break
-                hidden, logits = self._runner.enter(self._lean.embed_tokens(token)[None], hidden[:, -1:])
+                hidden, logits = self._runner.enter(self._lean.embed_tokens(token)[None], hidden)
         return drafts.proposal()
 
     def _catch_up(self, tokens: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -12,17 +12,25 @@ import time
 import torch
 
 from ..model.eagle import Eagle3Cache, Eagle3Head, enter_entries
+from ..model.weights import store_exact_half
 from .runner import FastCausalLM, GraphJob, Progress, WarmupReport, _Shadowed, _stage_shadow_graphs
-from .tables import _Steps, query_variant_ends
+from .tables import INDUCTOR_MODES, _Steps, query_variant_ends
 
 
 class FastEagle3(_Shadowed):
-    """Eagle3Head entries through per-q step functions in the target's compile mode, on an Eagle3Cache."""
+    """
+    Eagle3Head entries through per-q step functions in the target's compile mode, on an Eagle3Cache.
+
+    Compiled for CPU, the head's matrices are stored in 16 bits where that is exact (weights.store_exact_half, as for
+    the MTP assistant): a drafting step is memory-bound, and its row products convert each weight as they read it.
+    """
 
     def __init__(self, head: Eagle3Head, target: FastCausalLM, capacity: int, max_query: int):
         self.head = head
         self.mode = target.mode
         self.device, self.dtype = target.lean.device, target.lean.dtype
+        compiled_for_cpu = self.mode in INDUCTOR_MODES and self.device.type == 'cpu'
+        self.weights_dtype = store_exact_half(head) if compiled_for_cpu else None
         head.row_product_max_rows = target.row_product_max_rows
         self.cache = Eagle3Cache(head, capacity, self.device, self.dtype)
         self.max_query = max_query
@@ -34,7 +42,12 @@ class FastEagle3(_Shadowed):
 
     @torch.inference_mode()
     def enter(self, embeds: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Enter embeds [1, q, target_hidden], features [1, q, hidden]: outputs [1, q, hidden], last logits [1, V]."""
+        """
+        Enter embeds [1, q, target_hidden] with features [1, q, hidden]; return the last output [1, 1, hidden] and logits.
+
+        The output is a fresh tensor: as the next step's feature, a slice of a longer output would have other strides
+        than a graph was compiled for (a recompile).
+        """
         count = embeds.shape[1]
         cache = self.cache
         positions, slots = cache.inputs(count, self.device)
@@ -46,7 +59,7 @@ class FastEagle3(_Shadowed):
             hidden, logits = self._steps.run(('enter',), self._step_function, (embeds, features, positions, slots),
                                              kv_slots, dynamic_dims=(1, 1, 0, 0))
         cache.length += count
-        return hidden, logits
+        return hidden[:, -1:].clone(memory_format=torch.contiguous_format), logits
 
     def _step_function(self):
         head, cache = self.head, self.cache
