@@ -43,7 +43,7 @@ class FastEagle3(_Shadowed):
     @torch.inference_mode()
     def enter(self, embeds: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """
-        Enter embeds [1, q, target_hidden] with features [1, q, hidden]; return the last output [1, 1, hidden] and logits.
+        Enter embeds [1, q, target_hidden] with features [1, q, hidden]; return the last output [1, 1, hidden], logits.
 
         The output is a fresh tensor: as the next step's feature, a slice of a longer output would have other strides
         than a graph was compiled for (a recompile).
