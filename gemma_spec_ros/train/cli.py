@@ -394,7 +394,8 @@ def eval_drafter_command(args: argparse.Namespace) -> int:
         raise ValueError(f'--max-k must be in 1..8, got {args.max_k}')
     drafters = args.drafters
     config = EngineConfig(target_path=args.target, assistant_path=args.assistant if 'mtp' in drafters else '',
-                          draft_model_path=args.draft if 'draft' in drafters else '', drafter='none',
+                          draft_model_path=args.draft if 'draft' in drafters else '',
+                          eagle3_path=args.eagle3 if 'eagle3' in drafters else '', drafter='none',
                           device=args.device, profit_gate=False, max_draft_tokens=max(ks),
                           num_threads=args.threads, warmup='blocking')  # measured at full speed
     engine = Engine.from_config(config, progress=print)
@@ -630,8 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument('--target', default='models/gemma4-spec-target')
     evaluate.add_argument('--assistant', default='models/gemma4-spec-assistant')
     evaluate.add_argument('--draft', default='models/gemma4-spec-draft')
+    evaluate.add_argument('--eagle3', default='models/gemma4-spec-eagle3', help='EAGLE-3 head (drafter eagle3)')
     evaluate.add_argument('--drafters', nargs='+', default=['mtp', 'draft', 'ngram'],
-                          choices=['mtp', 'draft', 'ngram'])
+                          choices=['mtp', 'draft', 'ngram', 'eagle3'])
     evaluate.add_argument('--max-k', type=int, default=8, help='evaluate K = 1..max-k')
     evaluate.add_argument('--prompts-per-category', type=int, default=3)
     evaluate.add_argument('--prompt-chars', type=int, default=600, help='prompt length in characters')
