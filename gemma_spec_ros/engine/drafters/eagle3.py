@@ -99,7 +99,7 @@ class Eagle3Drafter(Drafter):
                 token, more = drafts.draw(logits)
                 if not more or step == k - 1:
                     break
-                hidden, logits = self._runner.enter(self._lean.embed_tokens(token)[None], hidden)
+                hidden, logits = self._runner.enter(self._lean.embed_tokens(token)[None], hidden, drafted=True)
         return drafts.proposal()
 
     def _catch_up(self, tokens: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -117,7 +117,6 @@ class Eagle3Drafter(Drafter):
             return None
         ids = torch.tensor(tokens[first_state + 1:first_state + 1 + count], device=self._states.device)
         with torch.inference_mode():
-            features = self._head.fuse_target(self._states[None, :count])
-            out = self._runner.enter(self._lean.embed_tokens(ids)[None], features)
+            out = self._runner.enter(self._lean.embed_tokens(ids)[None], self._states[None, :count], drafted=False)
         self._states = self._states[count:] if keep else None
         return out

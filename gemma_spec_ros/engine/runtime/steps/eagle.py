@@ -1,9 +1,9 @@
 """
 The EAGLE-3 head's runner (FastEagle3): its entries as step functions per entry count over its static K/V.
 
-A round enters its true entries (the accepted tokens: 1..K+1) and then one drafted entry per draft, each a step of
-the head's one layer. Compiled, a step is one graph (inductor on CPU, with the head's products as row products, or
-captured on CUDA); entries beyond max_query (a prompt's) run eager.
+A round enters its true entries (the accepted tokens: 1..K+1, the target's states fused in the step) and then one
+drafted entry per draft, each a step of the head's one layer. Compiled, a step is one graph (inductor on CPU, with
+the head's products as row products, or captured on CUDA); entries beyond max_query (a prompt's) run eager.
 """
 
 import functools
@@ -41,69 +41,80 @@ class FastEagle3(_Shadowed):
         return _Steps(self.mode, self.device, self.cache.capacity, True, self.head.row_product_max_rows)
 
     @torch.inference_mode()
-    def enter(self, embeds: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def enter(self, embeds: torch.Tensor, features: torch.Tensor, drafted: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """
-        Enter embeds [1, q, target_hidden] with features [1, q, hidden]; return the last output [1, 1, hidden], logits.
+        Enter embeds [1, q, target_hidden]; return the last output [1, 1, hidden] and its logits [1, vocab].
 
-        The output is a fresh tensor: as the next step's feature, a slice of a longer output would have other strides
-        than a graph was compiled for (a recompile).
+        True entries take the target's states [1, q, 3 * target_hidden] (fused in the step), a drafted entry (q = 1)
+        the head's last output [1, 1, hidden]. The output is a fresh tensor: as the next step's feature, a slice of a
+        longer output would have other strides than a graph was compiled for (a recompile).
         """
         count = embeds.shape[1]
         cache = self.cache
         positions, slots = cache.inputs(count, self.device)
         kv_slots = self._slots[:self._steps.key_length(cache.length + count)]
         if count > self.max_query or kv_slots.shape[0] > cache.capacity:  # a prompt's entries: eager
-            hidden, logits = enter_entries(self.head, cache.keys, cache.values, embeds, features, positions, slots,
-                                           self._slots[:cache.length + count])
+            hidden, logits = self._step_function(drafted)()(embeds, features, positions, slots,
+                                                            self._slots[:cache.length + count])
         else:
-            hidden, logits = self._steps.run(('enter',), self._step_function, (embeds, features, positions, slots),
-                                             kv_slots, dynamic_dims=(1, 1, 0, 0))
+            hidden, logits = self._steps.run(('drafted' if drafted else 'true',),
+                                             self._step_function(drafted),
+                                             (embeds, features, positions, slots), kv_slots, dynamic_dims=(1, 1, 0, 0))
         cache.length += count
         return hidden[:, -1:].clone(memory_format=torch.contiguous_format), logits
 
-    def _step_function(self):
+    def _step_function(self, drafted: bool):
         head, cache = self.head, self.cache
 
-        def step(embeds, features, positions, slots, kv_slots):
-            return enter_entries(head, cache.keys, cache.values, embeds, features, positions, slots, kv_slots)
-        return step
+        def make():
+            def step(embeds, features, positions, slots, kv_slots):
+                fused = features if drafted else head.fuse_target(features)
+                return enter_entries(head, cache.keys, cache.values, embeds, fused, positions, slots, kv_slots)
+            return step
+        return make
 
-    def _run_once(self, count: int) -> None:
+    def _run_once(self, count: int, drafted: bool) -> None:
         """Enter count blank entries from an empty cache (a warm-up's call; the cache is reset after)."""
         config = self.head.config
+        width = config.hidden_size if drafted else 3 * config.target_hidden_size
         self.cache.reset(1)
         self.enter(torch.zeros((1, count, config.target_hidden_size), dtype=self.dtype, device=self.device),
-                   torch.zeros((1, count, config.hidden_size), dtype=self.dtype, device=self.device))
+                   torch.zeros((1, count, width), dtype=self.dtype, device=self.device), drafted)
         self.cache.reset(0)
+
+    def _variants(self) -> list[tuple[bool, tuple[int, ...]]]:
+        """(drafted, entry counts that build it) of each step variant: the drafted entry, then the true ones."""
+        return [(True, (1,))] + [(False, ends) for ends in query_variant_ends(self.max_query,
+                                                                             self.head.row_product_max_rows)]
 
     @torch.inference_mode()
     def warmup(self, progress: Progress | None = None) -> WarmupReport:
-        """Create the step variants of 1..max_query entries."""
+        """Create the step variants: a drafted entry, and 1..max_query true entries."""
         started = time.perf_counter()
         if self.mode != 'eager':
-            for ends in query_variant_ends(self.max_query, self.head.row_product_max_rows):
+            for drafted, ends in self._variants():
                 for count in ends:
-                    self._run_once(count)
+                    self._run_once(count, drafted)
         seconds = time.perf_counter() - started
         if progress is not None:
             progress('warm-up: EAGLE-3 head ({} mode, {:.1f} s)'.format(self.mode, seconds))
         return WarmupReport(self.mode, self._steps.count, seconds, self._steps.direct_count)
 
     def graph_jobs(self, role: str) -> list[GraphJob]:
-        """List the step graphs a background warm-up builds (none unless steps compile on CPU): one entry first."""
+        """List the step graphs a background warm-up builds (none unless steps compile on CPU)."""
         if not self._steps.dynamic:
             return []
-        return [GraphJob('{} q={}'.format(role, ends[0]), self, self._steps,
-                         (self._steps.variant_key(('enter',), ends[0], 0),),
-                         functools.partial(self._build_on_shadow, ends))
-                for ends in query_variant_ends(self.max_query, self.head.row_product_max_rows)]
+        return [GraphJob('{} {} q={}'.format(role, 'drafted' if drafted else 'true', ends[0]), self, self._steps,
+                         (self._steps.variant_key(('drafted' if drafted else 'true',), ends[0], 0),),
+                         functools.partial(self._build_on_shadow, drafted, ends))
+                for drafted, ends in self._variants()]
 
     @torch.inference_mode()
-    def _build_on_shadow(self, ends: tuple[int, ...]) -> int:
+    def _build_on_shadow(self, drafted: bool, ends: tuple[int, ...]) -> int:
         """Compile the variant serving ends' entry counts on the shadow; stage it here."""
         shadow = self.shadow()
         for count in ends:
-            shadow._run_once(count)
+            shadow._run_once(count, drafted)
         return _stage_shadow_graphs(self._steps, shadow._steps, self.cache, shadow.cache)
 
     def _give_shadow_a_cache(self, shadow: 'FastEagle3') -> None:
