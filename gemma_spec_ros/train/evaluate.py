@@ -5,6 +5,7 @@ import random
 import re
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from gemma_spec_ros.engine.stats import acceptance_rate, format_figure, tau, tokens_per_second
 from gemma_spec_ros.train.corpora import corpus
@@ -135,6 +136,7 @@ def markdown_table(table: dict, drafters: list[str], ks: list[int]) -> str:
 
 
 def write_report(path, table: dict, prompts: list[Prompt], settings: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, 'w') as out:
         json.dump({'settings': settings, 'prompts': [asdict(p) for p in prompts], 'results': table}, out, indent=1)
 
