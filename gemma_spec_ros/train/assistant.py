@@ -138,17 +138,23 @@ def greedy_windows(target, stream: TokenStream, num_windows: int, prompt_len: in
     return torch.cat(windows)
 
 
+def drafter_batch(stream: TokenStream, greedy: torch.Tensor | None, batch: BatchSettings, index: int,
+                  device) -> torch.Tensor:
+    """Step index's windows [B, T]: half from the corpus, half from the target's greedy windows (when given)."""
+    generator = batch.generator(index)
+    num_greedy = batch.batch_size // 2 if greedy is not None and len(greedy) else 0
+    ids = random_windows(stream, batch.batch_size - num_greedy, batch.seq_len, generator)
+    if num_greedy:
+        rows = torch.randint(0, len(greedy), (num_greedy,), generator=generator)
+        ids = torch.cat([ids, greedy[rows, :batch.seq_len]])
+    return ids.to(device)
+
+
 def assistant_step(assistant, target, stream: TokenStream, greedy: torch.Tensor | None, batch: BatchSettings,
                    steps: DraftSteps, device):
     """Half of each batch from corpus windows, half from the target's greedy windows (when given)."""
     def step(index: int) -> tuple[torch.Tensor, int]:
-        generator = batch.generator(index)
-        num_greedy = batch.batch_size // 2 if greedy is not None and len(greedy) else 0
-        ids = random_windows(stream, batch.batch_size - num_greedy, batch.seq_len, generator)
-        if num_greedy:
-            rows = torch.randint(0, len(greedy), (num_greedy,), generator=generator)
-            ids = torch.cat([ids, greedy[rows, :batch.seq_len]])
-        ids = ids.to(device)
+        ids = drafter_batch(stream, greedy, batch, index, device)
         view = target_view(target, ids)
         return distillation_loss(assistant_steps(assistant, view, ids, steps), view, steps), ids.numel()
     return step

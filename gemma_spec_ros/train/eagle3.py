@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from gemma_spec_ros.engine.runtime.model.eagle import Eagle3Head, training_masks
-from gemma_spec_ros.train.corpora.data import TokenStream, random_windows
+from gemma_spec_ros.train.assistant import drafter_batch
+from gemma_spec_ros.train.corpora.data import TokenStream
 from gemma_spec_ros.train.lm import BatchSettings
 
 
@@ -100,13 +101,7 @@ def eagle3_step(head: Eagle3Head, target, stream: TokenStream, greedy: torch.Ten
                 depth: int, decay: float, device):
     """Half of each batch from corpus windows, half from the target's greedy windows (when given)."""
     def step(index: int) -> tuple[torch.Tensor, int]:
-        generator = batch.generator(index)
-        num_greedy = batch.batch_size // 2 if greedy is not None and len(greedy) else 0
-        ids = random_windows(stream, batch.batch_size - num_greedy, batch.seq_len, generator)
-        if num_greedy:
-            rows = torch.randint(0, len(greedy), (num_greedy,), generator=generator)
-            ids = torch.cat([ids, greedy[rows, :batch.seq_len]])
-        ids = ids.to(device)
+        ids = drafter_batch(stream, greedy, batch, index, device)
         states = target_states(target, ids, head.config.feature_layers)
         return distillation_loss(depth_logits(head, states, depth), states, decay), ids.numel()
     return step

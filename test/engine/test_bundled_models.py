@@ -136,15 +136,17 @@ def test_chat_prompt_generates_text(engine):
     assert ended_by_the_model or len(result.token_ids) == 8
 
 
-def test_sampled_lookahead_follows_the_target_distribution(engine):
+@pytest.mark.parametrize(('engine_fixture', 'drafter'), [('engine', 'lookahead'), ('eagle3_engine', 'eagle3')])
+def test_sampled_drafts_follow_the_target_distribution(request, engine_fixture, drafter):
     # lookahead drafts only what its pool knows (the text, the target's predictions): on lines that repeat, the
-    # trained target samples tokens its pool holds, so its drafts are taken and refused
+    # trained target samples tokens its pool holds, so its drafts are taken and refused; so are the trained head's
     from collections import Counter
 
     from conftest import chi_squared_p_value, target_distribution
 
     from gemma_spec_ros.engine import GenerationRequest
 
+    engine = request.getfixturevalue(engine_fixture)
     temperature, top_k, length, samples = 1.5, 3, 3, 300
     prompt_ids = engine.tokenizer('import os\nimport sys\nimport json\nimport os\nimport sys\nimport').input_ids
     expected = target_distribution(engine.target_lm.model, prompt_ids, temperature, top_k, length)
@@ -153,7 +155,7 @@ def test_sampled_lookahead_follows_the_target_distribution(engine):
     for seed in range(samples):
         result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=length,
                                                    temperature=temperature, top_k=top_k, seed=seed,
-                                                   drafter='lookahead', num_draft_tokens=2))
+                                                   drafter=drafter, num_draft_tokens=2))
         observed[tuple(result.token_ids)] += 1
         drafted += result.stats.drafted_tokens
         accepted += result.stats.accepted_tokens
@@ -170,26 +172,3 @@ def test_the_eagle3_head_drafts_what_plain_greedy_decoding_gives(eagle3_engine):
         result = eagle3_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=32, num_draft_tokens=k))
         assert result.token_ids == plain.token_ids and result.stats.drafter == 'eagle3' and not result.warnings
         assert result.stats.tau > 1.2  # the trained head's drafts are taken
-
-
-def test_sampled_eagle3_follows_the_target_distribution(eagle3_engine):
-    from collections import Counter
-
-    from conftest import chi_squared_p_value, target_distribution
-
-    from gemma_spec_ros.engine import GenerationRequest
-
-    temperature, top_k, length, samples = 1.5, 3, 3, 300
-    prompt_ids = eagle3_engine.tokenizer('import os\nimport sys\nimport json\nimport os\nimport sys\nimport').input_ids
-    expected = target_distribution(eagle3_engine.target_lm.model, prompt_ids, temperature, top_k, length)
-    assert sum(p * samples >= 5 for p in expected.values()) >= 8  # bins enough for power
-    observed, drafted, accepted = Counter(), 0, 0
-    for seed in range(samples):
-        result = eagle3_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=length,
-                                                          temperature=temperature, top_k=top_k, seed=seed,
-                                                          num_draft_tokens=2))
-        observed[tuple(result.token_ids)] += 1
-        drafted += result.stats.drafted_tokens
-        accepted += result.stats.accepted_tokens
-    assert 0 < accepted < drafted, (accepted, drafted)
-    assert chi_squared_p_value(observed, expected) > 1e-3

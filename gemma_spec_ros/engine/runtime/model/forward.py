@@ -262,18 +262,17 @@ class LeanGemma4(_Decoder):
                                  self.per_layer_projection_norm, self.eps)
         return embeds, (context_part + token_part) * self.per_layer_input_scale
 
-    def _head(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> StepOutput:
-        hidden = _rms_norm(hidden, self.final_norm, self.eps)
-        logits = _linear(hidden, self.lm_head, None, self.row_product_max_rows)
+    def _head(self, hidden: torch.Tensor, state: _Pass | None = None, logits_to_keep: int = 0) -> StepOutput:
+        """Logits and final-norm states of the last logits_to_keep of hidden (0: all); features from state's taps."""
+        normed = _rms_norm(hidden[-logits_to_keep:], self.final_norm, self.eps)
+        logits = _linear(normed, self.lm_head, None, self.row_product_max_rows)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return StepOutput(logits.unsqueeze(0), hidden.unsqueeze(0), features=features)
-
-    def _features(self, state: _Pass, hidden: torch.Tensor) -> torch.Tensor | None:
-        """StepOutput.features of a pass over every fed position (None unless feature_layers asks for them)."""
-        if not self.feature_layers:
-            return None
-        return torch.cat([*state.taps, _rms_norm(hidden, self.final_norm, self.eps)], dim=-1).unsqueeze(0)
+        features = None
+        if state is not None and self.feature_layers:  # every fed position's (a verify pass keeps all: normed once)
+            everywhere = normed if normed.shape[0] == hidden.shape[0] else _rms_norm(hidden, self.final_norm, self.eps)
+            features = torch.cat([*state.taps, everywhere], dim=-1).unsqueeze(0)
+        return StepOutput(logits.unsqueeze(0), normed.unsqueeze(0), features=features)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticKvCache, kv_len: int,
              logits_to_keep: int) -> StepOutput:
@@ -293,7 +292,7 @@ class LeanGemma4(_Decoder):
                  SLIDING: (ring <= query_positions) & (ring > query_positions - self.sliding_window)}
         state = _Pass(cache, positions, self.rope.at(positions), masks, kv_len)
         hidden = self._layers(hidden, state, per_layer)
-        return self._head(hidden[-logits_to_keep:], self._features(state, hidden))
+        return self._head(hidden, state, logits_to_keep)
 
     def new_slotted_cache(self, num_slots: int, context_limit: int, max_query: int) -> SlottedKvCache:
         """Make a cache of num_slots sequences for batched steps (step_rows)."""
@@ -351,7 +350,7 @@ class LeanGemma4(_Decoder):
             cache.values[kv_index].index_copy_(1, slots, new_values[:, -cache.ring_size:])
         cache.ring_positions.index_copy_(0, slots, kept)
         cache.advance(start, count)
-        return self._head(hidden[-logits_to_keep:], self._features(state, hidden))
+        return self._head(hidden, state, logits_to_keep)
 
 
 class LeanAssistant(_Decoder):

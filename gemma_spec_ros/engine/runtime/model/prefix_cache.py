@@ -225,6 +225,8 @@ class PrefixCache:
             features += [] if out.features is None else [out.features]  # of the prefilled positions, not the reused
             reader.capture(start, end)
         self._store(tokens, cache, images, reader)
+        if len(kept) == 1 and len(features) <= 1:  # one chunk: its output is the prompt's
+            return kept[0], reused
         return StepOutput(torch.cat([out.logits for out in kept], dim=1),
                           torch.cat([out.hidden for out in kept], dim=1),
                           features=torch.cat(features, dim=1) if features else None), reused
