@@ -12,6 +12,13 @@ tokenizes and decodes like transformers (docs/llamacpp.md).
 Run it with the llama.cpp venv's Python (it needs the converter's torch, gguf and transformers):
 
     .venv-llamacpp/bin/python scripts/export_gguf.py --out out/gguf
+
+Any other Gemma 4 checkpoint folder with our tokenizer (the E2B-shape model of `bench quantization e2b-write`)
+converts the same way; --quantize then makes llama.cpp's quantized types from the f16 file with llama.cpp's own
+quantizer (llama_model_quantize), as llama-quantize does:
+
+    .venv-llamacpp/bin/python scripts/export_gguf.py --out /work/e2b/gguf --source /work/e2b/hf/target \
+        --name e2b --outtypes f16 --quantize q8_0,q4_0,q4_k_m
 """
 
 import argparse
@@ -23,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {'target': 'models/gemma4-spec-target', 'draft': 'models/gemma4-spec-draft',
           'assistant': 'models/gemma4-spec-assistant'}
 OUTTYPES = ('f32', 'f16', 'q8_0')
+QUANTIZED = {'q8_0': 'LLAMA_FTYPE_MOSTLY_Q8_0', 'q4_0': 'LLAMA_FTYPE_MOSTLY_Q4_0',
+             'q4_k_m': 'LLAMA_FTYPE_MOSTLY_Q4_K_M'}
 
 
 def default_converter_dir() -> Path | None:
@@ -58,20 +67,42 @@ def patch_converter(converter_dir: Path):
     return convert_hf_to_gguf
 
 
+def quantize(source: Path, out: Path, kind: str, threads: int) -> None:
+    """llama.cpp's quantizer (the code behind llama-quantize) from a float GGUF to one of QUANTIZED."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANTIZED[kind])
+    params.nthread = threads
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError('llama_model_quantize failed for {} -> {}'.format(source, out))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--out', required=True, help='output folder (created)')
     parser.add_argument('--models', default=','.join(MODELS), help='comma-separated: target, draft, assistant')
     parser.add_argument('--outtypes', default=','.join(OUTTYPES), help='comma-separated: f32, f16, q8_0')
+    parser.add_argument('--source', help='convert this checkpoint folder instead of the bundled models')
+    parser.add_argument('--name', help='--source: the files\' name, <name>-<type>.gguf (default: the folder name)')
+    parser.add_argument('--quantize', default='', help='comma-separated {}: made from the f16 file by llama.cpp\'s '
+                                                       'quantizer'.format(', '.join(QUANTIZED)))
+    parser.add_argument('--threads', type=int, default=2, help='--quantize')
     parser.add_argument('--converter', help='llama.cpp source folder with convert_hf_to_gguf.py '
                                             '(default: the sdist unpacked by scripts/setup_llamacpp.sh)')
     args = parser.parse_args()
     models = [name.strip() for name in args.models.split(',') if name.strip()]
     outtypes = [name.strip() for name in args.outtypes.split(',') if name.strip()]
-    unknown = [name for name in models if name not in MODELS] + [name for name in outtypes if name not in OUTTYPES]
+    quantized = [name.strip() for name in args.quantize.split(',') if name.strip()]
+    unknown = [name for name in models if name not in MODELS and not args.source] + \
+        [name for name in outtypes if name not in OUTTYPES] + [name for name in quantized if name not in QUANTIZED]
     if unknown or not models or not outtypes:
-        parser.error('choose models from {} and outtypes from {}, got {}'.format(
-            ', '.join(MODELS), ', '.join(OUTTYPES), ', '.join(unknown) or 'none'))
+        parser.error('choose models from {}, outtypes from {} and --quantize from {}; got {}'.format(
+            ', '.join(MODELS), ', '.join(OUTTYPES), ', '.join(QUANTIZED), ', '.join(unknown) or 'none'))
+    if quantized and 'f16' not in outtypes:
+        parser.error('--quantize starts from the f16 file: add f16 to --outtypes')
+    sources = {args.name or Path(args.source).name: Path(args.source)} if args.source else \
+        {'gemma4-spec-' + model: ROOT / MODELS[model] for model in models}
     converter_dir = Path(args.converter) if args.converter else default_converter_dir()
     if converter_dir is None or not (converter_dir / 'convert_hf_to_gguf.py').exists():
         parser.error('no convert_hf_to_gguf.py in {} (run scripts/setup_llamacpp.sh or pass --converter)'.format(
@@ -80,13 +111,16 @@ def main() -> int:
     converter = patch_converter(converter_dir)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for model in models:
+    for stem, source in sources.items():
         for outtype in outtypes:
-            path = out / 'gemma4-spec-{}-{}.gguf'.format(model, outtype)
-            sys.argv = ['convert_hf_to_gguf.py', str(ROOT / MODELS[model]), '--outtype', outtype, '--outfile',
-                        str(path)]
+            path = out / '{}-{}.gguf'.format(stem, outtype)
+            sys.argv = ['convert_hf_to_gguf.py', str(source), '--outtype', outtype, '--outfile', str(path)]
             converter.main()
             print('export_gguf: wrote {} ({:.1f} MB)'.format(path, path.stat().st_size / 1e6), flush=True)
+        for kind in quantized:
+            path = out / '{}-{}.gguf'.format(stem, kind)
+            quantize(out / '{}-f16.gguf'.format(stem), path, kind, args.threads)
+            print('export_gguf: quantized {} ({:.1f} MB)'.format(path, path.stat().st_size / 1e6), flush=True)
     return 0
 
 

