@@ -148,6 +148,12 @@ def test_int8_products_equal_float64_and_each_row_alone_gives_the_same_bits():
         for rows in range(1, 11):  # tiles of 2 and 1 rows
             part = cpu_ops.int8_linear(x[:rows], tuple(w.data for w in weights), tuple(w.scales for w in weights))
             assert torch.equal(part, out[:rows])
+        more = torch.cat([x, torch.randn(26, inputs, generator=torch.Generator().manual_seed(inputs))])
+        longer = cpu_ops.int8_linear(more, tuple(w.data for w in weights), tuple(w.scales for w in weights))
+        assert torch.equal(longer[:11], out)  # three blocks of 16 rows, the last odd: the same bits per row
+        for rows in (16, 17, 33):
+            part = cpu_ops.int8_linear(more[:rows], tuple(w.data for w in weights), tuple(w.scales for w in weights))
+            assert torch.equal(part, longer[:rows])
         alone = [quantized_linear(x[3:4], w) for w in weights]  # one matrix a call, as the other products run
         assert torch.equal(torch.cat(alone, dim=-1)[0], out[3])
 

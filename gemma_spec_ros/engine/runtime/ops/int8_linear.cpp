@@ -126,23 +126,35 @@ static void check_matrix(const at::Tensor& w, const at::Tensor& scales, int64_t 
 
 struct Matrix { const int8_t* data; const float* scales; int64_t outputs; };
 
-// y[r, :] = rows x [q, width] (rounded as above) times each matrix, their outputs side by side; y has y_stride columns
+constexpr int64_t ROW_BLOCK = 16;  // rows whose levels stay in L2 while a block of outputs passes over them
+constexpr int64_t OUTPUT_BLOCK = 8;  // outputs whose weights stay in L1 while every row of a row block uses them
+
+// y[r, :] = rows x [q, width] (rounded as above) times each matrix, their outputs side by side; y has y_stride columns.
+// Row blocks outside, output blocks inside: a verify pass of up to ROW_BLOCK rows reads each weight from memory once,
+// so its cost grows with the rows' arithmetic, not with the weights' bytes again for every pair of rows.
 static void products(const float* x, int64_t q, int64_t width, const std::vector<Matrix>& matrices, float* y,
                      int64_t y_stride) {
   std::vector<int16_t> levels(q * width);
   std::vector<float> x_scales(q * width / BLOCK);
   quantize_rows(x, q, width, levels.data(), x_scales.data());
   const int64_t blocks = width / BLOCK;
-  int64_t column = 0;
-  for (const Matrix& m : matrices) {
-    int64_t r = 0;
-    for (; r + 2 <= q; r += 2)
-      rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, m.data, m.outputs,
-                              m.scales, y + r * y_stride + column, y_stride);
-    for (; r < q; ++r)
-      rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, m.data, m.outputs,
-                              m.scales, y + r * y_stride + column, y_stride);
-    column += m.outputs;
+  for (int64_t first = 0; first < q; first += ROW_BLOCK) {
+    const int64_t last = std::min(q, first + ROW_BLOCK);
+    int64_t column = 0;
+    for (const Matrix& m : matrices) {
+      for (int64_t o = 0; o < m.outputs; o += OUTPUT_BLOCK) {
+        const int64_t n = std::min(OUTPUT_BLOCK, m.outputs - o);
+        const int8_t* w = m.data + o * width;
+        int64_t r = first;
+        for (; r + 2 <= last; r += 2)
+          rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n, m.scales + o,
+                                  y + r * y_stride + column + o, y_stride);
+        for (; r < last; ++r)
+          rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n, m.scales + o,
+                                  y + r * y_stride + column + o, y_stride);
+      }
+      column += m.outputs;
+    }
   }
 }
 
