@@ -12,7 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from gemma_spec_ros.engine.runtime.ops import cpu_ops
-from gemma_spec_ros.engine.runtime.quant.quantize import Quantizer, quantized_linear, rounded_activations
+from gemma_spec_ros.engine.runtime.quant.quantize import (
+    Quantizer,
+    dequantized_int4,
+    quantized_linear,
+    rounded_activations,
+)
 
 
 def _sdpa(query, keys, values, mask):
@@ -156,6 +161,26 @@ def test_int8_products_equal_float64_and_each_row_alone_gives_the_same_bits():
             assert torch.equal(part, longer[:rows])
         alone = [quantized_linear(x[3:4], w) for w in weights]  # one matrix a call, as the other products run
         assert torch.equal(torch.cat(alone, dim=-1)[0], out[3])
+
+
+def test_int4_products_equal_the_dequantized_product_and_each_row_alone_gives_the_same_bits():
+    """int4_linear: two levels a byte, a float16 scale and low a group, over int8_linear's 16-bit activation levels."""
+    assert cpu_ops.ensure_built()
+    generator = torch.Generator().manual_seed(2)
+    for inputs, outputs in [(192, (200, 64)), (64, (1, 9)), (32, (13,))]:
+        weights = [Quantizer('int4').matrix(torch.nn.Parameter(torch.randn(count, inputs, generator=generator)
+                                                               * 0.05)) for count in outputs]
+        assert all(w.group_size == 32 and w.data.dtype == torch.uint8 for w in weights)
+        x = torch.randn(37, inputs, generator=generator)
+        x[:, :32] *= 50  # an outlier block
+        out = cpu_ops.int4_linear(x, tuple(w.data for w in weights), tuple(w.scales for w in weights))
+        reference = torch.cat([rounded_activations(x).double() @ dequantized_int4(w).double().T for w in weights], -1)
+        assert ((out.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+        for rows in (1, 2, 3, 16, 17, 33):  # tiles of 2 and 1 rows, one or more row blocks
+            part = cpu_ops.int4_linear(x[:rows], tuple(w.data for w in weights), tuple(w.scales for w in weights))
+            assert torch.equal(part, out[:rows])
+        alone = [quantized_linear(x[5:6], w) for w in weights]
+        assert torch.equal(torch.cat(alone, dim=-1)[0], out[5])
 
 
 def test_int8_products_take_float32_rows_of_whole_blocks_only():

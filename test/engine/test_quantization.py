@@ -213,7 +213,7 @@ def test_a_quantized_load_has_the_buffers_from_pretrained_computes(tiny_models, 
 
 
 def test_e2b_bench_measures_our_engine_without_the_per_layer_table(tmp_path):
-    """bench llamacpp-e2b's row of ours on a tiny model with per-layer embeddings: a step reads all but that table."""
+    """The E2B bench's row of ours on a tiny model with per-layer embeddings: a step reads all but that table."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     from gemma_spec_ros.benchmarks.decode.quantization import load_runner

@@ -196,10 +196,11 @@ def _layer_parts(layer, kv_index: int, num_heads: int, eps: float, tensors: Flat
         weights = weights._replace(**{name: quantizer.matrix(getattr(weights, name)) for name in QUANTIZED_MATRICES})
         weights = weights._replace(per_layer_gate=quantizer.table(weights.per_layer_gate),
                                    per_layer_projection=quantizer.table(weights.per_layer_projection))
-    # int4 products are exact per row whatever the pass, but their 16-bit inputs turn attention's tiny pass-to-pass
-    # differences into whole rounding steps (greedy outputs then depended on K): float64 removes them
+    # CUDA's int4 products are exact per row whatever the pass, but their bfloat16 inputs turn attention's tiny
+    # pass-to-pass differences into whole rounding steps (greedy outputs then depended on K): float64 removes them
     shape = _Shape(attn.layer_type, num_heads, num_heads // attn.num_key_value_groups, attn.head_dim, eps,
-                   row_product_max_rows, None if quantizer is None else quantizer.attention_dtype)
+                   row_product_max_rows,
+                   None if quantizer is None else quantizer.attention_dtype(attn.o_proj.weight.device))
     return _Layer(shape, kv_index, tensors.add_each(weights, QUANTIZED_MATRICES if blocked else ()))
 
 

@@ -8,7 +8,7 @@ The engine's C++ CPU ops, built on first use: torch.ops.gemma_spec.decode_attent
   int8), for every CPU pass. It rounds each row to 16-bit integers per block of ACTIVATION_BLOCK inputs and sums
   exact integer products (madd), twice as fast as converting the weights to float32 (docs/quantization.md).
   Several matrices of one input run in one call; int8_feed_forward (same file) runs a layer's whole feed-forward
-  block.
+  block, and int4_linear multiplies int4 matrices (two levels a byte, a scale and a low per group) the same way.
 
 Each computes a row alone in a fixed order, so a row's result does not depend on how many rows share the pass.
 They are built together once per machine and torch version with torch.utils.cpp_extension (a C++ compiler, about
@@ -75,6 +75,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake('gemma_spec::int8_linear')
     def _(x, weights, scales):
         return x.new_empty(x.shape[0], sum(weight.shape[0] for weight in weights))
+
+    @torch.library.register_fake('gemma_spec::int4_linear')
+    def _(x, data, params):
+        return x.new_empty(x.shape[0], sum(matrix.shape[0] for matrix in data))
 
     @torch.library.register_fake('gemma_spec::int8_feed_forward')
     def _(x, gate, gate_scales, up, up_scales, down, down_scales):
@@ -161,6 +165,16 @@ def int8_linear_usable(x: torch.Tensor) -> bool:
 def int8_linear(x: torch.Tensor, data: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Return x [q, in], rounded as the module says, times each int8 matrix [out_i, in]^T and scales: [q, sum out_i]."""
     return torch.ops.gemma_spec.int8_linear(x, list(data), list(scales))
+
+
+def int4_linear(x: torch.Tensor, data: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """
+    Return x [q, in], rounded as int8_linear rounds it, times each int4 matrix: [q, sum out_i].
+
+    A matrix is data uint8 [out, in / 2] (byte j of a group of 32 inputs: level j in the low nibble, level 16 + j in
+    the high one) and params float16 [out, in / 32, 2] (each group's scale and low: value = level * scale + low).
+    """
+    return torch.ops.gemma_spec.int4_linear(x, list(data), list(params))
 
 
 def int8_feed_forward(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],

@@ -8,9 +8,15 @@
 // share the pass. Several matrices of the same input width run in one call (a layer's query, key and value), their
 // outputs side by side; torch.ops.gemma_spec.int8_feed_forward runs a whole feed-forward block (gate and up, the
 // gelu gate, down) in one call.
+//
+// torch.ops.gemma_spec.int4_linear does the same for int4 matrices: levels 0..15, two a byte, with a scale and a low
+// per output and block of 32 inputs (value = level * scale + low, the engine's asymmetric int4). A block's lane sums
+// of level times activation level are exact as above; the low's share is the low times the block's rounded
+// activation sum, added per output beside the lanes.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <c10/util/Half.h>
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
 #include <cmath>
@@ -58,18 +64,40 @@ static inline Acc block_add(const Weights& w, const Inputs& x, Acc acc) {
 #endif
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), x.scale, acc);
 }
+// A block of an int4 row: byte j holds input j (low nibble) and input 16 + j (high nibble)
+static inline Weights nibbles_at(const uint8_t* w) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), mask = _mm_set1_epi8(0x0F);
+  return {_mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask)),
+          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask))};
+}
+// acc += (the block's eight exact lane sums) * scale, the scale given (int4: the weight block's times the row's)
+static inline Acc block_add_scaled(const Weights& w, const Inputs& x, float scale, Acc acc) {
+  const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w.low, x.low), _mm256_madd_epi16(w.high, x.high));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
+}
 static inline void reduce8(const Acc* acc, float* totals) { lane_totals8(acc, totals); }
 #else
 struct Acc { float lane[8]; };
-struct Weights { const int8_t* row; };
+struct Weights { int8_t value[32]; };
 struct Inputs { const int16_t* row; float scale; };
 static inline Acc acc_zero() { return Acc{}; }
-static inline Weights weights_at(const int8_t* w) { return {w}; }
+static inline Weights weights_at(const int8_t* w) {
+  Weights block;
+  std::memcpy(block.value, w, 32);
+  return block;
+}
+static inline Weights nibbles_at(const uint8_t* w) {
+  Weights block;
+  for (int j = 0; j < 16; ++j) {
+    block.value[j] = static_cast<int8_t>(w[j] & 0x0F);
+    block.value[16 + j] = static_cast<int8_t>(w[j] >> 4);
+  }
+  return block;
+}
 static inline Inputs inputs_at(const int16_t* x, float scale) { return {x, scale}; }
-static inline Acc block_add(const Weights& weights, const Inputs& inputs, Acc acc) {
-  const int8_t* w = weights.row;
+static inline Acc block_add_scaled(const Weights& weights, const Inputs& inputs, float scale, Acc acc) {
+  const int8_t* w = weights.value;
   const int16_t* x = inputs.row;
-  const float scale = inputs.scale;
   // lane l: inputs 2l, 2l+1, 16+2l, 16+2l+1 (the AVX2 form's pairing)
   for (int l = 0; l < 8; ++l) {
     const int32_t sum = w[2 * l] * x[2 * l] + w[2 * l + 1] * x[2 * l + 1] + w[16 + 2 * l] * x[16 + 2 * l] +
@@ -77,6 +105,9 @@ static inline Acc block_add(const Weights& weights, const Inputs& inputs, Acc ac
     acc.lane[l] = std::fma(static_cast<float>(sum), scale, acc.lane[l]);
   }
   return acc;
+}
+static inline Acc block_add(const Weights& weights, const Inputs& inputs, Acc acc) {
+  return block_add_scaled(weights, inputs, inputs.scale, acc);
 }
 static inline void reduce8(const Acc* acc, float* totals) {
   for (int o = 0; o < 8; ++o) totals[o] = lane_total(acc[o].lane);
@@ -158,6 +189,128 @@ static void products(const float* x, int64_t q, int64_t width, const std::vector
   }
 }
 
+// A block's float16 scale and low as floats
+#if defined(__F16C__)
+static inline void scale_and_low(const uint16_t* params, float& scale, float& low) {
+  uint32_t both;
+  std::memcpy(&both, params, 4);
+  const __m128 values = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)));
+  scale = _mm_cvtss_f32(values);
+  low = _mm_cvtss_f32(_mm_shuffle_ps(values, values, 1));
+}
+#else
+static inline void scale_and_low(const uint16_t* params, float& scale, float& low) {
+  scale = static_cast<float>(c10::Half(params[0], c10::Half::from_bits()));
+  low = static_cast<float>(c10::Half(params[1], c10::Half::from_bits()));
+}
+#endif
+
+// int4: y[r, o] for R rows and O outputs. params [out, blocks, 2] float16: each block's scale and low; x_sums
+// [q, blocks]: each block's sum of levels times its scale (the rounded activations' sum), which the low multiplies.
+template <int R, int O>
+static inline void tile4(const int16_t* x, const float* x_scales, const float* x_sums, int64_t width,
+                         const uint8_t* w, const uint16_t* params, float* y, int64_t y_stride) {
+  const int64_t blocks = width / BLOCK;
+  Acc acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = acc_zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    Inputs inputs[R];
+    for (int r = 0; r < R; ++r) inputs[r] = inputs_at(x + r * width + b * BLOCK, 0.f);
+    for (int o = 0; o < O; ++o) {
+      const Weights block = nibbles_at(w + o * (width / 2) + b * (BLOCK / 2));
+      float scale, low;
+      scale_and_low(params + (o * blocks + b) * 2, scale, low);
+      for (int r = 0; r < R; ++r) acc[r][o] = block_add_scaled(block, inputs[r], scale * x_scales[r * blocks + b], acc[r][o]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Acc padded[8];
+    for (int o = 0; o < 8; ++o) padded[o] = o < O ? acc[r][o] : acc_zero();
+    float totals[8];
+    reduce8(padded, totals);
+    for (int o = 0; o < O; ++o) {  // the lows' share, block by block (out of the loop above: its registers are full)
+      float offset = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        float scale, low;
+        scale_and_low(params + (o * blocks + b) * 2, scale, low);
+        offset = std::fma(low, x_sums[r * blocks + b], offset);
+      }
+      y[r * y_stride + o] = totals[o] + offset;
+    }
+  }
+}
+
+template <int R, int O>
+static void rows_times_int4(const int16_t* x, const float* x_scales, const float* x_sums, int64_t width,
+                            const uint8_t* w, const uint16_t* params, int64_t outputs, float* y, int64_t y_stride) {
+  const int64_t blocks = width / BLOCK;
+  int64_t o = 0;
+  for (; o + O <= outputs; o += O)
+    tile4<R, O>(x, x_scales, x_sums, width, w + o * (width / 2), params + o * blocks * 2, y + o, y_stride);
+  for (; o < outputs; ++o)
+    tile4<R, 1>(x, x_scales, x_sums, width, w + o * (width / 2), params + o * blocks * 2, y + o, y_stride);
+}
+
+struct Int4Matrix { const uint8_t* data; const uint16_t* params; int64_t outputs; };
+
+// products() for int4 matrices: the same rounding of the rows, the same blocking
+static void products4(const float* x, int64_t q, int64_t width, const std::vector<Int4Matrix>& matrices, float* y,
+                      int64_t y_stride) {
+  const int64_t blocks = width / BLOCK;
+  std::vector<int16_t> levels(q * width);
+  std::vector<float> x_scales(q * blocks), x_sums(q * blocks);
+  quantize_rows(x, q, width, levels.data(), x_scales.data());
+  for (int64_t b = 0; b < q * blocks; ++b) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < BLOCK; ++i) sum += levels[b * BLOCK + i];
+    x_sums[b] = static_cast<float>(sum) * x_scales[b];
+  }
+  for (int64_t first = 0; first < q; first += ROW_BLOCK) {
+    const int64_t last = std::min(q, first + ROW_BLOCK);
+    int64_t column = 0;
+    for (const Int4Matrix& m : matrices) {
+      for (int64_t o = 0; o < m.outputs; o += OUTPUT_BLOCK) {
+        const int64_t n = std::min(OUTPUT_BLOCK, m.outputs - o);
+        const uint8_t* w = m.data + o * (width / 2);
+        const uint16_t* params = m.params + o * blocks * 2;
+        int64_t r = first;
+        for (; r + 2 <= last; r += 2)
+          rows_times_int4<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, x_sums.data() + r * blocks,
+                                width, w, params, n, y + r * y_stride + column + o, y_stride);
+        for (; r < last; ++r)
+          rows_times_int4<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, x_sums.data() + r * blocks,
+                                width, w, params, n, y + r * y_stride + column + o, y_stride);
+      }
+      column += m.outputs;
+    }
+  }
+}
+
+// x [q, in] float32; data: uint8 [out_i, in / 2]; params: float16 [out_i, in / 32, 2] -> [q, sum of out_i]
+at::Tensor int4_linear(const at::Tensor& x, at::TensorList data, at::TensorList params) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x must be float32 [rows, in]");
+  TORCH_CHECK(data.size() == params.size() && !data.empty(), "int4_linear: one params tensor per matrix");
+  const int64_t q = x.size(0), width = x.size(1);
+  TORCH_CHECK(width % BLOCK == 0, "int4_linear: the input width must be a multiple of ", BLOCK);
+  std::vector<Int4Matrix> matrices;
+  int64_t total = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    TORCH_CHECK(data[i].scalar_type() == at::kByte && data[i].dim() == 2 && data[i].size(1) * 2 == width &&
+                data[i].is_contiguous(), "int4_linear: data must be contiguous uint8 [out, in / 2]");
+    TORCH_CHECK(params[i].scalar_type() == at::kHalf && params[i].is_contiguous() &&
+                params[i].numel() == data[i].size(0) * (width / BLOCK) * 2,
+                "int4_linear: params must be contiguous float16 [out, in / 32, 2]");
+    matrices.push_back({data[i].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(params[i].data_ptr<at::Half>()),
+                        data[i].size(0)});
+    total += data[i].size(0);
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({q, total}, x.options());
+  products4(xc.data_ptr<float>(), q, width, matrices, y.data_ptr<float>(), total);
+  return y;
+}
+
 // x [q, in] float32; weights: int8 [out_i, in] (contiguous); scales: float32 [out_i] -> [q, sum of out_i]
 at::Tensor int8_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be float32 [rows, in]");
@@ -219,10 +372,12 @@ at::Tensor int8_feed_forward(const at::Tensor& x, const at::Tensor& gate, const 
 
 TORCH_LIBRARY_FRAGMENT(gemma_spec, m) {
   m.def("int8_linear(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor[] data, Tensor[] params) -> Tensor");
   m.def("int8_feed_forward(Tensor x, Tensor gate, Tensor gate_scales, Tensor up, Tensor up_scales, Tensor down, "
         "Tensor down_scales) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(gemma_spec, CPU, m) {
   m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
   m.impl("int8_feed_forward", &int8_feed_forward);
 }

@@ -9,19 +9,21 @@ A quantized matrix is a QuantizedWeight: integer data plus scales, read by quant
   several matrices of one input in one call, int8_together), or, where it is not built, a float product over the
   same rounded activations and the converted data. On CUDA they run a bfloat16 product over the data converted on
   the fly.
-- int4: the decoder layers' matrices in groups of INT4_GROUP_SIZE inputs (asymmetric: a scale and a zero per group),
-  multiplied by aten's weight-only kernels with bfloat16 activations (`_weight_int4pack_mm_for_cpu`, CUDA's
-  `_weight_int4pack_mm`; their float32 forms ran 6-12x slower, docs/quantization.md); the embeddings, the LM head
-  and any matrix whose shape the int4 kernels do not take stay int8.
+- int4: the decoder layers' matrices in groups of INT4_GROUP_SIZE inputs (asymmetric: a scale and a low per group,
+  value = level * scale + low, levels 0..15). On CPU they are stored two levels a byte and multiplied by the
+  engine's own op over the same 16-bit activation levels as int8 (cpu_ops.int4_linear; where it is not built, a float
+  product over the dequantized matrix); on CUDA by aten's weight-only kernel with bfloat16 activations
+  (`_weight_int4pack_mm`). The embeddings, the LM head and any matrix whose shape int4 does not take stay int8.
 - float16: every matrix and table rounded to float16 and stored so, a plain tensor that the lean forward's products
   convert to the model's dtype as they read it (layers._linear). On CPU with inductor that halves the bytes a
   memory-bound step reads, and the arithmetic stays float32, so nothing else changes.
 
 The quantized model is the target that speculative decoding reproduces exactly: plain decoding and verification
 run the same kernels and each row's product is independent of the rows beside it. Rounding activations to
-bfloat16 magnifies the last-bit differences of a float32 attention into different products, so int4 models attend in
-float64 (attention_dtype), whose result does not depend on the pass. int8's 16-bit levels per block of 32 are 256
-times finer than bfloat16's rounding, and float16 weights compute in float32: both need no more than float32 models.
+bfloat16 magnifies the last-bit differences of a float32 attention into different products, so int4 models on CUDA
+attend in float64 (attention_dtype), whose result does not depend on the pass. The CPU ops' 16-bit levels per block of
+32 (int8 and int4) are 256 times finer than bfloat16's rounding, and float16 weights compute in float32: these need no
+more than float32 models.
 """
 
 import time
@@ -38,8 +40,8 @@ INT8_LEVELS = 127
 ACTIVATION_LEVELS = 32767.0  # int16 levels of a block's largest activation (int8 products on CPU)
 INT4_GROUP_SIZE = 32
 INT4_LEVELS = 15
-INT4_INNER_K_TILES = {'cpu': 1, 'cuda': 8}  # what aten's int4 packing takes per device (8 is tinygemm's CUDA layout)
-INT4_MULTIPLES = {'cpu': (1, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples its kernels accept
+CUDA_INT4_INNER_K_TILES = 8  # what aten's CUDA int4 packing takes (tinygemm's layout)
+INT4_MULTIPLES = {'cpu': (1, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples int4 takes per device
 PRODUCT_DTYPE = torch.bfloat16  # activations of aten's int4 products and of CUDA's int8 ones
 INTEGER_MODES = ('int8', 'int4')
 # what a text model's parameters are called where the lean forward reads them quantized (quantized_kind)
@@ -81,16 +83,15 @@ def _int8(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(data, scales, 0)
 
 
-# aten's weight-only int4 kernels are underscore ops, outside torch's documented API: this module is their only user.
-# Without them, int4 mode stores int8.
-HAS_INT4_KERNELS = {'cpu': all(hasattr(torch.ops.aten, name) for name in (
-    '_convert_weight_to_int4pack_for_cpu', '_weight_int4pack_mm_for_cpu')),
-    'cuda': all(hasattr(torch.ops.aten, name) for name in ('_convert_weight_to_int4pack', '_weight_int4pack_mm'))}
+# aten's weight-only int4 kernel for CUDA is an underscore op, outside torch's documented API: this module is its only
+# user. Without it, int4 mode stores int8 on CUDA.
+HAS_CUDA_INT4_KERNEL = all(hasattr(torch.ops.aten, name) for name in ('_convert_weight_to_int4pack',
+                                                                      '_weight_int4pack_mm'))
 
 
 def int4_fits(weight: torch.Tensor) -> bool:
-    """Whether aten's int4 kernels take a matrix of this shape on its device."""
-    if not HAS_INT4_KERNELS.get(weight.device.type, False):
+    """Whether int4 takes a matrix of this shape on its device (CPU: whole groups; CUDA: aten's kernel's shapes)."""
+    if weight.device.type == 'cuda' and not HAS_CUDA_INT4_KERNEL:
         return False
     out_multiple, in_multiple = INT4_MULTIPLES.get(weight.device.type, (0, 0))
     return bool(out_multiple) and weight.shape[0] % out_multiple == 0 and weight.shape[1] % in_multiple == 0
@@ -101,17 +102,30 @@ def _int4(weight: torch.Tensor) -> QuantizedWeight:
     groups = weight.detach().float().view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
     low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
     scales = ((high - low) / INT4_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
-    levels = torch.round((groups - low) / scales).clamp(0, INT4_LEVELS).to(torch.int32).view(out_features, -1)
-    # aten's kernels compute (level - 8) * scale + zero, so the zero is the value of level 8
+    if weight.device.type == 'cpu':  # float16 scale and low (a quarter of the bytes of float32 ones), levels from them
+        scales = scales.clamp(min=torch.finfo(torch.float16).tiny).to(torch.float16)
+        low = low.to(torch.float16)
+        levels = torch.round((groups - low.float()) / scales.float()).clamp(0, INT4_LEVELS).to(torch.uint8)
+        # byte j of a group: level j (low nibble) and level 16 + j (high nibble)
+        data = (levels[..., :16] | levels[..., 16:] << 4).view(out_features, in_features // 2).contiguous()
+        return QuantizedWeight(data, torch.cat((scales, low), dim=-1).contiguous(), INT4_GROUP_SIZE)
+    levels = torch.round((groups - low) / scales).clamp(0, INT4_LEVELS).to(torch.uint8)  # [out, groups, 32]
+    # aten's kernel computes (level - 8) * scale + zero, so the zero is the value of level 8
     zeros = low + (INT4_LEVELS + 1) // 2 * scales
     scales_and_zeros = torch.cat((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(PRODUCT_DTYPE)
-    tiles = INT4_INNER_K_TILES[weight.device.type]
-    if weight.device.type == 'cpu':
-        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, tiles)
-    else:
-        nibbles = (levels[:, ::2] << 4 | levels[:, 1::2]).to(torch.uint8)
-        data = torch.ops.aten._convert_weight_to_int4pack(nibbles, tiles)
+    levels = levels.view(out_features, -1).to(torch.int32)
+    nibbles = (levels[:, ::2] << 4 | levels[:, 1::2]).to(torch.uint8)
+    data = torch.ops.aten._convert_weight_to_int4pack(nibbles, CUDA_INT4_INNER_K_TILES)
     return QuantizedWeight(data, scales_and_zeros, INT4_GROUP_SIZE)
+
+
+def dequantized_int4(weight: QuantizedWeight) -> torch.Tensor:
+    """Return a CPU int4 matrix as float32 [out, in]: level * scale + low (what cpu_ops.int4_linear multiplies by)."""
+    out_features = weight.data.shape[0]
+    nibbles = weight.data.view(out_features, -1, INT4_GROUP_SIZE // 2)
+    levels = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).float()  # [out, groups, 32]
+    params = weight.scales.float()
+    return (levels * params[..., :1] + params[..., 1:]).view(out_features, -1)
 
 
 def int8_together(x: torch.Tensor, weights: 'tuple[torch.Tensor | QuantizedWeight | None, ...]') -> bool:
@@ -139,12 +153,11 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """Return x [q, in] times the quantized weight [out, in] transposed: [q, out] in x's dtype."""
     if weight.group_size:
-        product_input = x.to(PRODUCT_DTYPE)
         if x.device.type == 'cpu':
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(product_input, weight.data, weight.group_size,
-                                                             weight.scales)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm(product_input, weight.data, weight.group_size, weight.scales)
+            if cpu_ops.int8_linear_usable(x):  # the same rows int8_linear takes
+                return cpu_ops.int4_linear(x, (weight.data,), (weight.scales,))
+            return F.linear(rounded_activations(x.float()), dequantized_int4(weight)).to(x.dtype)
+        out = torch.ops.aten._weight_int4pack_mm(x.to(PRODUCT_DTYPE), weight.data, weight.group_size, weight.scales)
         return out.to(x.dtype)
     if int8_together(x, (weight,)):
         return cpu_ops.int8_linear(x, (weight.data,), (weight.scales,))
@@ -208,10 +221,9 @@ class Quantizer:
         """Whether a load reads the matrices straight into their quantized form (quantized_loading: integer modes)."""
         return self.mode in INTEGER_MODES
 
-    @property
-    def attention_dtype(self) -> torch.dtype | None:
-        """The dtype a quantized model's attention runs in (None: the model's; see the module docstring)."""
-        return torch.float64 if self.mode == 'int4' else None
+    def attention_dtype(self, device: torch.device) -> torch.dtype | None:
+        """Return the dtype a quantized model's attention runs in on device (None: the model's; module docstring)."""
+        return torch.float64 if self.mode == 'int4' and device.type != 'cpu' else None
 
     def matrix(self, parameter: torch.Tensor | None) -> 'QuantizedWeight | torch.Tensor | None':
         """Quantize a decoder layer's matrix: int4 where the mode and its shape allow, else int8; or float16."""
