@@ -22,8 +22,10 @@ quantizer (llama_model_quantize), as llama-quantize does:
 """
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +69,30 @@ def patch_converter(converter_dir: Path):
     return convert_hf_to_gguf
 
 
+def padded_copy(source: Path, scratch: Path) -> Path:
+    """
+    Return a copy of a checkpoint folder whose tokenizer has as many tokens as its embedding has rows.
+
+    llama.cpp's Gemma converter cuts the token embedding to the tokenizer's size; a model whose vocab_size is larger
+    (the E2B shape's 262,144 rows with our 4,096-token tokenizer) would lose rows and fail to load. Unused added tokens
+    fill the gap; every other file is linked, not copied.
+    """
+    config = json.loads((source / 'config.json').read_text())
+    rows = config.get('vocab_size') or config.get('text_config', {}).get('vocab_size')
+    tokenizer = json.loads((source / 'tokenizer.json').read_text())
+    taken = set(tokenizer['model']['vocab'].values()) | {token['id'] for token in tokenizer['added_tokens']}
+    copy = scratch / source.name
+    copy.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.name != 'tokenizer.json' and not (copy / path.name).exists():
+            (copy / path.name).symlink_to(path.resolve())
+    tokenizer['added_tokens'] += [
+        {'id': index, 'content': '<unused{}>'.format(index), 'single_word': False, 'lstrip': False, 'rstrip': False,
+         'normalized': False, 'special': True} for index in range(max(taken) + 1, rows or 0)]
+    (copy / 'tokenizer.json').write_text(json.dumps(tokenizer))
+    return copy
+
+
 def quantize(source: Path, out: Path, kind: str, threads: int) -> None:
     """llama.cpp's quantizer (the code behind llama-quantize) from a float GGUF to one of QUANTIZED."""
     import llama_cpp
@@ -101,7 +127,9 @@ def main() -> int:
             ', '.join(MODELS), ', '.join(OUTTYPES), ', '.join(QUANTIZED), ', '.join(unknown) or 'none'))
     if quantized and 'f16' not in outtypes:
         parser.error('--quantize starts from the f16 file: add f16 to --outtypes')
-    sources = {args.name or Path(args.source).name: Path(args.source)} if args.source else \
+    scratch = tempfile.TemporaryDirectory()
+    sources = {args.name or Path(args.source).name: padded_copy(Path(args.source), Path(scratch.name))} \
+        if args.source else \
         {'gemma4-spec-' + model: ROOT / MODELS[model] for model in models}
     converter_dir = Path(args.converter) if args.converter else default_converter_dir()
     if converter_dir is None or not (converter_dir / 'convert_hf_to_gguf.py').exists():

@@ -218,7 +218,7 @@ def measure(path: Path, threads: int, prompt_tokens: int, long_prompt: int, new_
     model = Model(path, threads, max(prompt_tokens, long_prompt) + new_tokens + 8)
     loaded = time.perf_counter() - started
     prompt_seconds = {}
-    for length in sorted({prompt_tokens, long_prompt}):
+    for length in sorted({prompt_tokens, long_prompt} - {0}):
         model.clear()
         started = time.perf_counter()
         model.decode(prompt[:length], 0, all_logits=False)
@@ -244,7 +244,7 @@ def main() -> int:
     parser.add_argument('--probe-mtp', action='store_true')
     parser.add_argument('--measure', help='one GGUF file: measure it and exit')
     parser.add_argument('--prompt-tokens', type=int, default=512, help='--measure: prompt before the decode')
-    parser.add_argument('--long-prompt', type=int, default=2048, help='--measure: a second prompt length')
+    parser.add_argument('--long-prompt', type=int, default=2048, help='--measure: a second prompt length (0: none)')
     parser.add_argument('--new-tokens', type=int, default=128, help='--measure')
     parser.add_argument('--seed', type=int, default=0, help='--measure: the random prompt')
     args = parser.parse_args()

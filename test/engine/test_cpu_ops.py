@@ -183,6 +183,25 @@ def test_int4_products_equal_the_dequantized_product_and_each_row_alone_gives_th
         assert torch.equal(torch.cat(alone, dim=-1)[0], out[5])
 
 
+def test_integer_products_give_the_same_bits_on_one_thread_or_two():
+    """The ops split a matrix's outputs among torch's threads; every output is still computed the same way."""
+    assert cpu_ops.ensure_built()
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 128, generator=generator)
+    int8 = Quantizer('int8').matrix(torch.nn.Parameter(torch.randn(1000, 128, generator=generator) * 0.05))
+    int4 = Quantizer('int4').matrix(torch.nn.Parameter(torch.randn(1000, 128, generator=generator) * 0.05))
+    previous = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append((cpu_ops.int8_linear(x, (int8.data,), (int8.scales,)),
+                         cpu_ops.int4_linear(x, (int4.data,), (int4.scales,))))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_int8_products_take_float32_rows_of_whole_blocks_only():
     assert cpu_ops.ensure_built()
     assert cpu_ops.int8_linear_usable(torch.zeros(2, 64))

@@ -141,7 +141,7 @@ def test_e2b_rows_get_their_roofline_and_errors_stay_rows():
     assert measured['of_roofline'] == pytest.approx(0.8)
     failed = llamacpp_e2b._with_roofline({'system': 'llamacpp-q8_0', 'threads': 1, 'error': 'exit 1: boom'}, 15.0)
     table = llamacpp_e2b.markdown([measured, failed], {1: {'read_gb_s': 15.0}})
-    assert '| 1 | ours-int8 | 4.00 | 80% | 40.0 / 30.0 | 9.0 | 6.30 | 3.00 |' in table
+    assert '| 1 | ours-int8 | 4.00 | 80% | 512: 40.0 / 2048: 30.0 | 9.0 | 6.30 | 3.00 |' in table
     assert '| 1 | llamacpp-q8_0 | error: exit 1: boom |' in table and '1 thread(s) 15.0 GB/s' in table
     assert llamacpp_e2b.prompt_ids(5, 0) == llamacpp_e2b.prompt_ids(5, 0) != llamacpp_e2b.prompt_ids(5, 1)
     assert all(10 <= token < 4000 for token in llamacpp_e2b.prompt_ids(100, 3))

@@ -47,7 +47,7 @@ def load_engine(args, quantization: str):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gemma_spec_ros bench llamacpp',
                                      description=__doc__.split('\n\n')[0])
-    parser.add_argument('--category', default='code', help='bench/prompts.jsonl category (default code)')
+    parser.add_argument('--category', default='code', help="bench/prompts.jsonl category (default code), or 'all'")
     parser.add_argument('--max-new-tokens', type=int, default=128)
     parser.add_argument('--repeats', type=int, default=4)
     parser.add_argument('--threads', type=int, default=1)
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     machine = machine_description(args.threads)  # load average at the start
-    prompts = [p for p in load_prompts(default_prompts_path()) if p.category == args.category]
+    prompts = [p for p in load_prompts(default_prompts_path()) if args.category in ('all', p.category)]
     if not prompts:
         parser.error('no prompts of category {!r}'.format(args.category))
     from gemma_spec_ros.engine.config_file import resolve_model_path

@@ -70,7 +70,7 @@ def measure_ours(models: Path, precision: str, threads: int, compile_mode: str, 
     compiled = time.perf_counter() - started
     prompt_seconds = {}
     with torch.inference_mode():
-        for length in sorted({prompt_tokens, long_prompt}):
+        for length in sorted({prompt_tokens, long_prompt} - {0}):
             runner.reset()
             started = time.perf_counter()
             runner.prefill(torch.tensor([prompt[:length]]))
@@ -118,14 +118,14 @@ def _with_roofline(row: dict, read_gb_s: float) -> dict:
 
 
 def markdown(rows: list[dict], bandwidths: dict) -> str:
-    lines = ['| threads | system | decode tok/s | of roofline | prompt 512 / 2048 tok/s | load s | peak RSS GiB '
+    lines = ['| threads | system | decode tok/s | of roofline | prompt tokens: tok/s | load s | peak RSS GiB '
              '| step GB |', '|---|---|---|---|---|---|---|---|']
     for row in rows:
         if 'error' in row:
             lines.append('| {} | {} | error: {} | | | | | |'.format(row['threads'], row['system'],
                                                                    row['error'][-160:]))
             continue
-        prompt = ' / '.join('{:.1f}'.format(value) for value in row['prompt_tokens_per_s'].values())
+        prompt = ' / '.join('{}: {:.1f}'.format(n, value) for n, value in row['prompt_tokens_per_s'].items())
         lines.append('| {} | {} | {:.2f} | {:.0%} | {} | {:.1f} | {:.2f} | {:.2f} |'.format(
             row['threads'], row['system'], row['decode_tokens_per_s'], row['of_roofline'], prompt, row['load_s'],
             row['peak_rss_gib'], row['step_bytes'] / 1e9))
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument('--threads', default='1,2', help='comma-separated thread counts')
     parser.add_argument('--compile', default='inductor', help="our engine's engine.compile")
     parser.add_argument('--prompt-tokens', type=int, default=512)
-    parser.add_argument('--long-prompt', type=int, default=2048)
+    parser.add_argument('--long-prompt', type=int, default=2048, help='a second prompt length (0: none)')
     parser.add_argument('--new-tokens', type=int, default=128)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--out', help='folder for results.json and results.md')

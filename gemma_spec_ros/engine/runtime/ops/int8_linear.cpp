@@ -16,6 +16,7 @@
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
@@ -159,6 +160,9 @@ struct Matrix { const int8_t* data; const float* scales; int64_t outputs; };
 
 constexpr int64_t ROW_BLOCK = 16;  // rows whose levels stay in L2 while a block of outputs passes over them
 constexpr int64_t OUTPUT_BLOCK = 8;  // outputs whose weights stay in L1 while every row of a row block uses them
+// at::parallel_for splits a matrix's output blocks among torch's threads, at least this many a thread: each output
+// is still one tile's, so the bits do not depend on the number of threads
+constexpr int64_t PARALLEL_GRAIN = 32;
 
 // y[r, :] = rows x [q, width] (rounded as above) times each matrix, their outputs side by side; y has y_stride columns.
 // Row blocks outside, output blocks inside: a verify pass of up to ROW_BLOCK rows reads each weight from memory once,
@@ -173,17 +177,19 @@ static void products(const float* x, int64_t q, int64_t width, const std::vector
     const int64_t last = std::min(q, first + ROW_BLOCK);
     int64_t column = 0;
     for (const Matrix& m : matrices) {
-      for (int64_t o = 0; o < m.outputs; o += OUTPUT_BLOCK) {
-        const int64_t n = std::min(OUTPUT_BLOCK, m.outputs - o);
-        const int8_t* w = m.data + o * width;
-        int64_t r = first;
-        for (; r + 2 <= last; r += 2)
-          rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n, m.scales + o,
-                                  y + r * y_stride + column + o, y_stride);
-        for (; r < last; ++r)
-          rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n, m.scales + o,
-                                  y + r * y_stride + column + o, y_stride);
-      }
+      at::parallel_for(0, (m.outputs + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, PARALLEL_GRAIN, [&](int64_t begin, int64_t end) {
+        for (int64_t o = begin * OUTPUT_BLOCK; o < std::min(m.outputs, end * OUTPUT_BLOCK); o += OUTPUT_BLOCK) {
+          const int64_t n = std::min(OUTPUT_BLOCK, m.outputs - o);
+          const int8_t* w = m.data + o * width;
+          int64_t r = first;
+          for (; r + 2 <= last; r += 2)
+            rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n,
+                                    m.scales + o, y + r * y_stride + column + o, y_stride);
+          for (; r < last; ++r)
+            rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n,
+                                    m.scales + o, y + r * y_stride + column + o, y_stride);
+        }
+      });
       column += m.outputs;
     }
   }
@@ -270,18 +276,22 @@ static void products4(const float* x, int64_t q, int64_t width, const std::vecto
     const int64_t last = std::min(q, first + ROW_BLOCK);
     int64_t column = 0;
     for (const Int4Matrix& m : matrices) {
-      for (int64_t o = 0; o < m.outputs; o += OUTPUT_BLOCK) {
-        const int64_t n = std::min(OUTPUT_BLOCK, m.outputs - o);
-        const uint8_t* w = m.data + o * (width / 2);
-        const uint16_t* params = m.params + o * blocks * 2;
-        int64_t r = first;
-        for (; r + 2 <= last; r += 2)
-          rows_times_int4<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, x_sums.data() + r * blocks,
-                                width, w, params, n, y + r * y_stride + column + o, y_stride);
-        for (; r < last; ++r)
-          rows_times_int4<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, x_sums.data() + r * blocks,
-                                width, w, params, n, y + r * y_stride + column + o, y_stride);
-      }
+      at::parallel_for(0, (m.outputs + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, PARALLEL_GRAIN, [&](int64_t begin, int64_t end) {
+        for (int64_t o = begin * OUTPUT_BLOCK; o < std::min(m.outputs, end * OUTPUT_BLOCK); o += OUTPUT_BLOCK) {
+          const int64_t n = std::min(OUTPUT_BLOCK, m.outputs - o);
+          const uint8_t* w = m.data + o * (width / 2);
+          const uint16_t* params = m.params + o * blocks * 2;
+          int64_t r = first;
+          for (; r + 2 <= last; r += 2)
+            rows_times_int4<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks,
+                                  x_sums.data() + r * blocks, width, w, params, n, y + r * y_stride + column + o,
+                                  y_stride);
+          for (; r < last; ++r)
+            rows_times_int4<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks,
+                                  x_sums.data() + r * blocks, width, w, params, n, y + r * y_stride + column + o,
+                                  y_stride);
+        }
+      });
       column += m.outputs;
     }
   }
