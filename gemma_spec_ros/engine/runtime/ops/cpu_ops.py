@@ -50,14 +50,18 @@ def _cflags() -> list[str]:
     """
     -O3, and AVX2 for at::vec on an x86 CPU that has it (AVX-512 ones do); elsewhere at::vec's own default.
 
+    OpenMP where torch has it: at::parallel_for is a header template that runs serially unless the op is compiled
+    with OpenMP.
+
     Where the CPU has AVX-512 VNNI, int8_linear adds each block's second half of products with one instruction
     (vpdpwssd) instead of a multiply-add and an add: the same integer sums, so the same bits, 8 % less time for a
     step's products (Zen 4).
     """
+    threads = ['-fopenmp'] if torch.backends.openmp.is_available() else []  # at::parallel_for's OpenMP form
     if torch.backends.cpu.get_cpu_capability() in ('AVX2', 'AVX512'):
-        flags = ['-O3', '-mavx2', '-mfma', '-mf16c', '-DCPU_CAPABILITY_AVX2', '-DCPU_CAPABILITY=AVX2']
+        flags = ['-O3', '-mavx2', '-mfma', '-mf16c', '-DCPU_CAPABILITY_AVX2', '-DCPU_CAPABILITY=AVX2'] + threads
         return flags + (['-mavx512vl', '-mavx512vnni'] if 'avx512_vnni' in cpu_info().split() else [])
-    return ['-O3']
+    return ['-O3'] + threads
 
 
 class CpuOpsWarning(UserWarning):
@@ -134,8 +138,8 @@ def ensure_built() -> bool:
         directory.mkdir(parents=True, exist_ok=True)
         with build_lock(directory, BUILD_WAIT_S):
             cpp_extension.load(name='gemma_spec_cpu_ops', sources=[str(source) for source in SOURCES],
-                               extra_cflags=_cflags(), build_directory=str(directory), is_python_module=False,
-                               verbose=False)
+                               extra_cflags=_cflags(), extra_ldflags=[flag for flag in _cflags() if 'openmp' in flag],
+                               build_directory=str(directory), is_python_module=False, verbose=False)
         _register_fakes()
     except Exception as exc:  # noqa: BLE001 (no compiler, no headers, a failed build, a hung builder: fallbacks serve)
         _state['failure'] = '{}: {}'.format(type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc) else '')
