@@ -70,6 +70,7 @@ def test_a_tied_parameter_is_quantized_once_and_its_float_data_released():
 def test_a_matrix_the_int4_kernel_does_not_take_stays_int8():
     quantizer = Quantizer('int4')
     assert quantizer.matrix(torch.nn.Parameter(torch.randn(64, 48))).group_size == 0  # 48 inputs: not groups of 32
+    assert quantizer.matrix(torch.nn.Parameter(torch.randn(12, 64))).group_size == 0  # 12 outputs: not tiles of 8
     assert quantizer.report.int4_matrices == 0
 
 

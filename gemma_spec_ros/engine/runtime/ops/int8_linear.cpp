@@ -10,7 +10,8 @@
 // gelu gate, down) in one call.
 //
 // torch.ops.gemma_spec.int4_linear does the same for int4 matrices: levels 0..15, two a byte, with a scale and a low
-// per output and block of 32 inputs (value = level * scale + low, the engine's asymmetric int4). A block's lane sums
+// per output and block of 32 inputs (value = level * scale + low, the engine's asymmetric int4), stored tile-major
+// (outputs in groups of 8, see tile4). A block's lane sums
 // of level times activation level are exact as above; the low's share is the low times the block's rounded
 // activation sum, added per output beside the lanes.
 
@@ -211,7 +212,9 @@ static inline void scale_and_low(const uint16_t* params, float& scale, float& lo
 }
 #endif
 
-// int4: y[r, o] for R rows and O outputs. params [out, blocks, 2] float16: each block's scale and low; x_sums
+// int4: y[r, o] for R rows and O outputs of one group of 8. The data is stored tile-major: for a group of 8 outputs
+// and a block b, the 8 outputs' 16 bytes follow each other (params likewise, float16 scale and low), so a tile reads
+// one stream instead of one per output. w and params point at the tile's first output inside its group. x_sums
 // [q, blocks]: each block's sum of levels times its scale (the rounded activations' sum), which the low multiplies.
 template <int R, int O>
 static inline void tile4(const int16_t* x, const float* x_scales, const float* x_sums, int64_t width,
@@ -224,9 +227,9 @@ static inline void tile4(const int16_t* x, const float* x_scales, const float* x
     Inputs inputs[R];
     for (int r = 0; r < R; ++r) inputs[r] = inputs_at(x + r * width + b * BLOCK, 0.f);
     for (int o = 0; o < O; ++o) {
-      const Weights block = nibbles_at(w + o * (width / 2) + b * (BLOCK / 2));
+      const Weights block = nibbles_at(w + (b * OUTPUT_BLOCK + o) * (BLOCK / 2));
       float scale, low;
-      scale_and_low(params + (o * blocks + b) * 2, scale, low);
+      scale_and_low(params + (b * OUTPUT_BLOCK + o) * 2, scale, low);
       for (int r = 0; r < R; ++r) acc[r][o] = block_add_scaled(block, inputs[r], scale * x_scales[r * blocks + b], acc[r][o]);
     }
   }
@@ -239,7 +242,7 @@ static inline void tile4(const int16_t* x, const float* x_scales, const float* x
       float offset = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
         float scale, low;
-        scale_and_low(params + (o * blocks + b) * 2, scale, low);
+        scale_and_low(params + (b * OUTPUT_BLOCK + o) * 2, scale, low);
         offset = std::fma(low, x_sums[r * blocks + b], offset);
       }
       y[r * y_stride + o] = totals[o] + offset;
@@ -247,20 +250,17 @@ static inline void tile4(const int16_t* x, const float* x_scales, const float* x
   }
 }
 
+// R rows against one group of OUTPUT_BLOCK outputs, O at a time
 template <int R, int O>
 static void rows_times_int4(const int16_t* x, const float* x_scales, const float* x_sums, int64_t width,
-                            const uint8_t* w, const uint16_t* params, int64_t outputs, float* y, int64_t y_stride) {
-  const int64_t blocks = width / BLOCK;
-  int64_t o = 0;
-  for (; o + O <= outputs; o += O)
-    tile4<R, O>(x, x_scales, x_sums, width, w + o * (width / 2), params + o * blocks * 2, y + o, y_stride);
-  for (; o < outputs; ++o)
-    tile4<R, 1>(x, x_scales, x_sums, width, w + o * (width / 2), params + o * blocks * 2, y + o, y_stride);
+                            const uint8_t* w, const uint16_t* params, float* y, int64_t y_stride) {
+  for (int64_t o = 0; o < OUTPUT_BLOCK; o += O)
+    tile4<R, O>(x, x_scales, x_sums, width, w + o * (BLOCK / 2), params + o * 2, y + o, y_stride);
 }
 
 struct Int4Matrix { const uint8_t* data; const uint16_t* params; int64_t outputs; };
 
-// products() for int4 matrices: the same rounding of the rows, the same blocking
+// products() for int4 matrices: the same rounding of the rows, the same blocking (outputs in groups of 8)
 static void products4(const float* x, int64_t q, int64_t width, const std::vector<Int4Matrix>& matrices, float* y,
                       int64_t y_stride) {
   const int64_t blocks = width / BLOCK;
@@ -276,19 +276,19 @@ static void products4(const float* x, int64_t q, int64_t width, const std::vecto
     const int64_t last = std::min(q, first + ROW_BLOCK);
     int64_t column = 0;
     for (const Int4Matrix& m : matrices) {
-      at::parallel_for(0, (m.outputs + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, PARALLEL_GRAIN, [&](int64_t begin, int64_t end) {
-        for (int64_t o = begin * OUTPUT_BLOCK; o < std::min(m.outputs, end * OUTPUT_BLOCK); o += OUTPUT_BLOCK) {
-          const int64_t n = std::min(OUTPUT_BLOCK, m.outputs - o);
+      at::parallel_for(0, m.outputs / OUTPUT_BLOCK, PARALLEL_GRAIN, [&](int64_t begin, int64_t end) {
+        for (int64_t group = begin; group < end; ++group) {
+          const int64_t o = group * OUTPUT_BLOCK;
           const uint8_t* w = m.data + o * (width / 2);
           const uint16_t* params = m.params + o * blocks * 2;
           int64_t r = first;
           for (; r + 2 <= last; r += 2)
             rows_times_int4<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks,
-                                  x_sums.data() + r * blocks, width, w, params, n, y + r * y_stride + column + o,
+                                  x_sums.data() + r * blocks, width, w, params, y + r * y_stride + column + o,
                                   y_stride);
           for (; r < last; ++r)
             rows_times_int4<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks,
-                                  x_sums.data() + r * blocks, width, w, params, n, y + r * y_stride + column + o,
+                                  x_sums.data() + r * blocks, width, w, params, y + r * y_stride + column + o,
                                   y_stride);
         }
       });
@@ -307,7 +307,8 @@ at::Tensor int4_linear(const at::Tensor& x, at::TensorList data, at::TensorList 
   int64_t total = 0;
   for (size_t i = 0; i < data.size(); ++i) {
     TORCH_CHECK(data[i].scalar_type() == at::kByte && data[i].dim() == 2 && data[i].size(1) * 2 == width &&
-                data[i].is_contiguous(), "int4_linear: data must be contiguous uint8 [out, in / 2]");
+                data[i].size(0) % OUTPUT_BLOCK == 0 && data[i].is_contiguous(),
+                "int4_linear: data must be contiguous uint8 [out, in / 2], out a multiple of ", OUTPUT_BLOCK);
     TORCH_CHECK(params[i].scalar_type() == at::kHalf && params[i].is_contiguous() &&
                 params[i].numel() == data[i].size(0) * (width / BLOCK) * 2,
                 "int4_linear: params must be contiguous float16 [out, in / 32, 2]");

@@ -41,7 +41,8 @@ ACTIVATION_LEVELS = 32767.0  # int16 levels of a block's largest activation (int
 INT4_GROUP_SIZE = 32
 INT4_LEVELS = 15
 CUDA_INT4_INNER_K_TILES = 8  # what aten's CUDA int4 packing takes (tinygemm's layout)
-INT4_MULTIPLES = {'cpu': (1, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples int4 takes per device
+CPU_INT4_TILE = 8  # outputs a CPU int4 matrix stores together (cpu_ops.int4_linear's output block)
+INT4_MULTIPLES = {'cpu': (CPU_INT4_TILE, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples int4 takes
 PRODUCT_DTYPE = torch.bfloat16  # activations of aten's int4 products and of CUDA's int8 ones
 INTEGER_MODES = ('int8', 'int4')
 # what a text model's parameters are called where the lean forward reads them quantized (quantized_kind)
@@ -106,9 +107,9 @@ def _int4(weight: torch.Tensor) -> QuantizedWeight:
         scales = scales.clamp(min=torch.finfo(torch.float16).tiny).to(torch.float16)
         low = low.to(torch.float16)
         levels = torch.round((groups - low.float()) / scales.float()).clamp(0, INT4_LEVELS).to(torch.uint8)
-        # byte j of a group: level j (low nibble) and level 16 + j (high nibble)
-        data = (levels[..., :16] | levels[..., 16:] << 4).view(out_features, in_features // 2).contiguous()
-        return QuantizedWeight(data, torch.cat((scales, low), dim=-1).contiguous(), INT4_GROUP_SIZE)
+        # byte j of a group: level j (low nibble) and level 16 + j (high nibble); tile-major (_tile_major)
+        data = _tile_major(levels[..., :16] | levels[..., 16:] << 4).view(out_features, in_features // 2)
+        return QuantizedWeight(data, _tile_major(torch.cat((scales, low), dim=-1)), INT4_GROUP_SIZE)
     levels = torch.round((groups - low) / scales).clamp(0, INT4_LEVELS).to(torch.uint8)  # [out, groups, 32]
     # aten's kernel computes (level - 8) * scale + zero, so the zero is the value of level 8
     zeros = low + (INT4_LEVELS + 1) // 2 * scales
@@ -119,12 +120,25 @@ def _int4(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(data, scales_and_zeros, INT4_GROUP_SIZE)
 
 
+def _tile_major(values: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """
+    Return [out, groups, k] stored tile-major for cpu_ops.int4_linear (inverse: undo it).
+
+    Outputs in tiles of CPU_INT4_TILE, and for each tile and group the tile's outputs one after another, so a tile's
+    product reads one memory stream instead of one per output.
+    """
+    out_features, groups, width = values.shape
+    if inverse:
+        return values.reshape(-1, groups, CPU_INT4_TILE, width).transpose(1, 2).reshape(out_features, groups, width)
+    return values.view(-1, CPU_INT4_TILE, groups, width).transpose(1, 2).contiguous().view(out_features, groups, width)
+
+
 def dequantized_int4(weight: QuantizedWeight) -> torch.Tensor:
     """Return a CPU int4 matrix as float32 [out, in]: level * scale + low (what cpu_ops.int4_linear multiplies by)."""
     out_features = weight.data.shape[0]
-    nibbles = weight.data.view(out_features, -1, INT4_GROUP_SIZE // 2)
+    nibbles = _tile_major(weight.data.view(out_features, -1, INT4_GROUP_SIZE // 2), inverse=True)
     levels = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).float()  # [out, groups, 32]
-    params = weight.scales.float()
+    params = _tile_major(weight.scales, inverse=True).float()
     return (levels * params[..., :1] + params[..., 1:]).view(out_features, -1)
 
 
