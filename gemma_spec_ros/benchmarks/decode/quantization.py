@@ -227,20 +227,16 @@ def _measured_bytes_per_parameter() -> dict:
     """Return (decoder matrices, embedding tables) bytes per parameter per precision, measured by quantizing."""
     import torch
 
-    from gemma_spec_ros.engine.runtime.quant.quantize import Quantizer
+    from gemma_spec_ros.engine.runtime.quant.quantize import Quantizer, stored_bytes
 
     measured = {'float32': (4.0, 4.0), 'bfloat16': (2.0, 2.0)}
     matrix, table = torch.nn.Parameter(torch.randn(2048, 1536)), torch.nn.Parameter(torch.randn(4096, 1536))
     for mode in ('int8', 'int4'):
         quantizer = Quantizer(mode)
-        matrix_bytes = _stored_bytes(quantizer.matrix(torch.nn.Parameter(matrix.detach().clone()))) / matrix.numel()
-        table_bytes = _stored_bytes(quantizer.table(torch.nn.Parameter(table.detach().clone()))) / table.numel()
+        matrix_bytes = stored_bytes(quantizer.matrix(torch.nn.Parameter(matrix.detach().clone()))) / matrix.numel()
+        table_bytes = stored_bytes(quantizer.table(torch.nn.Parameter(table.detach().clone()))) / table.numel()
         measured[mode] = (round(matrix_bytes, 4), round(table_bytes, 4))
     return measured
-
-
-def _stored_bytes(weight) -> int:
-    return sum(t.numel() * t.element_size() for t in (weight.data, weight.scales))
 
 
 def e2b_write(args) -> dict:

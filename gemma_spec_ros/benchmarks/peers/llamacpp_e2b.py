@@ -44,21 +44,13 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return [int(token) for token in np.random.default_rng(seed).integers(10, 4000, size=length)]
 
 
-def _stored_bytes(value) -> int:
-    """Bytes of a tensor or of a quantized table's tensors (data, scales, ...)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    return sum(_stored_bytes(part) for part in value if isinstance(part, torch.Tensor))  # QuantizedWeight
-
-
 def measure_ours(models: Path, precision: str, threads: int, compile_mode: str, prompt_tokens: int,
                  long_prompt: int, new_tokens: int, seed: int) -> dict:
     """Load, prompt processing at two lengths, and plain greedy decode of our engine, in this process."""
     import torch
 
     from gemma_spec_ros.benchmarks.decode.quantization import load_runner, plain_decode
+    from gemma_spec_ros.engine.runtime.quant.quantize import stored_bytes
     from gemma_spec_ros.engine.runtime.steps.causal_lm import weights_bytes
 
     torch.set_num_threads(threads)
@@ -77,7 +69,7 @@ def measure_ours(models: Path, precision: str, threads: int, compile_mode: str, 
             prompt_seconds[length] = time.perf_counter() - started
     tokens, per_token = plain_decode(runner, prompt[:prompt_tokens], new_tokens)
     lean = getattr(runner, 'lean', None)  # the lean forward holds the tables as the steps read them
-    skipped = _stored_bytes(lean.per_layer_embed) if getattr(lean, 'per_layer_size', 0) else 0
+    skipped = stored_bytes(lean.per_layer_embed) if getattr(lean, 'per_layer_size', 0) else 0
     return {'precision': precision, 'threads': threads, 'compile': compile_mode, 'load_s': round(loaded, 2),
             'first_steps_s': round(compiled, 2),
             'prompt_tokens_per_s': {str(n): round(n / s, 2) for n, s in prompt_seconds.items()},

@@ -165,35 +165,41 @@ constexpr int64_t OUTPUT_BLOCK = 8;  // outputs whose weights stay in L1 while e
 // is still one tile's, so the bits do not depend on the number of threads
 constexpr int64_t PARALLEL_GRAIN = 32;
 
-// y[r, :] = rows x [q, width] (rounded as above) times each matrix, their outputs side by side; y has y_stride columns.
-// Row blocks outside, output blocks inside: a verify pass of up to ROW_BLOCK rows reads each weight from memory once,
-// so its cost grows with the rows' arithmetic, not with the weights' bytes again for every pair of rows.
+// The order every pass walks in: row blocks outside, blocks of OUTPUT_BLOCK outputs inside (split among torch's
+// threads), so a verify pass of up to ROW_BLOCK rows reads each weight from memory once and its cost grows with the
+// rows' arithmetic, not with the weights' bytes again for every pair of rows. block(first, last, m, o, n, column)
+// computes rows [first, last) of matrix m's outputs [o, o + n), whose results go to y's columns from column + o.
+template <typename M, typename Block>
+static void walk(int64_t q, const std::vector<M>& matrices, const Block& block) {
+  for (int64_t first = 0; first < q; first += ROW_BLOCK) {
+    const int64_t last = std::min(q, first + ROW_BLOCK);
+    int64_t column = 0;
+    for (const M& m : matrices) {
+      at::parallel_for(0, (m.outputs + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, PARALLEL_GRAIN, [&](int64_t begin, int64_t end) {
+        for (int64_t o = begin * OUTPUT_BLOCK; o < std::min(m.outputs, end * OUTPUT_BLOCK); o += OUTPUT_BLOCK)
+          block(first, last, m, o, std::min(OUTPUT_BLOCK, m.outputs - o), column);
+      });
+      column += m.outputs;
+    }
+  }
+}
+
+// y[r, :] = rows x [q, width] (rounded as above) times each matrix, their outputs side by side; y has y_stride columns
 static void products(const float* x, int64_t q, int64_t width, const std::vector<Matrix>& matrices, float* y,
                      int64_t y_stride) {
   std::vector<int16_t> levels(q * width);
   std::vector<float> x_scales(q * width / BLOCK);
   quantize_rows(x, q, width, levels.data(), x_scales.data());
   const int64_t blocks = width / BLOCK;
-  for (int64_t first = 0; first < q; first += ROW_BLOCK) {
-    const int64_t last = std::min(q, first + ROW_BLOCK);
-    int64_t column = 0;
-    for (const Matrix& m : matrices) {
-      at::parallel_for(0, (m.outputs + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, PARALLEL_GRAIN, [&](int64_t begin, int64_t end) {
-        for (int64_t o = begin * OUTPUT_BLOCK; o < std::min(m.outputs, end * OUTPUT_BLOCK); o += OUTPUT_BLOCK) {
-          const int64_t n = std::min(OUTPUT_BLOCK, m.outputs - o);
-          const int8_t* w = m.data + o * width;
-          int64_t r = first;
-          for (; r + 2 <= last; r += 2)
-            rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n,
-                                    m.scales + o, y + r * y_stride + column + o, y_stride);
-          for (; r < last; ++r)
-            rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n,
-                                    m.scales + o, y + r * y_stride + column + o, y_stride);
-        }
-      });
-      column += m.outputs;
-    }
-  }
+  walk(q, matrices, [&](int64_t first, int64_t last, const Matrix& m, int64_t o, int64_t n, int64_t column) {
+    int64_t r = first;
+    for (; r + 2 <= last; r += 2)
+      rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, m.data + o * width, n,
+                              m.scales + o, y + r * y_stride + column + o, y_stride);
+    for (; r < last; ++r)
+      rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, m.data + o * width, n,
+                              m.scales + o, y + r * y_stride + column + o, y_stride);
+  });
 }
 
 // A block's float16 scale and low as floats
@@ -260,7 +266,7 @@ static void rows_times_int4(const int16_t* x, const float* x_scales, const float
 
 struct Int4Matrix { const uint8_t* data; const uint16_t* params; int64_t outputs; };
 
-// products() for int4 matrices: the same rounding of the rows, the same blocking (outputs in groups of 8)
+// products() for int4 matrices: the same rounding of the rows, the same walk (whole groups of OUTPUT_BLOCK outputs)
 static void products4(const float* x, int64_t q, int64_t width, const std::vector<Int4Matrix>& matrices, float* y,
                       int64_t y_stride) {
   const int64_t blocks = width / BLOCK;
@@ -272,37 +278,31 @@ static void products4(const float* x, int64_t q, int64_t width, const std::vecto
     for (int64_t i = 0; i < BLOCK; ++i) sum += levels[b * BLOCK + i];
     x_sums[b] = static_cast<float>(sum) * x_scales[b];
   }
-  for (int64_t first = 0; first < q; first += ROW_BLOCK) {
-    const int64_t last = std::min(q, first + ROW_BLOCK);
-    int64_t column = 0;
-    for (const Int4Matrix& m : matrices) {
-      at::parallel_for(0, m.outputs / OUTPUT_BLOCK, PARALLEL_GRAIN, [&](int64_t begin, int64_t end) {
-        for (int64_t group = begin; group < end; ++group) {
-          const int64_t o = group * OUTPUT_BLOCK;
-          const uint8_t* w = m.data + o * (width / 2);
-          const uint16_t* params = m.params + o * blocks * 2;
-          int64_t r = first;
-          for (; r + 2 <= last; r += 2)
-            rows_times_int4<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks,
-                                  x_sums.data() + r * blocks, width, w, params, y + r * y_stride + column + o,
-                                  y_stride);
-          for (; r < last; ++r)
-            rows_times_int4<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks,
-                                  x_sums.data() + r * blocks, width, w, params, y + r * y_stride + column + o,
-                                  y_stride);
-        }
-      });
-      column += m.outputs;
-    }
-  }
+  walk(q, matrices, [&](int64_t first, int64_t last, const Int4Matrix& m, int64_t o, int64_t, int64_t column) {
+    const uint8_t* w = m.data + o * (width / 2);
+    const uint16_t* params = m.params + o * blocks * 2;
+    int64_t r = first;
+    for (; r + 2 <= last; r += 2)
+      rows_times_int4<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, x_sums.data() + r * blocks,
+                            width, w, params, y + r * y_stride + column + o, y_stride);
+    for (; r < last; ++r)
+      rows_times_int4<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, x_sums.data() + r * blocks,
+                            width, w, params, y + r * y_stride + column + o, y_stride);
+  });
+}
+
+// x [q, in] float32 with in a multiple of BLOCK (op names the caller in the error), contiguous
+static at::Tensor checked_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": x must be float32 [rows, in]");
+  TORCH_CHECK(x.size(1) % BLOCK == 0, op, ": the input width must be a multiple of ", BLOCK);
+  return x.contiguous();
 }
 
 // x [q, in] float32; data: uint8 [out_i, in / 2]; params: float16 [out_i, in / 32, 2] -> [q, sum of out_i]
 at::Tensor int4_linear(const at::Tensor& x, at::TensorList data, at::TensorList params) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x must be float32 [rows, in]");
+  const at::Tensor xc = checked_rows(x, "int4_linear");
   TORCH_CHECK(data.size() == params.size() && !data.empty(), "int4_linear: one params tensor per matrix");
   const int64_t q = x.size(0), width = x.size(1);
-  TORCH_CHECK(width % BLOCK == 0, "int4_linear: the input width must be a multiple of ", BLOCK);
   std::vector<Int4Matrix> matrices;
   int64_t total = 0;
   for (size_t i = 0; i < data.size(); ++i) {
@@ -316,7 +316,6 @@ at::Tensor int4_linear(const at::Tensor& x, at::TensorList data, at::TensorList 
                         data[i].size(0)});
     total += data[i].size(0);
   }
-  const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({q, total}, x.options());
   products4(xc.data_ptr<float>(), q, width, matrices, y.data_ptr<float>(), total);
   return y;
@@ -324,10 +323,9 @@ at::Tensor int4_linear(const at::Tensor& x, at::TensorList data, at::TensorList 
 
 // x [q, in] float32; weights: int8 [out_i, in] (contiguous); scales: float32 [out_i] -> [q, sum of out_i]
 at::Tensor int8_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be float32 [rows, in]");
+  const at::Tensor xc = checked_rows(x, "int8_linear");
   TORCH_CHECK(weights.size() == scales.size() && !weights.empty(), "int8_linear: one scales tensor per matrix");
   const int64_t q = x.size(0), width = x.size(1);
-  TORCH_CHECK(width % BLOCK == 0, "int8_linear: the input width must be a multiple of ", BLOCK);
   std::vector<Matrix> matrices;
   int64_t total = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -335,7 +333,6 @@ at::Tensor int8_linear(const at::Tensor& x, at::TensorList weights, at::TensorLi
     matrices.push_back({weights[i].data_ptr<int8_t>(), scales[i].data_ptr<float>(), weights[i].size(0)});
     total += weights[i].size(0);
   }
-  const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({q, total}, x.options());
   products(xc.data_ptr<float>(), q, width, matrices, y.data_ptr<float>(), total);
   return y;

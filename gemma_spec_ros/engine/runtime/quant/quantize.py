@@ -120,6 +120,12 @@ def _int4(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(data, scales_and_zeros, INT4_GROUP_SIZE)
 
 
+def stored_bytes(weight: 'QuantizedWeight | torch.Tensor') -> int:
+    """Return the bytes a weight takes as stored: a tensor's, or a QuantizedWeight's data and scales."""
+    parts = (weight,) if isinstance(weight, torch.Tensor) else (weight.data, weight.scales)
+    return sum(part.numel() * part.element_size() for part in parts)
+
+
 def _tile_major(values: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """
     Return [out, groups, k] stored tile-major for cpu_ops.int4_linear (inverse: undo it).
@@ -265,10 +271,9 @@ class Quantizer:
         """Take quantized as parameter's weight (quantized_loading: the float data was never held)."""
         report = self.report
         report.matrices += 1
-        stored = (quantized,) if isinstance(quantized, torch.Tensor) else (quantized.data, quantized.scales)
         report.int4_matrices += bool(getattr(quantized, 'group_size', 0))
         report.bytes_before += bytes_before
-        report.bytes_after += sum(t.numel() * t.element_size() for t in stored)
+        report.bytes_after += stored_bytes(quantized)
         self._done[id(parameter)] = (parameter, quantized)  # holding the parameter keeps its id unique
 
     def _quantize(self, parameter: torch.Tensor, int4_allowed: bool) -> 'QuantizedWeight | torch.Tensor':
