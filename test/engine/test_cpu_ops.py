@@ -15,6 +15,8 @@ from gemma_spec_ros.engine.runtime.ops import cpu_ops
 from gemma_spec_ros.engine.runtime.quant.quantize import (
     Quantizer,
     dequantized_int4,
+    embedding,
+    int8_rows,
     quantized_linear,
     rounded_activations,
 )
@@ -68,7 +70,8 @@ def test_a_failed_build_leaves_the_fallbacks_and_says_why(monkeypatch, tmp_path)
     assert not cpu_ops.int8_linear_usable(torch.zeros(1, 64))
     quantized = Quantizer('int8').table(torch.nn.Parameter(torch.randn(16, 64)))
     x = torch.randn(3, 64)
-    reference = rounded_activations(x).double() @ (quantized.data.double() * quantized.scales.double()[:, None]).T
+    assert quantized.tile == 8  # stored for the op, which is not there: the fallback reads the rows back
+    reference = rounded_activations(x).double() @ (int8_rows(quantized).double() * quantized.scales.double()[:, None]).T
     torch.testing.assert_close(quantized_linear(x, quantized).double(), reference, atol=1e-5, rtol=1e-5)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
@@ -133,8 +136,18 @@ def test_a_build_lock_held_too_long_by_a_live_process_gives_the_fallbacks(monkey
         holder.wait()
 
 
-def _int8(outputs: int, inputs: int, generator: torch.Generator):
-    return Quantizer('int8').table(torch.nn.Parameter(torch.randn(outputs, inputs, generator=generator) * 0.05))
+def _int8(outputs: int, inputs: int, generator: torch.Generator, tile: int | None = None):
+    values = torch.randn(outputs, inputs, generator=generator) * 0.05
+    return Quantizer('int8').quantize_values(values, False, tile)
+
+
+def _dequantized(weight) -> torch.Tensor:
+    return int8_rows(weight).double() * weight.scales.double()[:, None]
+
+
+def _int8_linear(x: torch.Tensor, weights) -> torch.Tensor:
+    assert len({w.tile for w in weights}) == 1
+    return cpu_ops.int8_linear(x, tuple(w.data for w in weights), tuple(w.scales for w in weights), weights[0].tile)
 
 
 def test_int8_products_equal_float64_and_each_row_alone_gives_the_same_bits():
@@ -142,25 +155,42 @@ def test_int8_products_equal_float64_and_each_row_alone_gives_the_same_bits():
     generator = torch.Generator().manual_seed(0)
     for inputs, outputs in [(192, (256, 128, 128)), (768, (192,)), (32, (1, 7, 9)), (64, (33,))]:
         weights = [_int8(count, inputs, generator) for count in outputs]
+        assert {w.tile for w in weights} == {1 if inputs == 32 or outputs == (33,) else 8}  # tiles where they fit
         x = torch.randn(11, inputs, generator=generator)
         x[:, :32] *= 50  # an outlier block: the other blocks keep their own scales
-        out = cpu_ops.int8_linear(x, tuple(w.data for w in weights), tuple(w.scales for w in weights))
-        dequantized = [w.data.double() * w.scales.double()[:, None] for w in weights]
+        out = _int8_linear(x, weights)
+        dequantized = [_dequantized(w) for w in weights]
         exact = torch.cat([x.double() @ w.T for w in dequantized], dim=-1)
         rounded = torch.cat([rounded_activations(x).double() @ w.T for w in dequantized], dim=-1)
         torch.testing.assert_close(out.double(), rounded, atol=1e-5, rtol=1e-5)  # what rounded_activations says
         assert ((out.double() - exact).abs() / exact.abs().amax()).max() < 1e-4  # 16-bit levels: near the float one
         for rows in range(1, 11):  # tiles of 2 and 1 rows
-            part = cpu_ops.int8_linear(x[:rows], tuple(w.data for w in weights), tuple(w.scales for w in weights))
-            assert torch.equal(part, out[:rows])
+            assert torch.equal(_int8_linear(x[:rows], weights), out[:rows])
         more = torch.cat([x, torch.randn(26, inputs, generator=torch.Generator().manual_seed(inputs))])
-        longer = cpu_ops.int8_linear(more, tuple(w.data for w in weights), tuple(w.scales for w in weights))
+        longer = _int8_linear(more, weights)
         assert torch.equal(longer[:11], out)  # three blocks of 16 rows, the last odd: the same bits per row
         for rows in (16, 17, 33):
-            part = cpu_ops.int8_linear(more[:rows], tuple(w.data for w in weights), tuple(w.scales for w in weights))
-            assert torch.equal(part, longer[:rows])
+            assert torch.equal(_int8_linear(more[:rows], weights), longer[:rows])
         alone = [quantized_linear(x[3:4], w) for w in weights]  # one matrix a call, as the other products run
         assert torch.equal(torch.cat(alone, dim=-1)[0], out[3])
+
+
+def test_an_int8_matrix_gives_the_same_bits_row_major_or_tile_major():
+    """The tile only moves a matrix's bytes: products, and embedding rows gathered from it, stay bit for bit."""
+    assert cpu_ops.ensure_built()
+    values = torch.randn(64, 96, generator=torch.Generator().manual_seed(4)) * 0.05
+    rows, tiled = (Quantizer('int8').quantize_values(values, False, tile) for tile in (1, 8))
+    assert rows.tile == 1 and tiled.tile == 8 and not torch.equal(rows.data, tiled.data)
+    assert torch.equal(int8_rows(tiled), rows.data) and torch.equal(tiled.scales, rows.scales)
+    x = torch.randn(19, 96, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(_int8_linear(x, [rows]), _int8_linear(x, [tiled]))
+    ids = torch.tensor([[0, 7, 8, 63], [9, 9, 1, 56]])
+    assert torch.equal(embedding(ids, tiled, torch.float32), embedding(ids, rows, torch.float32))
+    assert torch.equal(embedding(ids, rows, torch.float32)[1, 0], rows.data[9].float() * rows.scales[9])
+    with pytest.raises(RuntimeError, match='tile must be 1 or 8'):
+        cpu_ops.int8_linear(x, (rows.data,), (rows.scales,), 4)
+    with pytest.raises(RuntimeError, match='multiple of 8 outputs'):
+        cpu_ops.int8_linear(x, (rows.data[:12],), (rows.scales[:12],), 8)
 
 
 def test_int4_products_equal_the_dequantized_product_and_each_row_alone_gives_the_same_bits():
@@ -195,7 +225,7 @@ def test_integer_products_give_the_same_bits_on_one_thread_or_two():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append((cpu_ops.int8_linear(x, (int8.data,), (int8.scales,)),
+            outs.append((_int8_linear(x, [int8]),
                          cpu_ops.int4_linear(x, (int4.data,), (int4.scales,))))
     finally:
         torch.set_num_threads(previous)
@@ -209,29 +239,28 @@ def test_int8_products_take_float32_rows_of_whole_blocks_only():
     assert not cpu_ops.int8_linear_usable(torch.zeros(2, 64, dtype=torch.bfloat16))
     weight = _int8(5, 48, torch.Generator().manual_seed(1))
     x = torch.randn(2, 48)
-    reference = rounded_activations(x).double() @ (weight.data.double() * weight.scales.double()[:, None]).T
+    reference = rounded_activations(x).double() @ _dequantized(weight).T
     torch.testing.assert_close(quantized_linear(x, weight).double(), reference, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match='multiple of 32'):
-        cpu_ops.int8_linear(x, (weight.data,), (weight.scales,))
+        _int8_linear(x, [weight])
 
 
 def test_the_feed_forward_op_is_its_products_and_gelu_gate_row_by_row():
     """int8_feed_forward equals int8_linear's gate and up, aten's tanh gelu, then int8_linear's down."""
     assert cpu_ops.ensure_built()
     generator = torch.Generator().manual_seed(2)
-    for inputs, hidden, outputs in [(192, 768, 192), (64, 96, 40), (32, 32, 3)]:
-        gate, up = _int8(hidden, inputs, generator), _int8(hidden, inputs, generator)
-        down = _int8(outputs, hidden, generator)
+    for inputs, hidden, outputs, tile in [(192, 768, 192, 8), (64, 96, 40, 8), (32, 32, 3, 1)]:
+        gate, up = _int8(hidden, inputs, generator, tile), _int8(hidden, inputs, generator, tile)
+        down = _int8(outputs, hidden, generator, tile)
         x = torch.randn(11, inputs, generator=generator) * 4  # gelu's curved part and both tails
-        out = cpu_ops.int8_feed_forward(x, (gate.data, gate.scales), (up.data, up.scales), (down.data, down.scales))
-        gate_out, up_out = cpu_ops.int8_linear(x, (gate.data, up.data), (gate.scales, up.scales)).split(hidden, -1)
-        reference = cpu_ops.int8_linear(F.gelu(gate_out, approximate='tanh') * up_out, (down.data,), (down.scales,))
+        out = cpu_ops.int8_feed_forward(x, gate[:2], up[:2], down[:2], tile)
+        gate_out, up_out = _int8_linear(x, [gate, up]).split(hidden, -1)
+        reference = _int8_linear(F.gelu(gate_out, approximate='tanh') * up_out, [down])
         torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
         for rows in range(1, 11):
-            part = cpu_ops.int8_feed_forward(x[:rows], (gate.data, gate.scales), (up.data, up.scales),
-                                             (down.data, down.scales))
+            part = cpu_ops.int8_feed_forward(x[:rows], gate[:2], up[:2], down[:2], tile)
             assert torch.equal(part, out[:rows])  # what keeps verify passes and one-token steps equal
     with pytest.raises(RuntimeError, match='multiples of 32'):  # the hidden width too: down rounds its input
-        odd = _int8(48, 64, generator)
-        cpu_ops.int8_feed_forward(torch.randn(1, 64), (odd.data, odd.scales), (odd.data, odd.scales),
-                                  (_int8(8, 48, generator).data, torch.rand(8)))
+        odd = _int8(48, 64, generator, 1)
+        down = (_int8(8, 48, generator, 1).data, torch.rand(8))
+        cpu_ops.int8_feed_forward(torch.randn(1, 64), odd[:2], odd[:2], down, 1)

@@ -18,6 +18,7 @@ from gemma_spec_ros.engine.runtime.model import checkpoints as model_loading
 from gemma_spec_ros.engine.runtime.quant.quantize import (
     QuantizedWeight,
     Quantizer,
+    int8_rows,
     quantized_linear,
     rounded_activations,
 )
@@ -30,7 +31,7 @@ OUTPUT_LENGTH = 3
 
 
 def _dequantized_int8(weight: QuantizedWeight) -> torch.Tensor:
-    return weight.data.float() * weight.scales.float()[:, None]
+    return int8_rows(weight).float() * weight.scales.float()[:, None]
 
 
 @pytest.mark.parametrize('mode, bound', [('int8', 0.02), ('int4', 0.15)])

@@ -210,7 +210,8 @@ def _linear(x: torch.Tensor, weight: 'torch.Tensor | QuantizedWeight', bias: tor
 def _linears(x: torch.Tensor, weights: tuple, biases: tuple, row_product_max_rows: int) -> list[torch.Tensor]:
     """Return x times each weight plus its bias, as _linear; int8 ones in one call of the CPU op (cheaper)."""
     if int8_together(x, weights):
-        outs = cpu_ops.int8_linear(x, tuple(w.data for w in weights), tuple(w.scales for w in weights))
+        outs = cpu_ops.int8_linear(x, tuple(w.data for w in weights), tuple(w.scales for w in weights),
+                                   weights[0].tile)
         outs = outs.split([w.data.shape[0] for w in weights], dim=-1)
         return [out if bias is None else out + bias for out, bias in zip(outs, biases, strict=True)]
     return [_linear(x, weight, bias, row_product_max_rows) for weight, bias in zip(weights, biases, strict=True)]
@@ -219,7 +220,7 @@ def _linears(x: torch.Tensor, weights: tuple, biases: tuple, row_product_max_row
 def _feed_forward(x: torch.Tensor, w: _Weights, row_product_max_rows: int) -> torch.Tensor:
     """down(gelu(gate(x)) * up(x)), gelu's tanh form; int8 matrices in one call of the CPU op."""
     if int8_feed_forward_together(x, w.gate_proj, w.up_proj, w.down_proj):
-        return cpu_ops.int8_feed_forward(x, w.gate_proj[:2], w.up_proj[:2], w.down_proj[:2])
+        return cpu_ops.int8_feed_forward(x, w.gate_proj[:2], w.up_proj[:2], w.down_proj[:2], w.gate_proj.tile)
     gate, up = _linears(x, (w.gate_proj, w.up_proj), (None, None), row_product_max_rows)
     return _linear(F.gelu(gate, approximate='tanh') * up, w.down_proj, None, row_product_max_rows)
 

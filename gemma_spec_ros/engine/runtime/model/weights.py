@@ -63,7 +63,7 @@ class FlatTensors:
         if tensor is None:
             return None
         if isinstance(tensor, QuantizedWeight):  # its integer data and its scales, each a tensor of its own
-            return QuantizedWeight(self.add(tensor.data), self.add(tensor.scales), tensor.group_size)
+            return tensor._replace(data=self.add(tensor.data), scales=self.add(tensor.scales))
         assert not self.buffers, 'FlatTensors.add after pack'
         handle = self._handles.get(id(tensor))
         if handle is None:
@@ -111,7 +111,7 @@ class FlatTensors:
 
         def lookup(handle):
             if isinstance(handle, QuantizedWeight):
-                return QuantizedWeight(read(handle.data), read(handle.scales), handle.group_size)
+                return handle._replace(data=read(handle.data), scales=read(handle.scales))
             return None if handle is None else read(handle)
         return lookup
 

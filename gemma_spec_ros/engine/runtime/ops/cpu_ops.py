@@ -31,6 +31,7 @@ SOURCES = (Path(__file__).with_name('cpu_attention.cpp'), Path(__file__).with_na
 HEADERS = (Path(__file__).with_name('lane_totals.h'),)  # part of the build's key: a changed header rebuilds
 VECTOR_WIDTH = 8  # floats in at::vec's Vectorized<float> with these flags (AVX2, NEON or its portable form)
 ACTIVATION_BLOCK = 32  # int8_linear's inputs per activation scale: the input width must be a multiple
+OUTPUT_TILE = 8  # int8_linear's output block: the tile (besides 1) an int8 matrix may be stored in
 # Longest wait for another process's build of the same ops (a build takes about 30 s here, minutes on a busy Orin);
 # past it the fallbacks serve, so a builder that hangs (stopped, not dead) never stalls a start for ever.
 BUILD_WAIT_S = 600.0
@@ -77,7 +78,7 @@ def _register_fakes() -> None:
         return query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
 
     @torch.library.register_fake('gemma_spec::int8_linear')
-    def _(x, weights, scales):
+    def _(x, weights, scales, tile):
         return x.new_empty(x.shape[0], sum(weight.shape[0] for weight in weights))
 
     @torch.library.register_fake('gemma_spec::int4_linear')
@@ -85,7 +86,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], sum(matrix.shape[0] for matrix in data))
 
     @torch.library.register_fake('gemma_spec::int8_feed_forward')
-    def _(x, gate, gate_scales, up, up_scales, down, down_scales):
+    def _(x, gate, gate_scales, up, up_scales, down, down_scales, tile):
         return x.new_empty(x.shape[0], down.shape[0])
 
 
@@ -166,9 +167,15 @@ def int8_linear_usable(x: torch.Tensor) -> bool:
             and x.shape[-1] % ACTIVATION_BLOCK == 0)
 
 
-def int8_linear(x: torch.Tensor, data: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Return x [q, in], rounded as the module says, times each int8 matrix [out_i, in]^T and scales: [q, sum out_i]."""
-    return torch.ops.gemma_spec.int8_linear(x, list(data), list(scales))
+def int8_linear(x: torch.Tensor, data: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...],
+                tile: int) -> torch.Tensor:
+    """
+    Return x [q, in], rounded as the module says, times each int8 matrix [out_i, in]^T and scales: [q, sum out_i].
+
+    Each matrix is stored in tiles of `tile` outputs (1: row-major; OUTPUT_TILE: for each tile and block of
+    ACTIVATION_BLOCK inputs, the tile's outputs' bytes one after another, quantize.int8_tile).
+    """
+    return torch.ops.gemma_spec.int8_linear(x, list(data), list(scales), tile)
 
 
 def int4_linear(x: torch.Tensor, data: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -182,11 +189,11 @@ def int4_linear(x: torch.Tensor, data: tuple[torch.Tensor, ...], params: tuple[t
 
 
 def int8_feed_forward(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
-                      down: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                      down: tuple[torch.Tensor, torch.Tensor], tile: int) -> torch.Tensor:
     """
     Return down(gelu(gate(x)) * up(x)) for x [q, in], each matrix an int8 (data, scales) as int8_linear takes them.
 
     gelu is the tanh form; the products are int8_linear's (down's input rounded the same way). One call instead of
     two and the gate's own kernel: what a compiled step spends between ops is a noticeable share of a small model's.
     """
-    return torch.ops.gemma_spec.int8_feed_forward(x, *gate, *up, *down)
+    return torch.ops.gemma_spec.int8_feed_forward(x, *gate, *up, *down, tile)

@@ -5,8 +5,9 @@
 // products each (below 2^24, so exact in float32 too); each lane adds its sum times the block's scale to a float
 // lane total, block after block; the eight totals add as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), times the output's
 // scale. Tiles of rows and outputs only share loaded weights, so a row's result does not depend on how many rows
-// share the pass. Several matrices of the same input width run in one call (a layer's query, key and value), their
-// outputs side by side; torch.ops.gemma_spec.int8_feed_forward runs a whole feed-forward block (gate and up, the
+// share the pass. A matrix is stored in tiles of 1 or 8 outputs (matrix_strides): tile-major, one memory stream per
+// block of outputs, decode reads its weights near the machine's bandwidth. Several matrices of the same input width
+// and tile run in one call (a layer's query, key and value), their outputs side by side; torch.ops.gemma_spec.int8_feed_forward runs a whole feed-forward block (gate and up, the
 // gelu gate, down) in one call.
 //
 // torch.ops.gemma_spec.int4_linear does the same for int4 matrices: levels 0..15, two a byte, with a scale and a low
@@ -31,6 +32,7 @@ using Vec = at::vec::Vectorized<float>;
 
 constexpr int64_t BLOCK = 32;          // inputs per activation scale; the input width must be a multiple
 constexpr float LEVELS = 32767.f;      // int16 levels of a block's largest magnitude
+constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead a tile-major int8 product asks for its weights
 
 // Rows x [q, width] -> int16 levels [q, width] and a scale per block [q, width / BLOCK]
 static void quantize_rows(const float* x, int64_t q, int64_t width, int16_t* levels, float* scales) {
@@ -116,19 +118,25 @@ static inline void reduce8(const Acc* acc, float* totals) {
 }
 #endif
 
-// y[r, o] = weight_scale[o] * dot(row r, w[o]) for R rows (levels and block scales) and O outputs
+// y[r, o] = weight_scale[o] * dot(row r, w[o]) for R rows (levels and block scales) and O outputs. Output o's
+// block b is at w + o * output_stride + b * block_stride (the matrix's layout: matrix_strides).
 template <int R, int O>
 static inline void tile(const int16_t* x, const float* x_scales, int64_t width, const int8_t* w,
-                        const float* weight_scale, float* y, int64_t y_stride) {
+                        int64_t output_stride, int64_t block_stride, const float* weight_scale, float* y,
+                        int64_t y_stride) {
   const int64_t blocks = width / BLOCK;
+  const bool contiguous = output_stride == BLOCK;  // tile-major: one stream, which the loop asks for ahead
   Acc acc[R][O];
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) acc[r][o] = acc_zero();
   for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* at = w + b * block_stride;
+    if (contiguous)
+      for (int line = 0; line < O * BLOCK; line += 64) __builtin_prefetch(at + PREFETCH_BYTES + line, 0, 0);
     Inputs inputs[R];
     for (int r = 0; r < R; ++r) inputs[r] = inputs_at(x + r * width + b * BLOCK, x_scales[r * blocks + b]);
     for (int o = 0; o < O; ++o) {
-      const Weights block = weights_at(w + o * width + b * BLOCK);
+      const Weights block = weights_at(at + o * output_stride);
       for (int r = 0; r < R; ++r) acc[r][o] = block_add(block, inputs[r], acc[r][o]);
     }
   }
@@ -141,23 +149,38 @@ static inline void tile(const int16_t* x, const float* x_scales, int64_t width, 
   }
 }
 
-// R rows against every output: O at a time (eight accumulators in flight), the rest one at a time
+// R rows against n outputs: O at a time (eight accumulators in flight), the rest one at a time
 template <int R, int O>
-static void rows_times_matrix(const int16_t* x, const float* x_scales, int64_t width, const int8_t* w,
-                              int64_t outputs, const float* weight_scale, float* y, int64_t y_stride) {
+static void rows_times_matrix(const int16_t* x, const float* x_scales, int64_t width, const int8_t* w, int64_t n,
+                              int64_t output_stride, int64_t block_stride, const float* weight_scale, float* y,
+                              int64_t y_stride) {
   int64_t o = 0;
-  for (; o + O <= outputs; o += O) tile<R, O>(x, x_scales, width, w + o * width, weight_scale + o, y + o, y_stride);
-  for (; o < outputs; ++o) tile<R, 1>(x, x_scales, width, w + o * width, weight_scale + o, y + o, y_stride);
+  for (; o + O <= n; o += O)
+    tile<R, O>(x, x_scales, width, w + o * output_stride, output_stride, block_stride, weight_scale + o, y + o,
+               y_stride);
+  for (; o < n; ++o)
+    tile<R, 1>(x, x_scales, width, w + o * output_stride, output_stride, block_stride, weight_scale + o, y + o,
+               y_stride);
 }
 
-static void check_matrix(const at::Tensor& w, const at::Tensor& scales, int64_t width, const char* op) {
+static void check_matrix(const at::Tensor& w, const at::Tensor& scales, int64_t width, int64_t tile, const char* op) {
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.size(1) == width && w.is_contiguous(), op,
               ": weights must be contiguous int8 [out, in] of the input's width");
+  TORCH_CHECK(w.size(0) % tile == 0, op, ": a matrix stored in tiles of ", tile, " outputs must have a multiple of ",
+              tile, " outputs");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == w.size(0) && scales.is_contiguous(), op,
               ": scales must be contiguous float32 [out]");
 }
 
 struct Matrix { const int8_t* data; const float* scales; int64_t outputs; };
+
+// An int8 matrix [out, in] is stored in tiles of `tile` outputs (1 or OUTPUT_BLOCK): for each tile and block of 32
+// inputs, the tile's outputs' 32 bytes one after another (tile 1: row-major). A tile's product then reads one
+// memory stream instead of one per output, which the hardware's prefetchers follow at a higher rate.
+static inline void matrix_strides(int64_t width, int64_t tile, int64_t& output_stride, int64_t& block_stride) {
+  output_stride = tile == 1 ? width : BLOCK;
+  block_stride = tile * BLOCK;
+}
 
 constexpr int64_t ROW_BLOCK = 16;  // rows whose levels stay in L2 while a block of outputs passes over them
 constexpr int64_t OUTPUT_BLOCK = 8;  // outputs whose weights stay in L1 while every row of a row block uses them
@@ -185,20 +208,23 @@ static void walk(int64_t q, const std::vector<M>& matrices, const Block& block) 
 }
 
 // y[r, :] = rows x [q, width] (rounded as above) times each matrix, their outputs side by side; y has y_stride columns
-static void products(const float* x, int64_t q, int64_t width, const std::vector<Matrix>& matrices, float* y,
-                     int64_t y_stride) {
+static void products(const float* x, int64_t q, int64_t width, const std::vector<Matrix>& matrices, int64_t tile,
+                     float* y, int64_t y_stride) {
   std::vector<int16_t> levels(q * width);
   std::vector<float> x_scales(q * width / BLOCK);
   quantize_rows(x, q, width, levels.data(), x_scales.data());
   const int64_t blocks = width / BLOCK;
+  int64_t output_stride, block_stride;
+  matrix_strides(width, tile, output_stride, block_stride);
   walk(q, matrices, [&](int64_t first, int64_t last, const Matrix& m, int64_t o, int64_t n, int64_t column) {
+    const int8_t* w = m.data + o * width;  // a block of outputs starts a tile (OUTPUT_BLOCK is a multiple of tile)
     int64_t r = first;
     for (; r + 2 <= last; r += 2)
-      rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, m.data + o * width, n,
-                              m.scales + o, y + r * y_stride + column + o, y_stride);
+      rows_times_matrix<2, 4>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n, output_stride,
+                              block_stride, m.scales + o, y + r * y_stride + column + o, y_stride);
     for (; r < last; ++r)
-      rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, m.data + o * width, n,
-                              m.scales + o, y + r * y_stride + column + o, y_stride);
+      rows_times_matrix<1, 8>(levels.data() + r * width, x_scales.data() + r * blocks, width, w, n, output_stride,
+                              block_stride, m.scales + o, y + r * y_stride + column + o, y_stride);
   });
 }
 
@@ -321,20 +347,26 @@ at::Tensor int4_linear(const at::Tensor& x, at::TensorList data, at::TensorList 
   return y;
 }
 
-// x [q, in] float32; weights: int8 [out_i, in] (contiguous); scales: float32 [out_i] -> [q, sum of out_i]
-at::Tensor int8_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales) {
+static void check_tile(int64_t tile, const char* op) {
+  TORCH_CHECK(tile == 1 || tile == OUTPUT_BLOCK, op, ": tile must be 1 or ", OUTPUT_BLOCK, ", got ", tile);
+}
+
+// x [q, in] float32; weights: int8 [out_i, in] (contiguous, in tiles of `tile` outputs); scales: float32 [out_i]
+// -> [q, sum of out_i]
+at::Tensor int8_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales, int64_t tile) {
   const at::Tensor xc = checked_rows(x, "int8_linear");
   TORCH_CHECK(weights.size() == scales.size() && !weights.empty(), "int8_linear: one scales tensor per matrix");
+  check_tile(tile, "int8_linear");
   const int64_t q = x.size(0), width = x.size(1);
   std::vector<Matrix> matrices;
   int64_t total = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
-    check_matrix(weights[i], scales[i], width, "int8_linear");
+    check_matrix(weights[i], scales[i], width, tile, "int8_linear");
     matrices.push_back({weights[i].data_ptr<int8_t>(), scales[i].data_ptr<float>(), weights[i].size(0)});
     total += weights[i].size(0);
   }
   at::Tensor y = at::empty({q, total}, x.options());
-  products(xc.data_ptr<float>(), q, width, matrices, y.data_ptr<float>(), total);
+  products(xc.data_ptr<float>(), q, width, matrices, tile, y.data_ptr<float>(), total);
   return y;
 }
 
@@ -355,34 +387,35 @@ static void gelu_gate(const float* gate, const float* up, int64_t n, float* gate
 // products are int8_linear's, so a row's result still does not depend on the rows beside it.
 at::Tensor int8_feed_forward(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& gate_scales,
                              const at::Tensor& up, const at::Tensor& up_scales, const at::Tensor& down,
-                             const at::Tensor& down_scales) {
+                             const at::Tensor& down_scales, int64_t tile) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_feed_forward: x must be float32 [rows, in]");
   const int64_t q = x.size(0), width = x.size(1), hidden = gate.size(0);
   TORCH_CHECK(width % BLOCK == 0 && hidden % BLOCK == 0, "int8_feed_forward: the input and hidden widths must be "
               "multiples of ", BLOCK);
-  check_matrix(gate, gate_scales, width, "int8_feed_forward");
-  check_matrix(up, up_scales, width, "int8_feed_forward");
-  check_matrix(down, down_scales, hidden, "int8_feed_forward");
+  check_tile(tile, "int8_feed_forward");
+  check_matrix(gate, gate_scales, width, tile, "int8_feed_forward");
+  check_matrix(up, up_scales, width, tile, "int8_feed_forward");
+  check_matrix(down, down_scales, hidden, tile, "int8_feed_forward");
   TORCH_CHECK(up.size(0) == hidden, "int8_feed_forward: gate and up must have as many outputs");
   const at::Tensor xc = x.contiguous();
   std::vector<float> gate_up(q * 2 * hidden), gated(q * hidden);
   products(xc.data_ptr<float>(), q, width,
            {{gate.data_ptr<int8_t>(), gate_scales.data_ptr<float>(), hidden},
-            {up.data_ptr<int8_t>(), up_scales.data_ptr<float>(), hidden}}, gate_up.data(), 2 * hidden);
+            {up.data_ptr<int8_t>(), up_scales.data_ptr<float>(), hidden}}, tile, gate_up.data(), 2 * hidden);
   for (int64_t r = 0; r < q; ++r)
     gelu_gate(gate_up.data() + r * 2 * hidden, gate_up.data() + r * 2 * hidden + hidden, hidden,
               gated.data() + r * hidden);
   at::Tensor y = at::empty({q, down.size(0)}, x.options());
-  products(gated.data(), q, hidden, {{down.data_ptr<int8_t>(), down_scales.data_ptr<float>(), down.size(0)}},
+  products(gated.data(), q, hidden, {{down.data_ptr<int8_t>(), down_scales.data_ptr<float>(), down.size(0)}}, tile,
            y.data_ptr<float>(), down.size(0));
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(gemma_spec, m) {
-  m.def("int8_linear(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor[] weights, Tensor[] scales, int tile) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor[] data, Tensor[] params) -> Tensor");
   m.def("int8_feed_forward(Tensor x, Tensor gate, Tensor gate_scales, Tensor up, Tensor up_scales, Tensor down, "
-        "Tensor down_scales) -> Tensor");
+        "Tensor down_scales, int tile) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(gemma_spec, CPU, m) {
   m.impl("int8_linear", &int8_linear);

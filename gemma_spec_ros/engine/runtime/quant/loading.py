@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from ...backend import return_freed_memory
-from .quantize import QuantizedWeight, Quantizer, quantized_kind
+from .quantize import QuantizedWeight, Quantizer, int8_tile, quantized_kind
 
 LOAD_ROWS = 4096  # rows read per block of a large matrix (one block: 4096 x 9 k bfloat16 = 72 MiB for E2B's PLE)
 SAFETENSORS_DTYPES = {'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16, 'I64': torch.int64,
@@ -146,11 +146,12 @@ def _quantize_rows(stored: _StoredTensor, kind: str, quantizer: Quantizer, devic
     if kind == 'matrix' and quantizer.mode == 'int4':
         return quantizer.quantize_values(stored.read().to(device, torch.float32), True)
     data, scales = None, None
+    tile = int8_tile(stored.shape, device)  # the whole matrix's: LOAD_ROWS is a multiple of any tile
     for first in range(0, rows, LOAD_ROWS):  # into the result as they come: joining the blocks would hold it twice
         end = min(rows, first + LOAD_ROWS)
-        block = quantizer.quantize_values(stored.rows(first, end).to(device, torch.float32), False)
+        block = quantizer.quantize_values(stored.rows(first, end).to(device, torch.float32), False, tile)
         if data is None:
             data = torch.empty((rows, *block.data.shape[1:]), dtype=block.data.dtype, device=device)
             scales = torch.empty(rows, dtype=block.scales.dtype, device=device)
         data[first:end], scales[first:end] = block.data, block.scales
-    return QuantizedWeight(data, scales, 0)
+    return QuantizedWeight(data, scales, 0, tile)

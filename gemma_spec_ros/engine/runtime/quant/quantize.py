@@ -7,7 +7,9 @@ A quantized matrix is a QuantizedWeight: integer data plus scales, read by quant
   row), so a tied embedding and LM head share one QuantizedWeight. On CPU the products round the activations to
   16-bit integers per block of 32 inputs (rounded_activations) and run the engine's own op (cpu_ops.int8_linear;
   several matrices of one input in one call, int8_together), or, where it is not built, a float product over the
-  same rounded activations and the converted data. On CUDA they run a bfloat16 product over the data converted on
+  same rounded activations and the converted data. A CPU matrix is stored tile-major where its shape allows
+  (int8_tile: CPU_TILE outputs' bytes of each block of 32 inputs together), so the op reads one memory stream per
+  tile; embedding() gathers rows from either layout. On CUDA they run a bfloat16 product over the data converted on
   the fly.
 - int4: the decoder layers' matrices in groups of INT4_GROUP_SIZE inputs (asymmetric: a scale and a low per group,
   value = level * scale + low, levels 0..15). On CPU they are stored two levels a byte and multiplied by the
@@ -41,8 +43,8 @@ ACTIVATION_LEVELS = 32767.0  # int16 levels of a block's largest activation (int
 INT4_GROUP_SIZE = 32
 INT4_LEVELS = 15
 CUDA_INT4_INNER_K_TILES = 8  # what aten's CUDA int4 packing takes (tinygemm's layout)
-CPU_INT4_TILE = 8  # outputs a CPU int4 matrix stores together (cpu_ops.int4_linear's output block)
-INT4_MULTIPLES = {'cpu': (CPU_INT4_TILE, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples int4 takes
+CPU_TILE = 8  # outputs a CPU int8 or int4 matrix stores together (the CPU ops' output block)
+INT4_MULTIPLES = {'cpu': (CPU_TILE, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples int4 takes
 PRODUCT_DTYPE = torch.bfloat16  # activations of aten's int4 products and of CUDA's int8 ones
 INTEGER_MODES = ('int8', 'int4')
 # what a text model's parameters are called where the lean forward reads them quantized (quantized_kind)
@@ -72,16 +74,41 @@ def quantized_kind(name: str) -> str:
 class QuantizedWeight(NamedTuple):
     """A matrix [out, in] or embedding table [rows, width] stored as integers; a tuple of tensors dynamo traces."""
 
-    data: torch.Tensor     # int8 [out, in]; int4: aten's packed layout for the device
+    data: torch.Tensor     # int8 [out, in] (in tiles of `tile` outputs); int4: its packed layout for the device
     scales: torch.Tensor   # int8: [out] (float32); int4: [in / group, out, 2] scale and zero per group (bfloat16)
     group_size: int        # 0 for int8 (per output channel), else the int4 group
+    tile: int = 1          # int8: outputs stored together (int8_tile; 1: row-major)
 
 
-def _int8(weight: torch.Tensor) -> QuantizedWeight:
+def int8_tile(shape: tuple[int, int], device: torch.device) -> int:
+    """Return the tile an int8 matrix [out, in] is stored in: CPU_TILE on the CPU where it fits, else 1 (row-major)."""
+    out_features, in_features = shape
+    fits = out_features % CPU_TILE == 0 and in_features % cpu_ops.ACTIVATION_BLOCK == 0
+    return CPU_TILE if torch.device(device).type == 'cpu' and fits else 1
+
+
+def _int8(weight: torch.Tensor, tile: int | None = None) -> QuantizedWeight:
+    """
+    Quantize weight [out, in] to int8, stored in tiles of `tile` outputs.
+
+    The default is int8_tile of its shape; a block of rows of a larger matrix passes the whole matrix's tile.
+    """
+    tile = int8_tile(weight.shape, weight.device) if tile is None else tile
     weight = weight.detach().float()
     scales = (weight.abs().amax(dim=1) / INT8_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
     data = torch.round(weight / scales[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
-    return QuantizedWeight(data, scales, 0)
+    if tile > 1:
+        data = _tile_major(data.view(data.shape[0], -1, cpu_ops.ACTIVATION_BLOCK), tile).view(data.shape)
+    return QuantizedWeight(data, scales, 0, tile)
+
+
+def int8_rows(weight: QuantizedWeight) -> torch.Tensor:
+    """Return an int8 weight's data row-major [out, in], whatever its tile."""
+    if weight.tile == 1:
+        return weight.data
+    data = weight.data
+    return _tile_major(data.view(data.shape[0], -1, cpu_ops.ACTIVATION_BLOCK), weight.tile, inverse=True).view(
+        data.shape)
 
 
 # aten's weight-only int4 kernel for CUDA is an underscore op, outside torch's documented API: this module is its only
@@ -108,8 +135,8 @@ def _int4(weight: torch.Tensor) -> QuantizedWeight:
         low = low.to(torch.float16)
         levels = torch.round((groups - low.float()) / scales.float()).clamp(0, INT4_LEVELS).to(torch.uint8)
         # byte j of a group: level j (low nibble) and level 16 + j (high nibble); tile-major (_tile_major)
-        data = _tile_major(levels[..., :16] | levels[..., 16:] << 4).view(out_features, in_features // 2)
-        return QuantizedWeight(data, _tile_major(torch.cat((scales, low), dim=-1)), INT4_GROUP_SIZE)
+        data = _tile_major(levels[..., :16] | levels[..., 16:] << 4, CPU_TILE).view(out_features, in_features // 2)
+        return QuantizedWeight(data, _tile_major(torch.cat((scales, low), dim=-1), CPU_TILE), INT4_GROUP_SIZE)
     levels = torch.round((groups - low) / scales).clamp(0, INT4_LEVELS).to(torch.uint8)  # [out, groups, 32]
     # aten's kernel computes (level - 8) * scale + zero, so the zero is the value of level 8
     zeros = low + (INT4_LEVELS + 1) // 2 * scales
@@ -126,32 +153,32 @@ def stored_bytes(weight: 'QuantizedWeight | torch.Tensor') -> int:
     return sum(part.numel() * part.element_size() for part in parts)
 
 
-def _tile_major(values: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def _tile_major(values: torch.Tensor, tile: int, inverse: bool = False) -> torch.Tensor:
     """
-    Return [out, groups, k] stored tile-major for cpu_ops.int4_linear (inverse: undo it).
+    Return [out, groups, k] stored tile-major for the CPU ops (inverse: undo it).
 
-    Outputs in tiles of CPU_INT4_TILE, and for each tile and group the tile's outputs one after another, so a tile's
-    product reads one memory stream instead of one per output.
+    Outputs in tiles of `tile`, and for each tile and group the tile's outputs one after another, so a tile's
+    product reads one memory stream instead of one per output. A tile's bytes are its rows' bytes, permuted.
     """
     out_features, groups, width = values.shape
     if inverse:
-        return values.reshape(-1, groups, CPU_INT4_TILE, width).transpose(1, 2).reshape(out_features, groups, width)
-    return values.view(-1, CPU_INT4_TILE, groups, width).transpose(1, 2).contiguous().view(out_features, groups, width)
+        return values.reshape(-1, groups, tile, width).transpose(1, 2).reshape(out_features, groups, width)
+    return values.view(-1, tile, groups, width).transpose(1, 2).contiguous().view(out_features, groups, width)
 
 
 def dequantized_int4(weight: QuantizedWeight) -> torch.Tensor:
     """Return a CPU int4 matrix as float32 [out, in]: level * scale + low (what cpu_ops.int4_linear multiplies by)."""
     out_features = weight.data.shape[0]
-    nibbles = _tile_major(weight.data.view(out_features, -1, INT4_GROUP_SIZE // 2), inverse=True)
+    nibbles = _tile_major(weight.data.view(out_features, -1, INT4_GROUP_SIZE // 2), CPU_TILE, inverse=True)
     levels = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).float()  # [out, groups, 32]
-    params = _tile_major(weight.scales, inverse=True).float()
+    params = _tile_major(weight.scales, CPU_TILE, inverse=True).float()
     return (levels * params[..., :1] + params[..., 1:]).view(out_features, -1)
 
 
 def int8_together(x: torch.Tensor, weights: 'tuple[torch.Tensor | QuantizedWeight | None, ...]') -> bool:
-    """Whether one cpu_ops.int8_linear call multiplies x by every one of weights (int8 ones, on the CPU, built)."""
+    """Whether one cpu_ops.int8_linear call multiplies x by every one of weights (int8, one tile, CPU, built)."""
     return all(isinstance(weight, QuantizedWeight) and not weight.group_size for weight in weights) and \
-        cpu_ops.int8_linear_usable(x)
+        len({weight.tile for weight in weights}) == 1 and cpu_ops.int8_linear_usable(x)
 
 
 def int8_feed_forward_together(x: torch.Tensor, gate, up, down) -> bool:
@@ -180,16 +207,22 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm(x.to(PRODUCT_DTYPE), weight.data, weight.group_size, weight.scales)
         return out.to(x.dtype)
     if int8_together(x, (weight,)):
-        return cpu_ops.int8_linear(x, (weight.data,), (weight.scales,))
+        return cpu_ops.int8_linear(x, (weight.data,), (weight.scales,), weight.tile)
     if x.device.type == 'cpu':
-        return F.linear(rounded_activations(x), weight.data.to(x.dtype)) * weight.scales.to(x.dtype)
+        return F.linear(rounded_activations(x), int8_rows(weight).to(x.dtype)) * weight.scales.to(x.dtype)
     return (F.linear(x.to(PRODUCT_DTYPE), weight.data.to(PRODUCT_DTYPE)) * weight.scales).to(x.dtype)
 
 
 def embedding(input_ids: torch.Tensor, table: 'torch.Tensor | QuantizedWeight', dtype: torch.dtype) -> torch.Tensor:
-    """Rows of an embedding table, float (any float dtype) or int8 (per-row scales), in dtype."""
+    """Rows of an embedding table, float (any float dtype) or int8 (per-row scales, either layout), in dtype."""
     if isinstance(table, QuantizedWeight):
-        return F.embedding(input_ids, table.data).to(dtype) * F.embedding(input_ids, table.scales[:, None]).to(dtype)
+        scales = F.embedding(input_ids, table.scales[:, None]).to(dtype)
+        if table.tile == 1:
+            return F.embedding(input_ids, table.data).to(dtype) * scales
+        rows, width = table.data.shape  # row i: tile i // tile, at i % tile in each block of its tile
+        tiles = table.data.view(rows // table.tile, width // cpu_ops.ACTIVATION_BLOCK, table.tile, -1)
+        data = tiles[input_ids // table.tile, :, input_ids % table.tile]  # [*ids, blocks, 32]
+        return data.reshape(*input_ids.shape, width).to(dtype) * scales
     return F.embedding(input_ids, table).to(dtype)
 
 
@@ -255,15 +288,17 @@ class Quantizer:
         """Quantize an embedding table, an LM head or a projection outside the layers: int8 (or float16)."""
         return None if parameter is None else self._quantize(parameter, False)
 
-    def quantize_values(self, values: torch.Tensor, int4_allowed: bool) -> 'QuantizedWeight | torch.Tensor':
-        """Quantize a float matrix: int4 where allowed and its shape fits, else int8; float16 (timed)."""
+    def quantize_values(self, values: torch.Tensor, int4_allowed: bool,
+                        tile: int | None = None) -> 'QuantizedWeight | torch.Tensor':
+        """Quantize a float matrix: int4 where allowed and its shape fits, else int8 (`tile`: _int8's); float16."""
         if self.mode in INTEGER_MODES and values.device.type == 'cpu':
             cpu_ops.ensure_built()  # before the first int8 product (once a process; built once a machine)
         started = time.perf_counter()
         if self.mode == 'float16':
             quantized = values.to(torch.float16)
         else:
-            quantized = _int4(values) if int4_allowed and self.mode == 'int4' and int4_fits(values) else _int8(values)
+            int4 = int4_allowed and self.mode == 'int4' and int4_fits(values)
+            quantized = _int4(values) if int4 else _int8(values, tile)
         self.report.seconds += time.perf_counter() - started
         return quantized
 
