@@ -183,7 +183,8 @@ def int4_linear(x: torch.Tensor, data: tuple[torch.Tensor, ...], params: tuple[t
     Return x [q, in], rounded as int8_linear rounds it, times each int4 matrix: [q, sum out_i].
 
     A matrix is data uint8 [out, in / 2] (byte j of a group of 32 inputs: level j in the low nibble, level 16 + j in
-    the high one) and params float16 [out, in / 32, 2] (each group's scale and low: value = level * scale + low).
+    the high one) and params float16 [out, in / 32, 2] (each group's scale and low: value = level * scale + low),
+    both stored per tile of OUTPUT_TILE outputs as quantize._int4 writes them.
     """
     return torch.ops.gemma_spec.int4_linear(x, list(data), list(params))
 

@@ -68,11 +68,11 @@ static inline Acc block_add(const Weights& w, const Inputs& x, Acc acc) {
 #endif
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), x.scale, acc);
 }
-// A block of an int4 row: byte j holds input j (low nibble) and input 16 + j (high nibble)
+// A block of an int4 row: byte j holds input j (low nibble) and input 16 + j (high nibble). Widened to 16 bits
+// first, each byte's high nibble is its value shifted right by 4.
 static inline Weights nibbles_at(const uint8_t* w) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), mask = _mm_set1_epi8(0x0F);
-  return {_mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask)),
-          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask))};
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return {_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(bytes, 4)};
 }
 // acc += (the block's eight exact lane sums) * scale, the scale given (int4: the weight block's times the row's)
 static inline Acc block_add_scaled(const Weights& w, const Inputs& x, float scale, Acc acc) {
@@ -80,6 +80,13 @@ static inline Acc block_add_scaled(const Weights& w, const Inputs& x, float scal
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
 }
 static inline void reduce8(const Acc* acc, float* totals) { lane_totals8(acc, totals); }
+// Eight floats, one per output of a tile (int4's lows' share)
+using Lanes8 = __m256;
+static inline Lanes8 lanes8_zero() { return _mm256_setzero_ps(); }
+static inline Lanes8 lanes8_fma(const float* values, float factor, Lanes8 acc) {
+  return _mm256_fmadd_ps(_mm256_loadu_ps(values), _mm256_set1_ps(factor), acc);
+}
+static inline void lanes8_store(Lanes8 lanes, float* out) { _mm256_storeu_ps(out, lanes); }
 #else
 struct Acc { float lane[8]; };
 struct Weights { int8_t value[32]; };
@@ -116,6 +123,13 @@ static inline Acc block_add(const Weights& weights, const Inputs& inputs, Acc ac
 static inline void reduce8(const Acc* acc, float* totals) {
   for (int o = 0; o < 8; ++o) totals[o] = lane_total(acc[o].lane);
 }
+struct Lanes8 { float lane[8]; };
+static inline Lanes8 lanes8_zero() { return Lanes8{}; }
+static inline Lanes8 lanes8_fma(const float* values, float factor, Lanes8 acc) {
+  for (int o = 0; o < 8; ++o) acc.lane[o] = std::fma(values[o], factor, acc.lane[o]);
+  return acc;
+}
+static inline void lanes8_store(Lanes8 lanes, float* out) { std::memcpy(out, lanes.lane, sizeof(lanes.lane)); }
 #endif
 
 // y[r, o] = weight_scale[o] * dot(row r, w[o]) for R rows (levels and block scales) and O outputs. Output o's
@@ -228,57 +242,60 @@ static void products(const float* x, int64_t q, int64_t width, const std::vector
   });
 }
 
-// A block's float16 scale and low as floats
+// A tile's block of params: its 8 outputs' float16 scales, then their 8 lows, as floats
 #if defined(__F16C__)
-static inline void scale_and_low(const uint16_t* params, float& scale, float& low) {
-  uint32_t both;
-  std::memcpy(&both, params, 4);
-  const __m128 values = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)));
-  scale = _mm_cvtss_f32(values);
-  low = _mm_cvtss_f32(_mm_shuffle_ps(values, values, 1));
+static inline void tile_params(const uint16_t* params, float* scales, float* lows) {
+  _mm256_storeu_ps(scales, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params))));
+  _mm256_storeu_ps(lows, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + OUTPUT_BLOCK))));
 }
 #else
-static inline void scale_and_low(const uint16_t* params, float& scale, float& low) {
-  scale = static_cast<float>(c10::Half(params[0], c10::Half::from_bits()));
-  low = static_cast<float>(c10::Half(params[1], c10::Half::from_bits()));
+static inline void tile_params(const uint16_t* params, float* scales, float* lows) {
+  for (int o = 0; o < OUTPUT_BLOCK; ++o) {
+    scales[o] = static_cast<float>(c10::Half(params[o], c10::Half::from_bits()));
+    lows[o] = static_cast<float>(c10::Half(params[OUTPUT_BLOCK + o], c10::Half::from_bits()));
+  }
 }
 #endif
 
-// int4: y[r, o] for R rows and O outputs of one group of 8. The data is stored tile-major: for a group of 8 outputs
-// and a block b, the 8 outputs' 16 bytes follow each other (params likewise, float16 scale and low), so a tile reads
-// one stream instead of one per output. w and params point at the tile's first output inside its group. x_sums
-// [q, blocks]: each block's sum of levels times its scale (the rounded activations' sum), which the low multiplies.
+// int4: y[r, o] for R rows and O outputs of one group of 8, from output `first` of the group. The data is stored
+// tile-major: for a group of 8 outputs and a block b, the 8 outputs' 16 bytes follow each other, and the params the
+// 8 float16 scales then the 8 lows, so a tile reads two streams instead of one per output. w and params point at the
+// group. x_sums [q, blocks]: each block's sum of levels times its scale (the rounded activations' sum), which the low
+// multiplies; the 8 outputs' lows accumulate as one vector, block after block.
 template <int R, int O>
 static inline void tile4(const int16_t* x, const float* x_scales, const float* x_sums, int64_t width,
-                         const uint8_t* w, const uint16_t* params, float* y, int64_t y_stride) {
+                         const uint8_t* w, const uint16_t* params, int first, float* y, int64_t y_stride) {
   const int64_t blocks = width / BLOCK;
   Acc acc[R][O];
-  for (int r = 0; r < R; ++r)
+  Lanes8 offsets[R];
+  for (int r = 0; r < R; ++r) {
+    offsets[r] = lanes8_zero();
     for (int o = 0; o < O; ++o) acc[r][o] = acc_zero();
+  }
   for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* at = w + b * OUTPUT_BLOCK * (BLOCK / 2);
+    __builtin_prefetch(at + PREFETCH_BYTES, 0, 0);
+    __builtin_prefetch(at + PREFETCH_BYTES + 64, 0, 0);
+    alignas(32) float scales[OUTPUT_BLOCK], lows[OUTPUT_BLOCK];
+    tile_params(params + b * 2 * OUTPUT_BLOCK, scales, lows);
     Inputs inputs[R];
-    for (int r = 0; r < R; ++r) inputs[r] = inputs_at(x + r * width + b * BLOCK, 0.f);
+    for (int r = 0; r < R; ++r) {
+      inputs[r] = inputs_at(x + r * width + b * BLOCK, 0.f);
+      offsets[r] = lanes8_fma(lows, x_sums[r * blocks + b], offsets[r]);
+    }
     for (int o = 0; o < O; ++o) {
-      const Weights block = nibbles_at(w + (b * OUTPUT_BLOCK + o) * (BLOCK / 2));
-      float scale, low;
-      scale_and_low(params + (b * OUTPUT_BLOCK + o) * 2, scale, low);
-      for (int r = 0; r < R; ++r) acc[r][o] = block_add_scaled(block, inputs[r], scale * x_scales[r * blocks + b], acc[r][o]);
+      const Weights block = nibbles_at(at + (first + o) * (BLOCK / 2));
+      for (int r = 0; r < R; ++r)
+        acc[r][o] = block_add_scaled(block, inputs[r], scales[first + o] * x_scales[r * blocks + b], acc[r][o]);
     }
   }
   for (int r = 0; r < R; ++r) {
     Acc padded[8];
     for (int o = 0; o < 8; ++o) padded[o] = o < O ? acc[r][o] : acc_zero();
-    float totals[8];
+    float totals[8], offset[OUTPUT_BLOCK];
     reduce8(padded, totals);
-    for (int o = 0; o < O; ++o) {  // the lows' share, block by block (out of the loop above: its registers are full)
-      float offset = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        float scale, low;
-        scale_and_low(params + (b * OUTPUT_BLOCK + o) * 2, scale, low);
-        offset = std::fma(low, x_sums[r * blocks + b], offset);
-      }
-      y[r * y_stride + o] = totals[o] + offset;
-    }
+    lanes8_store(offsets[r], offset);
+    for (int o = 0; o < O; ++o) y[r * y_stride + o] = totals[o] + offset[first + o];
   }
 }
 
@@ -286,8 +303,7 @@ static inline void tile4(const int16_t* x, const float* x_scales, const float* x
 template <int R, int O>
 static void rows_times_int4(const int16_t* x, const float* x_scales, const float* x_sums, int64_t width,
                             const uint8_t* w, const uint16_t* params, float* y, int64_t y_stride) {
-  for (int64_t o = 0; o < OUTPUT_BLOCK; o += O)
-    tile4<R, O>(x, x_scales, x_sums, width, w + o * (BLOCK / 2), params + o * 2, y + o, y_stride);
+  for (int o = 0; o < OUTPUT_BLOCK; o += O) tile4<R, O>(x, x_scales, x_sums, width, w, params, o, y + o, y_stride);
 }
 
 struct Int4Matrix { const uint8_t* data; const uint16_t* params; int64_t outputs; };

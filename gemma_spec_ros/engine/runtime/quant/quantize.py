@@ -136,7 +136,7 @@ def _int4(weight: torch.Tensor) -> QuantizedWeight:
         levels = torch.round((groups - low.float()) / scales.float()).clamp(0, INT4_LEVELS).to(torch.uint8)
         # byte j of a group: level j (low nibble) and level 16 + j (high nibble); tile-major (_tile_major)
         data = _tile_major(levels[..., :16] | levels[..., 16:] << 4, CPU_TILE).view(out_features, in_features // 2)
-        return QuantizedWeight(data, _tile_major(torch.cat((scales, low), dim=-1), CPU_TILE), INT4_GROUP_SIZE)
+        return QuantizedWeight(data, _tile_params(torch.cat((scales, low), dim=-1)), INT4_GROUP_SIZE)
     levels = torch.round((groups - low) / scales).clamp(0, INT4_LEVELS).to(torch.uint8)  # [out, groups, 32]
     # aten's kernel computes (level - 8) * scale + zero, so the zero is the value of level 8
     zeros = low + (INT4_LEVELS + 1) // 2 * scales
@@ -166,12 +166,20 @@ def _tile_major(values: torch.Tensor, tile: int, inverse: bool = False) -> torch
     return values.view(-1, tile, groups, width).transpose(1, 2).contiguous().view(out_features, groups, width)
 
 
+def _tile_params(params: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Return CPU int4 params [out, groups, 2] as the op reads them: each tile's scales of a group, then its lows."""
+    out_features, groups, _ = params.shape
+    if inverse:
+        return params.reshape(-1, groups, 2, CPU_TILE).permute(0, 3, 1, 2).reshape(out_features, groups, 2)
+    return params.view(-1, CPU_TILE, groups, 2).permute(0, 2, 3, 1).contiguous().view(out_features, groups, 2)
+
+
 def dequantized_int4(weight: QuantizedWeight) -> torch.Tensor:
     """Return a CPU int4 matrix as float32 [out, in]: level * scale + low (what cpu_ops.int4_linear multiplies by)."""
     out_features = weight.data.shape[0]
     nibbles = _tile_major(weight.data.view(out_features, -1, INT4_GROUP_SIZE // 2), CPU_TILE, inverse=True)
     levels = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).float()  # [out, groups, 32]
-    params = _tile_major(weight.scales, CPU_TILE, inverse=True).float()
+    params = _tile_params(weight.scales, inverse=True).float()
     return (levels * params[..., :1] + params[..., 1:]).view(out_features, -1)
 
 
