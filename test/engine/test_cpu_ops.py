@@ -213,23 +213,26 @@ def test_int4_products_equal_the_dequantized_product_and_each_row_alone_gives_th
         assert torch.equal(torch.cat(alone, dim=-1)[0], out[5])
 
 
-def test_integer_products_give_the_same_bits_on_one_thread_or_two():
-    """The ops split a matrix's outputs among torch's threads; every output is still computed the same way."""
+def test_the_ops_give_the_same_bits_on_one_thread_or_two():
+    """The ops split a matrix's outputs (attention: its heads) among torch's threads; each is computed the same way."""
     assert cpu_ops.ensure_built()
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(5, 128, generator=generator)
     int8 = Quantizer('int8').matrix(torch.nn.Parameter(torch.randn(1000, 128, generator=generator) * 0.05))
     int4 = Quantizer('int4').matrix(torch.nn.Parameter(torch.randn(1000, 128, generator=generator) * 0.05))
+    query, cache = torch.randn(3, 8, 64, generator=generator) * 0.125, torch.randn(2, 4, 200, 64, generator=generator)
+    mask = torch.rand(3, 200, generator=generator) > 0.2
+    mask[:, 0] = True
     previous = torch.get_num_threads()
     outs = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append((_int8_linear(x, [int8]),
-                         cpu_ops.int4_linear(x, (int4.data,), (int4.scales,))))
+            outs.append((_int8_linear(x, [int8]), cpu_ops.int4_linear(x, (int4.data,), (int4.scales,)),
+                         cpu_ops.decode_attention(query, cache[0], cache[1], mask)))
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert all(torch.equal(one, two) for one, two in zip(*outs, strict=True))
 
 
 def test_int8_products_take_float32_rows_of_whole_blocks_only():

@@ -9,6 +9,7 @@
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
 #include <cmath>
@@ -176,9 +177,13 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
     while (end > begin && !row_mask[end - 1]) --end;
     begins[i] = begin, ends[i] = end;
   }
-  std::vector<float> scores(2 * L);
-  for (int64_t kv = 0; kv < KV; ++kv) {
-    for (int64_t m = 0; m < M; m += 2) {  // two queries at a time share each key and value row they read
+  // Work items (a KV head and a pair of its queries) are independent, so torch's threads share them out without
+  // changing any query's arithmetic; each chunk of items has its own scores.
+  const int64_t pairs = (M + 1) / 2;
+  at::parallel_for(0, KV * pairs, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(2 * L);
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t kv = item / pairs, m = item % pairs * 2;  // two queries at a time share each key and value row
       const int64_t C = std::min<int64_t>(2, M - m);
       int64_t rows[2];
       const float* queries[2];
@@ -192,7 +197,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
       else attend<1>(queries, rows, begins.data(), ends.data(), mp, L, kp + kv * ks0, ks1, vp + kv * vs0, vs1, d,
                      scores.data(), outs);
     }
-  }
+  });
   return out;
 }
 
