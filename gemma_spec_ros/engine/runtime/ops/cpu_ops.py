@@ -31,7 +31,7 @@ SOURCES = (Path(__file__).with_name('cpu_attention.cpp'), Path(__file__).with_na
 HEADERS = (Path(__file__).with_name('lane_totals.h'),)  # part of the build's key: a changed header rebuilds
 VECTOR_WIDTH = 8  # floats in at::vec's Vectorized<float> with these flags (AVX2, NEON or its portable form)
 ACTIVATION_BLOCK = 32  # int8_linear's inputs per activation scale: the input width must be a multiple
-OUTPUT_TILE = 8  # int8_linear's output block: the tile (besides 1) an int8 matrix may be stored in
+OUTPUT_TILE = 8  # the ops' output block (OUTPUT_BLOCK): int4's tile, and int8's where not 1 (row-major)
 # Longest wait for another process's build of the same ops (a build takes about 30 s here, minutes on a busy Orin);
 # past it the fallbacks serve, so a builder that hangs (stopped, not dead) never stalls a start for ever.
 BUILD_WAIT_S = 600.0

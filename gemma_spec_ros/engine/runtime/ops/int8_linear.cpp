@@ -32,7 +32,7 @@ using Vec = at::vec::Vectorized<float>;
 
 constexpr int64_t BLOCK = 32;          // inputs per activation scale; the input width must be a multiple
 constexpr float LEVELS = 32767.f;      // int16 levels of a block's largest magnitude
-constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead a tile-major int8 product asks for its weights
+constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead a tile-major product (int8, int4) asks for its weights
 
 // Rows x [q, width] -> int16 levels [q, width] and a scale per block [q, width / BLOCK]
 static void quantize_rows(const float* x, int64_t q, int64_t width, int16_t* levels, float* scales) {

@@ -43,7 +43,7 @@ ACTIVATION_LEVELS = 32767.0  # int16 levels of a block's largest activation (int
 INT4_GROUP_SIZE = 32
 INT4_LEVELS = 15
 CUDA_INT4_INNER_K_TILES = 8  # what aten's CUDA int4 packing takes (tinygemm's layout)
-CPU_TILE = 8  # outputs a CPU int8 or int4 matrix stores together (the CPU ops' output block)
+CPU_TILE = cpu_ops.OUTPUT_TILE  # outputs a CPU int8 or int4 matrix stores together (the CPU ops' output block)
 INT4_MULTIPLES = {'cpu': (CPU_TILE, INT4_GROUP_SIZE), 'cuda': (8, 1024)}  # (out, in) multiples int4 takes
 PRODUCT_DTYPE = torch.bfloat16  # activations of aten's int4 products and of CUDA's int8 ones
 INTEGER_MODES = ('int8', 'int4')
@@ -104,11 +104,11 @@ def _int8(weight: torch.Tensor, tile: int | None = None) -> QuantizedWeight:
 
 def int8_rows(weight: QuantizedWeight) -> torch.Tensor:
     """Return an int8 weight's data row-major [out, in], whatever its tile."""
-    if weight.tile == 1:
-        return weight.data
     data = weight.data
-    return _tile_major(data.view(data.shape[0], -1, cpu_ops.ACTIVATION_BLOCK), weight.tile, inverse=True).view(
-        data.shape)
+    if weight.tile == 1:
+        return data
+    blocks = data.view(data.shape[0], -1, cpu_ops.ACTIVATION_BLOCK)
+    return _tile_major(blocks, weight.tile, inverse=True).view(data.shape)
 
 
 # aten's weight-only int4 kernel for CUDA is an underscore op, outside torch's documented API: this module is its only
